@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The whole test suite: the main environment (JAX core, TORCH_SDPA, XFORMERS, interop,
+# notebooks), then the IPEX environment for the tests that need IPEX's kernels.
+# Extra arguments go to both pytest runs.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+echo "== main environment: full suite"
+JAX_ATTN_ENV=main bash scripts/run.sh python -m pytest -n 2 --dist loadgroup \
+    tests --nbmake notebooks "$@"
+
+echo "== IPEX environment (torch 2.8 + IPEX 2.8): tests marked ipex"
+set +e
+JAX_ATTN_ENV=ipex bash scripts/run.sh python -m pytest -m ipex tests "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected nothing; that would mean the IPEX tests vanished.
+if [ "$rc" -ne 0 ]; then
+    echo "IPEX run failed (pytest exit $rc)" >&2
+    exit "$rc"
+fi
