@@ -5,21 +5,26 @@
 # 0.0.35 needs torch >= 2.10:
 #   main: torch 2.13.0 (the CPU wheel on this machine's disk), xformers, jax, test + notebook deps
 #   ipex: torch 2.8.*, intel-extension-for-pytorch 2.8.0, jax, test deps
-# Environments live in a cache keyed by the hash of pyproject.toml and this script, so fresh
-# clones on the same machine reuse them and any change to the dependencies builds new ones.
+# Environments live in a cache keyed by the hash of the dependency lists and this script, so
+# fresh clones on the same machine reuse them and any change to the dependencies builds anew.
 set -euo pipefail
 name=${1:?usage: scripts/env.sh main|ipex}
 root=$(cd "$(dirname "$0")/.." && pwd)
-key=$(cat "$root/pyproject.toml" "$root/scripts/env.sh" | sha256sum | cut -c1-12)
+# Only the dependency lists and this script decide the key: editing tool config rebuilds nothing.
+deps=$("${PYTHON:-python3}" -c 'import sys, tomllib, json; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"]], sort_keys=True))' "$root/pyproject.toml")
+key=$(printf '%s\n' "$deps" | cat - "$root/scripts/env.sh" | sha256sum | cut -c1-12)
 cache=${JAX_ATTN_ENV_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/jax-attn}
 venv="$cache/$name-$key"
 py=${PYTHON:-python3.11}
 command -v "$py" >/dev/null || py=python3
 
+mkdir -p "$cache"
+# One builder at a time: parallel test runs wait for the first to finish building.
+exec 9>"$cache/.lock-$name"
+flock 9
 if [ ! -f "$venv/.ready" ]; then
     echo "[env] building the '$name' environment in $venv (once per dependency change)" >&2
     rm -rf "$venv"
-    mkdir -p "$cache"
     "$py" -m venv "$venv"
     pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
     "${pip[@]}" --upgrade "pip>=24" setuptools wheel >&2
@@ -41,6 +46,10 @@ if [ ! -f "$venv/.ready" ]; then
     touch "$venv/.ready"
 fi
 # Point the editable install (and the jax-attn console script) at this checkout.
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-    --no-build-isolation -e "$root" >&2
+if [ "$(cat "$venv/.root" 2>/dev/null)" != "$root" ]; then
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+        --no-build-isolation -e "$root" >&2
+    echo "$root" >"$venv/.root"
+fi
+flock -u 9
 echo "$venv"
