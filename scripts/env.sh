@@ -10,8 +10,23 @@
 set -euo pipefail
 name=${1:?usage: scripts/env.sh main|ipex}
 root=$(cd "$(dirname "$0")/.." && pwd)
-# Only the dependency lists and this script decide the key: editing tool config rebuilds nothing.
-deps=$("${PYTHON:-python3}" -c 'import sys, tomllib, json; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"]], sort_keys=True))' "$root/pyproject.toml")
+case "$name" in
+main) extras="torch,xformers,test,notebooks,cli,lint" ;;
+ipex) extras="ipex,test,cli" ;;
+*)
+    echo "unknown environment '$name' (known: main, ipex)" >&2
+    exit 2
+    ;;
+esac
+# Only this environment's dependency lists and this script decide the key: editing tool config
+# or another environment's extras rebuilds nothing.
+deps=$("${PYTHON:-python3}" - "$root/pyproject.toml" "$extras" <<'PY'
+import json, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+extras = project["optional-dependencies"]
+print(json.dumps([project["dependencies"]] + [extras[e] for e in sys.argv[2].split(",")]))
+PY
+)
 key=$(printf '%s\n' "$deps" | cat - "$root/scripts/env.sh" | sha256sum | cut -c1-12)
 cache=${JAX_ATTN_ENV_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/jax-attn}
 venv="$cache/$name-$key"
@@ -32,15 +47,11 @@ if [ ! -f "$venv/.ready" ]; then
     main)
         # Pin the on-disk CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
         "${pip[@]}" "torch==2.13.0" >&2
-        "${pip[@]}" -e "$root[torch,xformers,test,notebooks,cli]" >&2
+        "${pip[@]}" -e "$root[$extras]" >&2
         ;;
     ipex)
         "${pip[@]}" "torch==2.8.*" "intel-extension-for-pytorch==2.8.0" >&2
-        "${pip[@]}" -e "$root[ipex,test,cli]" >&2
-        ;;
-    *)
-        echo "unknown environment '$name' (known: main, ipex)" >&2
-        exit 2
+        "${pip[@]}" -e "$root[$extras]" >&2
         ;;
     esac
     touch "$venv/.ready"
