@@ -1,0 +1,192 @@
+"""The paged KV cache: layout, writes through a slot mapping, block copies and swaps.
+
+Layout ("NHD"): `key_cache` and `value_cache` are separate arrays of shape
+`[num_blocks, block_size, num_kv_heads, head_size]`. Token `p` of a sequence whose block table
+row is `bt` lives at `cache[bt[p // BS], p % BS]`; its *slot* is `bt[p // BS] * BS + p % BS`.
+
+    slot_mapping [35, 2, 17, -1] with block size 16:
+        35 -> block 2 offset 3, 2 -> block 0 offset 2, 17 -> block 1 offset 1, -1 -> no write
+
+An fp8 cache (`float8_e4m3fn`, `float8_e5m2`) stores `saturate(x / scale)` and is read back as
+`stored * scale`; every other float cache stores `x` in its own dtype.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+KVCache = Float[Array, "num_blocks block_size num_kv_heads head_size"]
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+) -> tuple[int, ...]:
+    """Shape of each of `key_cache` and `value_cache`: `(NB, BS, Hkv, D)`."""
+    for name, value in dict(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+    ).items():
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    return (num_blocks, block_size, num_kv_heads, head_size)
+
+
+def check_cache_dtype(dtype, argname: str = "key_cache") -> None:
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{argname}.dtype={dtype} is not a supported cache dtype: use a float dtype or "
+            "float8_e4m3fn / float8_e5m2"
+        )
+
+
+def quantize(x: Array, dtype, scale) -> Array:
+    """`x` as stored in a cache of `dtype`: `saturate(x / scale)` for fp8, a cast otherwise."""
+    dtype = jnp.dtype(dtype)
+    if not is_fp8(dtype):
+        return x.astype(dtype)
+    finfo = jnp.finfo(dtype)
+    scaled = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    # fp8 has no infinities in e4m3fn and a cast would overflow to NaN: saturate first.
+    return jnp.clip(scaled, float(finfo.min), float(finfo.max)).astype(dtype)
+
+
+def dequantize(x: Array, scale, dtype=jnp.float32) -> Array:
+    """Cache contents as `dtype`: `stored * scale` (the scale is 1.0 for non-fp8 caches)."""
+    return x.astype(dtype) * jnp.asarray(scale, dtype)
+
+
+def _check_pair(key_cache: Array, value_cache: Array) -> None:
+    if key_cache.ndim != 4:
+        raise ValueError(
+            f"key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_size], "
+            f"got shape {key_cache.shape}"
+        )
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"value_cache.shape={value_cache.shape} must equal key_cache.shape={key_cache.shape}"
+        )
+    if key_cache.dtype != value_cache.dtype:
+        raise TypeError(
+            f"value_cache.dtype={value_cache.dtype} must equal key_cache.dtype={key_cache.dtype}"
+        )
+    check_cache_dtype(key_cache.dtype)
+
+
+def _check_index_array(x: Array, name: str, ndim: int) -> None:
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name}.dtype={x.dtype} must be an integer dtype (int32)")
+
+
+@jax.jit
+def write_kv(
+    key_cache: KVCache,
+    value_cache: KVCache,
+    key: Float[Array, "num_tokens num_kv_heads head_size"],
+    value: Float[Array, "num_tokens num_kv_heads head_size"],
+    slot_mapping: Int[Array, " num_tokens"],
+    *,
+    k_scale: float | Float[Array, ""] = 1.0,
+    v_scale: float | Float[Array, ""] = 1.0,
+) -> tuple[KVCache, KVCache]:
+    """Scatter `key[t]`, `value[t]` into slot `slot_mapping[t]`; slots `< 0` write nothing.
+
+    Returns the updated caches. Jitted callers should donate the caches
+    (`jax.jit(..., donate_argnums=(0, 1))`) so the update happens in place.
+    Slots past the cache (`>= NB * BS`) are dropped too; `validate` reports them eagerly.
+    """
+    _check_pair(key_cache, value_cache)
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (num_kv_heads, head_size):
+        raise ValueError(
+            f"key/value must be [num_tokens, {num_kv_heads}, {head_size}] to match the cache, "
+            f"got key.shape={key.shape}, value.shape={value.shape}"
+        )
+    _check_index_array(slot_mapping, "slot_mapping", 1)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
+        )
+    num_slots = num_blocks * block_size
+    # JAX wraps negative indices even with mode="drop": send pads past the end instead.
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping.astype(jnp.int32))
+
+    def scatter(cache, x, scale):
+        flat = cache.reshape(num_slots, num_kv_heads, head_size)  # [NB*BS, Hkv, D]
+        flat = flat.at[slots].set(quantize(x, cache.dtype, scale), mode="drop")
+        return flat.reshape(cache.shape)
+
+    return scatter(key_cache, key, k_scale), scatter(value_cache, value, v_scale)
+
+
+@jax.jit
+def copy_blocks(
+    key_cache: KVCache, value_cache: KVCache, src_to_dst: Int[Array, "num_pairs 2"]
+) -> tuple[KVCache, KVCache]:
+    """Copy whole blocks `src_to_dst[i, 0] -> src_to_dst[i, 1]` in both caches (copy-on-write).
+
+    All sources are read before any destination is written, so chains (a->b, b->c) copy the
+    old contents of b. Destinations should be distinct; with duplicates the last pair wins.
+    """
+    _check_pair(key_cache, value_cache)
+    _check_index_array(src_to_dst, "src_to_dst", 2)
+    if src_to_dst.shape[1] != 2:
+        raise ValueError(f"src_to_dst must be [num_pairs, 2], got shape {src_to_dst.shape}")
+    src, dst = src_to_dst[:, 0], src_to_dst[:, 1]
+    return (
+        key_cache.at[dst].set(key_cache[src], mode="drop"),
+        value_cache.at[dst].set(value_cache[src], mode="drop"),
+    )
+
+
+def swap_blocks(
+    src_cache: KVCache, dst_cache: KVCache, src_to_dst: Int[Array, "num_pairs 2"]
+) -> KVCache:
+    """`dst_cache` with blocks `src_to_dst[i, 1]` replaced by `src_cache[src_to_dst[i, 0]]`.
+
+    The caches may live on different devices or memory kinds (e.g. device HBM and pinned host
+    memory): the selected source blocks are gathered where they live, moved once to the
+    destination's placement, and scattered there. On a single CPU it is a plain copy.
+    """
+    if src_cache.ndim != dst_cache.ndim or src_cache.shape[1:] != dst_cache.shape[1:]:
+        raise ValueError(
+            f"src_cache.shape={src_cache.shape} and dst_cache.shape={dst_cache.shape} must "
+            "agree except in num_blocks"
+        )
+    if src_cache.dtype != dst_cache.dtype:
+        raise TypeError(f"src_cache.dtype={src_cache.dtype} != dst_cache.dtype={dst_cache.dtype}")
+    src_to_dst = jnp.asarray(src_to_dst)
+    _check_index_array(src_to_dst, "src_to_dst", 2)
+    if src_to_dst.shape[1] != 2:
+        raise ValueError(f"src_to_dst must be [num_pairs, 2], got shape {src_to_dst.shape}")
+    src_ids = jax.device_put(src_to_dst[:, 0], _placement(src_cache))
+    blocks = _gather_blocks(src_cache, src_ids)  # [N, BS, Hkv, D] where src lives
+    blocks = jax.device_put(blocks, _placement(dst_cache))
+    dst_ids = jax.device_put(src_to_dst[:, 1], _placement(dst_cache))
+    return _scatter_blocks(dst_cache, dst_ids, blocks)
+
+
+def _placement(x: Array) -> jax.sharding.Sharding:
+    """Where a single-device array lives, memory kind included (device or pinned host)."""
+    (device,) = x.devices()
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=x.sharding.memory_kind)
+
+
+@jax.jit
+def _gather_blocks(cache: Array, ids: Array) -> Array:
+    return cache[ids]
+
+
+@jax.jit
+def _scatter_blocks(cache: Array, ids: Array, blocks: Array) -> Array:
+    return cache.at[ids].set(blocks, mode="drop")

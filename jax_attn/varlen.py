@@ -1,0 +1,111 @@
+"""Dense ragged attention without a cache: encoder, encoder-only, cross attention, prefill.
+
+Sequences are concatenated: sequence `i` has queries `cu_seqlens_q[i]:cu_seqlens_q[i+1]` and
+keys `cu_seqlens_k[i]:cu_seqlens_k[i+1]`. Causal masks are bottom-right aligned as in the
+paged path (query `j` of a sequence sits at `k_len - q_len + j`).
+
+It reuses the blockwise online softmax of the paged path with a contiguous key fetch, as a
+fixed-length loop whose steps past the longest sequence are skipped, so `jax.grad` works.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jax_attn import _blockwise
+from jax_attn.paged import check_bias_args
+
+KV_CHUNK_TOKENS = 128
+
+
+@functools.partial(
+    jax.jit, static_argnames=("causal", "scale", "sliding_window", "logits_soft_cap")
+)
+def varlen_attention(
+    query: Float[Array, "q_tokens num_heads head_size"],
+    key: Float[Array, "kv_tokens num_kv_heads head_size"],
+    value: Float[Array, "kv_tokens num_kv_heads head_size"],
+    cu_seqlens_q: Int[Array, " num_seqs_plus_1"],
+    cu_seqlens_k: Int[Array, " num_seqs_plus_1"],
+    *,
+    causal: bool,
+    scale: float | None = None,
+    alibi_slopes: Float[Array, " num_heads"] | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> Float[Array, "q_tokens num_heads head_size"]:
+    """Attention of each sequence's queries over its own keys; differentiable.
+
+    Query tokens past `cu_seqlens_q[-1]` (padding) give zero rows. `scale` defaults to
+    `head_size ** -0.5`. Output in the query dtype.
+    """
+    if query.ndim != 3 or key.ndim != 3 or value.shape != key.shape:
+        raise ValueError(
+            "query must be [q_tokens, num_heads, head_size] and key, value "
+            f"[kv_tokens, num_kv_heads, head_size]; got query {query.shape}, key {key.shape}, "
+            f"value {value.shape}"
+        )
+    for name, x in dict(query=query, key=key, value=value).items():
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name}.dtype={x.dtype} must be a float dtype")
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    if key.shape[2] != head_size:
+        raise ValueError(f"key head_size={key.shape[2]} != query head_size={head_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if cu_seqlens_q.ndim != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q {cu_seqlens_q.shape} and cu_seqlens_k {cu_seqlens_k.shape} must be "
+            "1-D of the same length num_seqs + 1"
+        )
+    for name, x in dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k).items():
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name}.dtype={x.dtype} must be int32")
+    check_bias_args(num_heads, alibi_slopes, sliding_window, logits_soft_cap)
+    scale = head_size**-0.5 if scale is None else float(scale)
+
+    kv_tokens = key.shape[0]
+    cu_q = cu_seqlens_q.astype(jnp.int32)
+    cu_k = cu_seqlens_k.astype(jnp.int32)
+    q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    tiles = _blockwise.tile_queries(cu_q, q_lens, num_tokens)
+    tile_seq, q_valid = tiles.seq, tiles.valid
+    q_pos = (k_lens - q_lens)[tile_seq][:, None] + tiles.row  # [N, Q], bottom-right aligned
+
+    kv_len = k_lens[tile_seq]
+    lo, hi = _blockwise.key_range(
+        q_pos, q_valid, kv_len, causal=causal, sliding_window=sliding_window
+    )
+    chunk = max(1, min(KV_CHUNK_TOKENS, kv_tokens))
+    iters = _blockwise.num_chunks(lo, hi, chunk)
+    k_start = cu_k[tile_seq]  # [N]
+
+    def fetch(it):
+        pos = lo[:, None] + it * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [N, K]
+        index = jnp.clip(k_start[:, None] + pos, 0, kv_tokens - 1)
+        return _blockwise.KeyChunk(
+            key=key[index].astype(jnp.float32),  # [N, K, Hkv, D]
+            value=value[index].astype(jnp.float32),
+            pos=pos,
+            valid=(pos >= 0) & (pos < kv_len[:, None]),
+        )
+
+    q = query[jnp.minimum(tiles.token, num_tokens - 1)].astype(jnp.float32) * scale  # [N, Q, Hq, D]
+    out = _blockwise.attend(
+        q,
+        q_pos,
+        q_valid,
+        fetch,
+        iters.max(),
+        max_iters=-(-kv_tokens // chunk),
+        num_kv_heads=num_kv_heads,
+        causal=causal,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    result = jnp.zeros(query.shape, query.dtype)
+    return result.at[tiles.token].set(out.astype(query.dtype), mode="drop")
