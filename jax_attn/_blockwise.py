@@ -122,8 +122,9 @@ def key_range(
     if sliding_window is not None:
         lo = jnp.maximum(lo, first - (sliding_window - 1))
     hi = jnp.minimum(kv_len, last + 1) if causal else kv_len
-    hi = jnp.where(q_valid.any(axis=1), hi, 0)
-    return lo, hi
+    # Tiles without a valid row read nothing (and must not overflow `first - window`).
+    any_valid = q_valid.any(axis=1)
+    return jnp.where(any_valid, lo, 0), jnp.where(any_valid, hi, 0)
 
 
 def num_chunks(lo: Array, hi: Array, chunk: int) -> Array:

@@ -289,7 +289,7 @@ def _paged_tiles(
             key=k.astype(jnp.float32),
             value=v.astype(jnp.float32),
             pos=pos,
-            valid=pos < kv_len[:, None],
+            valid=(pos >= 0) & (pos < kv_len[:, None]),
         )
 
     # logit = scale * q.(k * k_scale): fold both scales into the queries once.
