@@ -100,10 +100,12 @@ def make_workload(
         pos = np.arange(seq_len)
         slot = tables[i, pos // block_size].astype(np.int64) * block_size + pos % block_size
         ctx = slice(0, ctx_len)
-        key_cache.reshape(-1, num_kv_heads, head_size)[slot[ctx]] = _store(k[ctx], cache_dtype,
-                                                                            k_scale)
-        value_cache.reshape(-1, num_kv_heads, head_size)[slot[ctx]] = _store(v[ctx], cache_dtype,
-                                                                              v_scale)
+        key_cache.reshape(-1, num_kv_heads, head_size)[slot[ctx]] = _store(
+            k[ctx], cache_dtype, k_scale
+        )
+        value_cache.reshape(-1, num_kv_heads, head_size)[slot[ctx]] = _store(
+            v[ctx], cache_dtype, v_scale
+        )
         keys.append(round_to(k.astype(np.float64), cache_dtype, k_scale))
         values.append(round_to(v.astype(np.float64), cache_dtype, v_scale))
         queries.append(rng.standard_normal((q_len, num_heads, head_size)).astype(dtype))
@@ -176,8 +178,9 @@ def dense_reference(
             keep &= p_q - p_k < sliding_window
         logits = np.where(keep[None], logits, -np.inf)
         row_max = logits.max(axis=-1, keepdims=True, initial=-np.inf)
-        weights = np.where(keep[None], np.exp(logits - np.where(np.isfinite(row_max), row_max,
-                                                                  0.0)), 0.0)
+        weights = np.where(
+            keep[None], np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0)), 0.0
+        )
         total = weights.sum(axis=-1, keepdims=True)
         probs = weights / np.where(total > 0, total, 1.0)
         out[start : start + q_len] = np.einsum("hqk,khd->qhd", probs, v)

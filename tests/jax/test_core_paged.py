@@ -42,11 +42,14 @@ class Case:
 
     def __str__(self):
         base = Case()
-        return "-".join(
-            f"{f.name}={getattr(self, f.name)}"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(base, f.name)
-        ) or "base"
+        return (
+            "-".join(
+                f"{f.name}={getattr(self, f.name)}"
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)
+            )
+            or "base"
+        )
 
 
 CASES = [
@@ -73,9 +76,17 @@ def _run(case: Case, rng: np.random.Generator):
     fp8 = case.cache_dtype is not None and "float8" in case.cache_dtype
     k_scale, v_scale = (0.37, 0.61) if fp8 else (1.0, 1.0)
     w = make_workload(
-        rng, q_lens, ctx_lens, num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
-        head_size=case.head_size, block_size=case.block_size, dtype=case.dtype,
-        cache_dtype=case.cache_dtype, k_scale=k_scale, v_scale=v_scale,
+        rng,
+        q_lens,
+        ctx_lens,
+        num_heads=case.num_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_size=case.head_size,
+        block_size=case.block_size,
+        dtype=case.dtype,
+        cache_dtype=case.cache_dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     num_tokens, num_seqs = len(w.slot_mapping), len(q_lens)
     md = w.metadata(pad_to=(num_seqs + 2, num_tokens + 5))
@@ -83,17 +94,25 @@ def _run(case: Case, rng: np.random.Generator):
     pad = np.full((5, case.num_heads, case.head_size), np.nan, np.float32).astype(w.query.dtype)
     query = jnp.asarray(np.concatenate([w.query, pad]))
     kc, vc = jax_attn.write_kv(
-        jnp.asarray(w.key_cache), jnp.asarray(w.value_cache),
+        jnp.asarray(w.key_cache),
+        jnp.asarray(w.value_cache),
         jnp.asarray(np.concatenate([w.new_key, pad[:, : case.num_kv_heads]])),
         jnp.asarray(np.concatenate([w.new_value, pad[:, : case.num_kv_heads]])),
-        md.slot_mapping, k_scale=k_scale, v_scale=v_scale,
+        md.slot_mapping,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     slopes = jax_attn.alibi_slopes(case.num_heads) if case.alibi else None
-    bias = dict(causal=case.causal, sliding_window=case.sliding_window,
-                logits_soft_cap=case.soft_cap)
+    bias = dict(
+        causal=case.causal, sliding_window=case.sliding_window, logits_soft_cap=case.soft_cap
+    )
     expected = dense_reference(w, alibi_slopes=slopes, **bias)
-    kwargs = dict(alibi_slopes=None if slopes is None else jnp.asarray(slopes),
-                  k_scale=k_scale, v_scale=v_scale, **bias)
+    kwargs = dict(
+        alibi_slopes=None if slopes is None else jnp.asarray(slopes),
+        k_scale=k_scale,
+        v_scale=v_scale,
+        **bias,
+    )
     return w, md, query, kc, vc, kwargs, expected
 
 
@@ -153,8 +172,15 @@ def test_decode_and_unified_entry_agree(rng):
     num_seqs = len(w.query_lens)
     unified = jax_attn.paged_attention(query, kc, vc, md, impl="xla", **kwargs)
     kwargs.pop("causal")
-    decode = jax_attn.paged_decode(query[:num_seqs], kc, vc, md.block_tables[:num_seqs],
-                                   md.seq_lens[:num_seqs], impl="xla", **kwargs)
+    decode = jax_attn.paged_decode(
+        query[:num_seqs],
+        kc,
+        vc,
+        md.block_tables[:num_seqs],
+        md.seq_lens[:num_seqs],
+        impl="xla",
+        **kwargs,
+    )
     np.testing.assert_allclose(np.asarray(decode), np.asarray(unified[:num_seqs]), atol=1e-6)
 
 
@@ -180,17 +206,31 @@ def test_no_recompilation_when_metadata_values_change(rng):
         return jax_attn.paged_attention(query, kc, vc, md, impl="xla")
 
     for q_lens, ctx_lens in [([5, 1, 1], [0, 9, 30]), ([1, 2, 1], [40, 3, 0]), ([7], [0])]:
-        w = make_workload(rng, q_lens, ctx_lens, num_heads=4, num_kv_heads=2, head_size=16,
-                          block_size=8, extra_blocks=12 - sum(-(-(q + c) // 8)
-                                                               for q, c in zip(q_lens, ctx_lens)))
+        w = make_workload(
+            rng,
+            q_lens,
+            ctx_lens,
+            num_heads=4,
+            num_kv_heads=2,
+            head_size=16,
+            block_size=8,
+            extra_blocks=12 - sum(-(-(q + c) // 8) for q, c in zip(q_lens, ctx_lens, strict=True)),
+        )
         md = jax_attn.RaggedMetadata.build(
-            q_lens, ctx_lens, np.pad(w.block_tables, ((0, 0), (0, 6 - w.block_tables.shape[1]))),
-            8, pad_to=(4, 8),
+            q_lens,
+            ctx_lens,
+            np.pad(w.block_tables, ((0, 0), (0, 6 - w.block_tables.shape[1]))),
+            8,
+            pad_to=(4, 8),
         )
         query = np.zeros((8, 4, 16), np.float32)
         query[: len(w.query)] = w.query
-        out = step(jnp.asarray(query), jnp.asarray(np.nan_to_num(w.key_cache)),
-                   jnp.asarray(np.nan_to_num(w.value_cache)), md)
+        out = step(
+            jnp.asarray(query),
+            jnp.asarray(np.nan_to_num(w.key_cache)),
+            jnp.asarray(np.nan_to_num(w.value_cache)),
+            md,
+        )
         assert np.isfinite(np.asarray(out)).all()
     assert len(traces) == 1
 
@@ -199,8 +239,9 @@ def test_fp8_cache_reads_scaled_values(rng):
     """A cache stores x / scale in fp8; attention reads stored * scale."""
     x = rng.standard_normal((4, 1, 8)).astype(np.float32) * 3
     kc = jnp.zeros((2, 4, 1, 8), jnp.float8_e4m3fn)
-    kc, _ = jax_attn.write_kv(kc, kc, jnp.asarray(x), jnp.asarray(x),
-                              jnp.arange(4, dtype=jnp.int32), k_scale=0.5)
+    kc, _ = jax_attn.write_kv(
+        kc, kc, jnp.asarray(x), jnp.asarray(x), jnp.arange(4, dtype=jnp.int32), k_scale=0.5
+    )
     stored = np.asarray(kc[0]).astype(np.float64)
     expected = (x / 0.5).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
     np.testing.assert_array_equal(stored, expected)
