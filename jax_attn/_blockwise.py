@@ -6,8 +6,9 @@ rows of a single sequence. For every tile the loop walks that sequence's keys ch
 `acc` in float32, so nothing of size `[queries, all keys]` is ever materialized and every key
 chunk is read once for all query heads of its kv head (GQA).
 
-Masked logits are replaced (`where`, never multiplied) by -inf, and value rows past a
-sequence's end are zeroed before the product, so NaN in unused cache memory cannot leak.
+Masked logits are replaced (`where`, never multiplied) by -inf. A NaN value times a zero
+weight is still NaN, so fetchers must return finite data at invalid key positions: they read
+a slot known to hold the sequence's own data instead of the unused memory there.
 """
 
 import dataclasses
@@ -22,8 +23,9 @@ from jaxtyping import Array, Bool, Float, Int
 class KeyChunk:
     """One chunk of keys for every tile, with the key positions and validity."""
 
-    key: Float[Array, "num_tiles chunk num_kv_heads head_size"]  # float32, scale folded in
-    value: Float[Array, "num_tiles chunk num_kv_heads head_size"]  # float32
+    # Head-major, so both products batch over (tile, kv head) with no transposes.
+    key: Float[Array, "num_tiles num_kv_heads chunk head_size"]  # float32
+    value: Float[Array, "num_tiles num_kv_heads chunk head_size"]  # float32, finite where invalid
     pos: Int[Array, "num_tiles chunk"]  # position of each key in its sequence
     valid: Bool[Array, "num_tiles chunk"]  # inside the sequence's keys
 
@@ -53,15 +55,16 @@ def attend(
     """
     num_tiles, tile_q, num_heads, head_size = q.shape
     group = num_heads // num_kv_heads
-    q = q.reshape(num_tiles, tile_q, num_kv_heads, group, head_size)  # [N, Q, Hkv, G, D]
+    # [N, Q, Hq, D] -> [N, Q, Hkv, G, D] -> [N, Hkv, G, Q, D], once, outside the loop
+    q = q.reshape(num_tiles, tile_q, num_kv_heads, group, head_size).transpose(0, 2, 3, 1, 4)
     if alibi_slopes is not None:
         slopes = alibi_slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1, 1)
 
     def step(it, carry):
         m, denom, acc = carry  # [N, Hkv, G, Q], [N, Hkv, G, Q], [N, Hkv, G, Q, D]
         chunk = fetch(it)
-        # [N, Q, Hkv, G, D] x [N, K, Hkv, D] -> [N, Hkv, G, Q, K]
-        s = jnp.einsum("nqhgd,nkhd->nhgqk", q, chunk.key, preferred_element_type=jnp.float32)
+        # [N, Hkv, G, Q, D] x [N, Hkv, K, D] -> [N, Hkv, G, Q, K]
+        s = jnp.einsum("nhgqd,nhkd->nhgqk", q, chunk.key, preferred_element_type=jnp.float32)
         if logits_soft_cap is not None:
             s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
         delta = q_pos[:, :, None] - chunk.pos[:, None, :]  # [N, Q, K], how far back the key is
@@ -80,10 +83,8 @@ def attend(
         p = jnp.exp(s - m_safe[..., None])  # [N, Hkv, G, Q, K]
         correction = jnp.exp(m - m_safe)
         denom = denom * correction + p.sum(axis=-1)
-        # A NaN value row times a zero weight is still NaN: zero the rows past the end.
-        v = jnp.where(chunk.valid[:, :, None, None], chunk.value, 0.0)
-        # [N, Hkv, G, Q, K] x [N, K, Hkv, D] -> [N, Hkv, G, Q, D]
-        pv = jnp.einsum("nhgqk,nkhd->nhgqd", p, v, preferred_element_type=jnp.float32)
+        # [N, Hkv, G, Q, K] x [N, Hkv, K, D] -> [N, Hkv, G, Q, D]
+        pv = jnp.einsum("nhgqk,nhkd->nhgqd", p, chunk.value, preferred_element_type=jnp.float32)
         acc = acc * correction[..., None] + pv
         return m_new, denom, acc
 
@@ -101,7 +102,9 @@ def attend(
             return jax.lax.cond(it < num_iters, step, lambda _, c: c, it, carry)
 
         _, denom, acc = jax.lax.fori_loop(0, max_iters, scan_step, carry)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # all-masked rows: acc = 0 -> 0
+    # Rows that saw no key give zeros (their acc may hold NaN from a keyless tile's reads).
+    seen = (denom > 0)[..., None]
+    out = jnp.where(seen, acc / jnp.where(seen, denom[..., None], 1.0), 0.0)
     # [N, Hkv, G, Q, D] -> [N, Q, Hkv, G, D] -> [N, Q, Hq, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(num_tiles, tile_q, num_heads, head_size)
 

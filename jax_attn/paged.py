@@ -237,6 +237,24 @@ def _paged_attention_xla(
     return result.at[tiles.token].set(out.astype(query.dtype), mode="drop")
 
 
+def _gather_rows(flat_cache: Array, slot: Array) -> Array:
+    """`flat_cache[slot]` as float32 `[N, Hkv, K, D]` (head-major), reading only those rows.
+
+    One gather indexed by (slot, kv head) writes the chunk directly in the head-major layout
+    the batched products want, so XLA inserts no transposes. XLA on CPU has no native
+    bf16/fp8 gather and would convert the whole cache to float32 to gather a chunk of it:
+    gathering the same bits as unsigned integers reads just the chunk in its own width.
+    """
+    num_kv_heads = flat_cache.shape[1]
+    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]  # [1, Hkv, 1]
+    dtype = flat_cache.dtype
+    if dtype == jnp.float32:
+        return flat_cache[slot[:, None, :], heads]
+    bits = jax.lax.bitcast_convert_type(flat_cache, jnp.dtype(f"uint{8 * dtype.itemsize}"))
+    rows = bits[slot[:, None, :], heads]  # [N, Hkv, K, D]
+    return jax.lax.bitcast_convert_type(rows, dtype).astype(jnp.float32)
+
+
 def _paged_tiles(
     q,
     q_pos,
@@ -271,25 +289,28 @@ def _paged_tiles(
     k_scale = jnp.asarray(k_scale, jnp.float32)
     v_scale = jnp.asarray(v_scale, jnp.float32)
 
+    flat_k = key_cache.reshape(-1, num_kv_heads, head_size)  # [NB*BS, Hkv, D]: slot-major
+    flat_v = value_cache.reshape(-1, num_kv_heads, head_size)
+    # Keys outside a sequence are read from its first slot instead: finite data (when the
+    # sequence has any key) whose weight is exactly 0, so no pass over the values is needed
+    # to scrub NaN from unused memory.
+    safe_slot = tables[:, 0] * block_size  # [N]
+
     def fetch(it):
-        logical = (
-            first_block[:, None]
-            + it * chunk_blocks
-            + jnp.arange(chunk_blocks, dtype=jnp.int32)[None, :]
-        )  # [N, C]
-        physical = jnp.take_along_axis(tables, jnp.minimum(logical, max_blocks - 1), axis=1)
-        # [N, C, BS, Hkv, D] -> [N, C*BS, Hkv, D], read in the cache's own dtype
-        k = key_cache[physical].reshape(-1, chunk, num_kv_heads, head_size)
-        v = value_cache[physical].reshape(-1, chunk, num_kv_heads, head_size)
-        pos = (logical * block_size)[:, :, None] + jnp.arange(block_size, dtype=jnp.int32)[
-            None, None, :
-        ]  # [N, C, BS]
-        pos = pos.reshape(-1, chunk)
+        pos = (
+            (first_block * block_size)[:, None]
+            + it * chunk
+            + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        )  # [N, K]
+        valid = (pos >= 0) & (pos < kv_len[:, None])
+        logical = jnp.clip(pos // block_size, 0, max_blocks - 1)
+        physical = jnp.take_along_axis(tables, logical, axis=1)  # [N, K]
+        slot = jnp.where(valid, physical * block_size + pos % block_size, safe_slot[:, None])
         return _blockwise.KeyChunk(
-            key=k.astype(jnp.float32),
-            value=v.astype(jnp.float32),
+            key=_gather_rows(flat_k, slot),  # [N, K, Hkv, D] float32
+            value=_gather_rows(flat_v, slot),
             pos=pos,
-            valid=(pos >= 0) & (pos < kv_len[:, None]),
+            valid=valid,
         )
 
     # logit = scale * q.(k * k_scale): fold both scales into the queries once.

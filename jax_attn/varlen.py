@@ -85,12 +85,15 @@ def varlen_attention(
 
     def fetch(it):
         pos = lo[:, None] + it * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [N, K]
-        index = jnp.clip(k_start[:, None] + pos, 0, kv_tokens - 1)
+        valid = (pos >= 0) & (pos < kv_len[:, None])
+        # Outside the sequence, read its first key (finite, weight 0) rather than a neighbour.
+        index = jnp.clip(k_start[:, None] + jnp.where(valid, pos, 0), 0, kv_tokens - 1)
+        heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
         return _blockwise.KeyChunk(
-            key=key[index].astype(jnp.float32),  # [N, K, Hkv, D]
-            value=value[index].astype(jnp.float32),
+            key=key[index[:, None, :], heads].astype(jnp.float32),  # [N, Hkv, K, D]
+            value=value[index[:, None, :], heads].astype(jnp.float32),
             pos=pos,
-            valid=(pos >= 0) & (pos < kv_len[:, None]),
+            valid=valid,
         )
 
     q = query[jnp.minimum(tiles.token, num_tokens - 1)].astype(jnp.float32) * scale  # [N, Q, Hq, D]
