@@ -27,7 +27,7 @@ Impl = Literal["auto", "xla", "pallas", "reference"]
 IMPLS = ("auto", "xla", "pallas", "reference")
 
 # Keys per online-softmax step: big enough to amortize the loop, small enough to stay in cache.
-KV_CHUNK_TOKENS = 256
+KV_CHUNK_TOKENS = 128
 
 
 def _on_gpu() -> bool:
