@@ -1,0 +1,179 @@
+"""The backend interfaces of vLLM V0 (`vllm.attention.backends.abstract`), standalone.
+
+Class and method names, signatures and defaults follow vLLM v0.8 so code written against
+vLLM's backends runs after changing the import. Differences, on purpose:
+- `AttentionType` is a `str` Enum: its members compare equal to vLLM's strings ("decoder",
+  "encoder", "encoder_only", "encoder_decoder") but a typo fails loudly.
+- `AttentionLayer` is a small concrete class (vLLM only had a Protocol), so callers without
+  vLLM's `Attention` module can pass the k/v scales.
+"""
+
+import dataclasses
+import enum
+from abc import ABC, abstractmethod
+from typing import Any, Generic, TypeVar
+
+import torch
+
+
+class AttentionType(enum.StrEnum):
+    DECODER = "decoder"  # causal self-attention over the paged cache
+    ENCODER = "encoder"  # bidirectional, no cache (encoder of an encoder/decoder model)
+    ENCODER_ONLY = "encoder_only"  # bidirectional, no cache (BERT-like models)
+    ENCODER_DECODER = "encoder_decoder"  # decoder queries over the cached encoder keys
+
+
+def check_attn_type(attn_type) -> "AttentionType":
+    try:
+        return AttentionType(attn_type)
+    except ValueError:
+        raise NotImplementedError(
+            f"Unknown attention type {attn_type!r}: expected one of "
+            f"{[t.value for t in AttentionType]}"
+        ) from None
+
+
+class AttentionLayer:
+    """What `AttentionImpl.forward` reads from the calling layer: the fp8 cache scales.
+
+    `_k_scale` / `_v_scale` are float32 tensors (as vLLM keeps them, so a layer can update
+    them in place) and `_k_scale_float` / `_v_scale_float` their Python twins.
+    """
+
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0):
+        self._k_scale = torch.tensor(float(k_scale), dtype=torch.float32)
+        self._v_scale = torch.tensor(float(v_scale), dtype=torch.float32)
+        self._k_scale_float = float(k_scale)
+        self._v_scale_float = float(v_scale)
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Per-step metadata shared by every backend.
+
+    Token order in a step: prefill tokens first, then one token per decode sequence:
+
+        |<---- prefill_0 ---->|<- prefill_1 ->|d0|d1|d2|
+        num_prefill_tokens ----------------->|<-- num_decode_tokens -->|
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    # Cache slot of each new token's key/value; -1 (PAD_SLOT_ID) writes nothing.
+    # slot_mapping [35, 2, 17] with block size 16: block 2 offset 3, block 0 offset 2,
+    # block 1 offset 1.
+    slot_mapping: torch.Tensor
+    multi_modal_placeholder_index_maps: dict | None
+    enable_kv_scales_calculation: bool
+
+    @property
+    def prefill_metadata(self) -> "AttentionMetadata | None":
+        raise NotImplementedError
+
+    @property
+    def decode_metadata(self) -> "AttentionMetadata | None":
+        raise NotImplementedError
+
+    def asdict_zerocopy(self, skip_fields: set[str] | None = None) -> dict[str, Any]:
+        skip = skip_fields or set()
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
+        }
+
+
+T = TypeVar("T", bound=AttentionMetadata)
+
+
+class AttentionMetadataBuilder(ABC, Generic[T]):
+    """Builds a backend's metadata for one step."""
+
+    @abstractmethod
+    def __init__(self, input_builder: Any = None) -> None: ...
+
+    def prepare(self) -> None:
+        """Reset per-step state (vLLM calls it before adding sequences)."""
+
+    @abstractmethod
+    def build(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        cuda_graph_pad_size: int,
+        batch_size: int,
+    ) -> T: ...
+
+
+class AttentionBackend(ABC):
+    """A backend: names the impl, metadata and builder classes and owns the cache layout."""
+
+    accept_output_buffer: bool = False
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type["AttentionImpl"]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_metadata_cls() -> type[AttentionMetadata]: ...
+
+    @classmethod
+    def make_metadata(cls, *args, **kwargs) -> AttentionMetadata:
+        return cls.get_metadata_cls()(*args, **kwargs)
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]: ...
+
+    @staticmethod
+    @abstractmethod
+    def swap_blocks(
+        src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor
+    ) -> None: ...
+
+    @staticmethod
+    @abstractmethod
+    def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None: ...
+
+
+class AttentionImpl(ABC, Generic[T]):
+    @abstractmethod
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        blocksparse_params: dict[str, Any] | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+    ) -> None: ...
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: T,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
+    return kv_cache_dtype != "auto"

@@ -1,0 +1,534 @@
+"""TORCH_SDPA: vLLM V0's CPU attention backend, standalone.
+
+Prefill runs `torch.nn.functional.scaled_dot_product_attention` per sequence (with an additive
+mask for ALiBi and sliding windows); prefill with a cached prefix (chunked prefill) and decode
+read the paged cache through `PagedAttention`. Every attention type: DECODER (causal, paged),
+ENCODER and ENCODER_ONLY (bidirectional, no cache), ENCODER_DECODER (decoder queries over the
+encoder's keys, cached through `cross_slot_mapping` / `cross_block_tables`).
+
+Token order in a step: prefill tokens first, then one token per decode sequence:
+
+    |<---- prefill_0 ---->|<- prefill_1 ->|d0|d1|d2|
+
+Where this differs from vLLM V0: the logits soft cap is applied (vLLM warned and ignored it;
+SDPA cannot express it, so those prefills run the same math without SDPA), fp8 caches work
+(vLLM's CPU backend refused them), and sliding windows also apply to decode and chunked
+prefill rather than relying on the block manager dropping old blocks.
+"""
+
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from torch_backends import _math
+from torch_backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    check_attn_type,
+)
+from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata, fp8_dtype
+
+PAD_SLOT_ID = -1
+
+
+class TorchSDPABackend(AttentionBackend):
+    accept_output_buffer: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH_SDPA"
+
+    @staticmethod
+    def get_impl_cls() -> type["TorchSDPABackendImpl"]:
+        return TorchSDPABackendImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type["TorchSDPAMetadata"]:
+        return TorchSDPAMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type["TorchSDPAMetadataBuilder"]:
+        return TorchSDPAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return PagedAttention.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def swap_blocks(
+        src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor
+    ) -> None:
+        PagedAttention.swap_blocks(src_kv_cache, dst_kv_cache, src_to_dst)
+
+    @staticmethod
+    def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None:
+        PagedAttention.copy_blocks(kv_caches, src_to_dists)
+
+
+@dataclasses.dataclass
+class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
+    """Metadata of one step. Decode fields (`seq_lens_tensor`, `max_decode_seq_len`,
+    `block_tables`) describe only the decode sequences; prefill fields only the prefills."""
+
+    # True when prefills may have a cached prefix (q_len < seq_len): then the prefill reads
+    # the cache through `prefill_block_tables`.
+    chunked_prefill: bool
+    # Total length of each prefill sequence (cached prefix + new tokens).
+    seq_lens: list[int] | None = None
+    # Chunked prefill only:
+    max_query_len: int | None = None
+    max_kv_len: int | None = None
+    prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1]
+    kv_start_loc: torch.Tensor | None = None  # [num_prefills + 1]
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks]
+    query_start_loc: torch.Tensor | None = None
+    # Encoder and encoder/decoder cross attention:
+    encoder_seq_lens: list[int] | None = None
+    encoder_seq_lens_tensor: torch.Tensor | None = None
+    max_encoder_seq_len: int | None = None
+    num_encoder_tokens: int | None = None
+    # Where the encoder's keys/values go in the cache, and where each decoder sequence's
+    # encoder keys live (one table row per decoder sequence, all sequences).
+    cross_slot_mapping: torch.Tensor | None = None
+    cross_block_tables: torch.Tensor | None = None
+
+    @property
+    def is_all_encoder_attn_metadata_set(self) -> bool:
+        return self.encoder_seq_lens is not None and self.num_encoder_tokens is not None
+
+    @property
+    def is_all_cross_attn_metadata_set(self) -> bool:
+        return (
+            self.is_all_encoder_attn_metadata_set
+            and self.cross_slot_mapping is not None
+            and self.cross_block_tables is not None
+        )
+
+    @property
+    def prefill_metadata(self) -> "TorchSDPAMetadata | None":
+        return self if self.num_prefill_tokens > 0 or self.num_encoder_tokens else None
+
+    @property
+    def decode_metadata(self) -> "TorchSDPAMetadata | None":
+        return self if self.num_decode_tokens > 0 else None
+
+    def get_seq_lens(self, attn_type: str) -> tuple[list[int], list[int]]:
+        """(query lengths, key lengths) of the prefill sequences for `attn_type`."""
+        attn_type = check_attn_type(attn_type)
+        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            _require(self.encoder_seq_lens, "encoder_seq_lens", attn_type)
+            return self.encoder_seq_lens, self.encoder_seq_lens
+        _require(self.seq_lens, "seq_lens", attn_type)
+        q_lens = self.seq_lens
+        if self.prefill_query_start_loc is not None:
+            q_lens = torch.diff(self.prefill_query_start_loc).tolist()
+        if attn_type == AttentionType.ENCODER_DECODER:
+            _require(self.encoder_seq_lens, "encoder_seq_lens", attn_type)
+            return q_lens, self.encoder_seq_lens[: self.num_prefills]
+        return q_lens, self.seq_lens
+
+
+def _require(value, name: str, attn_type) -> None:
+    if value is None:
+        raise ValueError(f"attn_metadata.{name} is required for {attn_type.value} attention")
+
+
+class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
+    """Builds `TorchSDPAMetadata` from per-sequence lengths and block tables.
+
+    vLLM's builder read its inputs from the model runner (`input_builder`); standalone, the
+    block tables and block size are given to `build` as keywords. Sequences must come
+    prefills first, then decodes (a decode is a sequence with one new token and a prefix).
+    """
+
+    def __init__(self, input_builder: Any = None, *, chunked_prefill: bool = True) -> None:
+        self.input_builder = input_builder
+        self.chunked_prefill = chunked_prefill
+
+    def build(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        cuda_graph_pad_size: int = -1,
+        batch_size: int = -1,
+        *,
+        block_tables: list[list[int]],
+        block_size: int,
+        encoder_seq_lens: list[int] | None = None,
+        cross_block_tables: list[list[int]] | None = None,
+    ) -> TorchSDPAMetadata:
+        if len(seq_lens) != len(query_lens) or len(block_tables) != len(seq_lens):
+            raise ValueError(
+                f"seq_lens ({len(seq_lens)}), query_lens ({len(query_lens)}) and "
+                f"block_tables ({len(block_tables)}) need one entry per sequence"
+            )
+        is_decode = [q == 1 and s > 1 for q, s in zip(query_lens, seq_lens, strict=True)]
+        num_prefills = is_decode.index(True) if any(is_decode) else len(seq_lens)
+        if not all(is_decode[num_prefills:]):
+            raise ValueError("sequences must be ordered prefills first, then decodes")
+        slots = []
+        for s, q, table in zip(seq_lens, query_lens, block_tables, strict=True):
+            if q > s:
+                raise ValueError(f"query_len {q} > seq_len {s}")
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
+        prefill_q, prefill_s = query_lens[:num_prefills], seq_lens[:num_prefills]
+        decode_s = seq_lens[num_prefills:]
+        md = TorchSDPAMetadata(
+            num_prefills=num_prefills,
+            num_prefill_tokens=sum(prefill_q),
+            num_decode_tokens=len(decode_s),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            multi_modal_placeholder_index_maps=None,
+            enable_kv_scales_calculation=False,
+            seq_lens_tensor=torch.tensor(decode_s, dtype=torch.int32),
+            max_decode_seq_len=max(decode_s, default=0),
+            block_tables=_pad(block_tables[num_prefills:]),
+            chunked_prefill=self.chunked_prefill,
+            seq_lens=prefill_s,
+            max_query_len=max(prefill_q, default=0),
+            max_kv_len=max(prefill_s, default=0),
+            prefill_query_start_loc=_cumsum(prefill_q),
+            kv_start_loc=_cumsum(prefill_s),
+            prefill_block_tables=_pad(block_tables[:num_prefills]),
+            query_start_loc=_cumsum(query_lens),
+        )
+        if encoder_seq_lens is not None:
+            md.encoder_seq_lens = list(encoder_seq_lens)
+            md.encoder_seq_lens_tensor = torch.tensor(encoder_seq_lens, dtype=torch.int32)
+            md.max_encoder_seq_len = max(encoder_seq_lens, default=0)
+            md.num_encoder_tokens = sum(encoder_seq_lens)
+        if cross_block_tables is not None:  # encoder/decoder models cache the encoder K/V
+            if encoder_seq_lens is None:
+                raise ValueError("cross_block_tables needs encoder_seq_lens")
+            cross_slots = [
+                table[p // block_size] * block_size + p % block_size
+                for n, table in zip(encoder_seq_lens, cross_block_tables, strict=True)
+                for p in range(n)
+            ]
+            md.cross_slot_mapping = torch.tensor(cross_slots, dtype=torch.long)
+            md.cross_block_tables = _pad(cross_block_tables)
+        return md
+
+
+def _pad(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor(
+        [list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32
+    ).reshape(len(tables), width)
+
+
+def _cumsum(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+
+
+def check_impl_args(
+    backend: str,
+    num_heads: int,
+    head_size: int,
+    num_kv_heads: int | None,
+    alibi_slopes,
+    blocksparse_params,
+    kv_cache_dtype: str,
+) -> int:
+    """The checks every backend's impl makes, with vLLM's messages; returns num_kv_heads."""
+    if blocksparse_params is not None:
+        raise ValueError(f"{backend} does not support block-sparse attention.")
+    supported = PagedAttention.get_supported_head_sizes()
+    if head_size not in supported:
+        raise ValueError(
+            f"Head size {head_size} is not supported by PagedAttention. "
+            f"Supported head sizes are: {supported}."
+        )
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be divisible by {num_kv_heads=}")
+    if alibi_slopes is not None and len(alibi_slopes) != num_heads:
+        raise ValueError(f"{len(alibi_slopes)} alibi_slopes for num_heads={num_heads}")
+    fp8_dtype(kv_cache_dtype)  # raises on an unknown cache dtype
+    return num_kv_heads
+
+
+class TorchSDPABackendImpl(AttentionImpl[TorchSDPAMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        blocksparse_params: dict[str, Any] | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+    ) -> None:
+        self.num_kv_heads = check_impl_args(
+            "Torch SPDA",
+            num_heads,
+            head_size,
+            num_kv_heads,
+            alibi_slopes,
+            blocksparse_params,
+            kv_cache_dtype,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.alibi_slopes = (
+            None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
+        )
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = check_attn_type(attn_type)
+        self.num_queries_per_kv = num_heads // self.num_kv_heads
+        self.need_mask = alibi_slopes is not None or sliding_window is not None
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: TorchSDPAMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query `[T, Hq*D]`, key/value `[T or encoder tokens, Hkv*D]` (None for cross
+        attention after the encoder pass), kv_cache `[2, NB, BS*Hkv*D]` (may be empty).
+        Returns `[T, Hq*D]`."""
+        return run_forward(
+            self, layer, query, key, value, kv_cache, attn_metadata, output, prefill=self._prefill
+        )
+
+    def _prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
+        """Per-sequence SDPA over new keys (no prefix): `[Tq, Hq, D]`."""
+        output = torch.empty_like(query)
+        q0 = k0 = 0
+        masks = None
+        if self.need_mask and causal:
+            masks = (
+                _make_alibi_bias(self.alibi_slopes, query.dtype, q_lens)
+                if self.alibi_slopes is not None
+                else _make_sliding_window_bias(q_lens, self.sliding_window, query.dtype)
+            )
+            if self.alibi_slopes is not None and self.sliding_window is not None:
+                windows = _make_sliding_window_bias(q_lens, self.sliding_window, query.dtype)
+                masks = [a + w for a, w in zip(masks, windows, strict=True)]
+        for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+            q = query[q0 : q0 + q_len].movedim(0, 1)  # [Hq, q_len, D]
+            k = key[k0 : k0 + kv_len].movedim(0, 1)  # [Hkv, kv_len, D]
+            v = value[k0 : k0 + kv_len].movedim(0, 1)
+            if self.logits_soft_cap is not None or (self.need_mask and not causal):
+                out = _dense(self, q, k, v, causal)
+            elif kv_len == 0:
+                out = torch.zeros_like(q)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=None if masks is None else masks[i],
+                    is_causal=causal and masks is None,
+                    scale=self.scale,
+                    enable_gqa=self.num_queries_per_kv > 1,
+                )
+            output[q0 : q0 + q_len] = out.movedim(1, 0)
+            q0, k0 = q0 + q_len, k0 + kv_len
+        return output
+
+
+def _dense(impl, q, k, v, causal) -> torch.Tensor:
+    """The same attention without SDPA (soft cap, or masks SDPA's API can't take)."""
+    q_len, kv_len = q.shape[1], k.shape[1]
+    out = _math.attend(
+        q.movedim(0, 1)[None].float(),
+        k.movedim(0, 1)[None].float(),
+        v.movedim(0, 1)[None].float(),
+        q_pos=torch.arange(kv_len - q_len, kv_len)[None],
+        k_pos=torch.arange(kv_len)[None],
+        k_valid=torch.ones(1, kv_len, dtype=torch.bool),
+        scale=impl.scale,
+        causal=causal,
+        alibi_slopes=impl.alibi_slopes,
+        sliding_window=impl.sliding_window,
+        logits_soft_cap=impl.logits_soft_cap,
+    )
+    return out[0].movedim(1, 0).to(q.dtype)  # [Hq, q_len, D]
+
+
+def run_forward(impl, layer, query, key, value, kv_cache, md, output, *, prefill):
+    """The step logic shared by the torch backends; `prefill` runs prefix-free prefills."""
+    attn_type = impl.attn_type
+    num_heads, head_size, num_kv_heads = impl.num_heads, impl.head_size, impl.num_kv_heads
+    if md is None:
+        raise ValueError("attn_metadata is required")
+    if attn_type == AttentionType.ENCODER_DECODER and not md.is_all_cross_attn_metadata_set:
+        raise AttributeError(
+            "Encoder/decoder cross-attention requires setting cross-attention metadata attributes."
+        )
+    if (
+        attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+        and not md.is_all_encoder_attn_metadata_set
+    ):
+        raise AttributeError("Encoder attention requires setting encoder metadata attributes.")
+    query = query.view(-1, num_heads, head_size)
+    if key is not None:
+        key = key.view(-1, num_kv_heads, head_size)
+        value = value.view(-1, num_kv_heads, head_size)
+    k_scale = getattr(layer, "_k_scale", 1.0)
+    v_scale = getattr(layer, "_v_scale", 1.0)
+
+    uses_cache = kv_cache.numel() > 0 and attn_type in (
+        AttentionType.DECODER,
+        AttentionType.ENCODER_DECODER,
+    )
+    if uses_cache:
+        key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, num_kv_heads, head_size)
+        if key is not None and value is not None:
+            slots = (
+                md.cross_slot_mapping
+                if attn_type == AttentionType.ENCODER_DECODER
+                else md.slot_mapping
+            )
+            PagedAttention.write_to_paged_cache(
+                key, value, key_cache, value_cache, slots, impl.kv_cache_dtype, k_scale, v_scale
+            )
+
+    if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+        num_prefill_tokens, num_decode_tokens = md.num_encoder_tokens, 0
+    else:
+        num_prefill_tokens, num_decode_tokens = md.num_prefill_tokens, md.num_decode_tokens
+    if query.shape[0] != num_prefill_tokens + num_decode_tokens:
+        raise ValueError(
+            f"query has {query.shape[0]} tokens but the metadata describes "
+            f"{num_prefill_tokens} prefill + {num_decode_tokens} decode tokens"
+        )
+    out = torch.empty_like(query) if output is None else output.view(-1, num_heads, head_size)
+    causal = attn_type == AttentionType.DECODER
+    bias = dict(
+        alibi_slopes=impl.alibi_slopes,
+        sliding_window=impl.sliding_window,
+        logits_soft_cap=impl.logits_soft_cap,
+    )
+
+    if num_prefill_tokens:
+        q_lens, kv_lens = md.get_seq_lens(attn_type)
+        has_prefix = causal and any(k > q for q, k in zip(q_lens, kv_lens, strict=True))
+        if has_prefix:
+            if not (md.chunked_prefill and uses_cache and md.prefill_block_tables is not None):
+                raise ValueError(
+                    "prefill with a cached prefix needs chunked_prefill=True, "
+                    "a kv_cache and prefill_block_tables"
+                )
+            out[:num_prefill_tokens] = PagedAttention.forward_prefix(
+                query[:num_prefill_tokens],
+                key[:num_prefill_tokens],
+                value[:num_prefill_tokens],
+                impl.kv_cache_dtype,
+                key_cache,
+                value_cache,
+                md.prefill_block_tables,
+                md.prefill_query_start_loc,
+                torch.tensor(kv_lens),
+                md.max_query_len,
+                impl.alibi_slopes,
+                impl.sliding_window,
+                k_scale,
+                v_scale,
+                scale=impl.scale,
+                logits_soft_cap=impl.logits_soft_cap,
+            )
+        else:
+            if key is None:  # cross attention: the encoder's keys come from the cache
+                k_pre, v_pre = _cached_encoder_kv(
+                    impl, md, key_cache, value_cache, kv_lens, k_scale, v_scale, query.dtype
+                )
+            else:
+                k_pre, v_pre = key, value
+            out[:num_prefill_tokens] = prefill(
+                query[:num_prefill_tokens], k_pre, v_pre, q_lens, kv_lens, causal
+            )
+    if num_decode_tokens:
+        if not uses_cache:
+            raise ValueError("decode needs a kv_cache")
+        if attn_type == AttentionType.ENCODER_DECODER:
+            tables = md.cross_block_tables[md.num_prefills :]
+            seq_lens = md.encoder_seq_lens_tensor[md.num_prefills :]
+            max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+        else:
+            tables, seq_lens, max_len = md.block_tables, md.seq_lens_tensor, md.max_decode_seq_len
+        out[num_prefill_tokens:] = PagedAttention.forward_decode(
+            query[num_prefill_tokens:],
+            key_cache,
+            value_cache,
+            tables,
+            seq_lens,
+            max_len,
+            impl.kv_cache_dtype,
+            num_kv_heads,
+            impl.scale,
+            impl.alibi_slopes,
+            k_scale,
+            v_scale,
+            sliding_window=bias["sliding_window"],
+            logits_soft_cap=bias["logits_soft_cap"],
+        )
+    return out.view(-1, num_heads * head_size)
+
+
+def _cached_encoder_kv(impl, md, key_cache, value_cache, kv_lens, k_scale, v_scale, dtype):
+    """The encoder keys/values of the prefill sequences, read back from the cache."""
+    k, v = PagedAttention.gather_kv(
+        key_cache,
+        value_cache,
+        md.cross_block_tables[: md.num_prefills],
+        max(kv_lens, default=0),
+        impl.kv_cache_dtype,
+        k_scale,
+        v_scale,
+    )
+    keys = [k[i, :n] for i, n in enumerate(kv_lens)]
+    values = [v[i, :n] for i, n in enumerate(kv_lens)]
+    return torch.cat(keys).to(dtype), torch.cat(values).to(dtype)
+
+
+def _make_alibi_bias(
+    alibi_slopes: torch.Tensor, dtype: torch.dtype, seq_lens: list[int]
+) -> list[torch.Tensor]:
+    """Per prefill sequence: `[Hq, L, L]` ALiBi bias `slope * (p_k - p_q)`, -inf above the
+    diagonal (causal)."""
+    biases = []
+    for seq_len in seq_lens:
+        pos = torch.arange(seq_len, dtype=torch.float32)
+        distance = pos[None, :] - pos[:, None]  # [L, L]: p_k - p_q
+        bias = alibi_slopes.float()[:, None, None] * distance[None]
+        bias = bias.masked_fill(distance[None] > 0, float("-inf"))
+        biases.append(bias.to(dtype))
+    return biases
+
+
+def _make_sliding_window_bias(
+    seq_lens: list[int], window_size: int | None, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Per prefill sequence: `[1, L, L]` of 0 where a query may attend (causal, within the
+    window) and -inf elsewhere."""
+    biases = []
+    for seq_len in seq_lens:
+        pos = torch.arange(seq_len)
+        delta = pos[:, None] - pos[None, :]  # [L, L]: p_q - p_k
+        keep = delta >= 0
+        if window_size is not None:
+            keep &= delta < window_size
+        bias = torch.zeros(1, seq_len, seq_len, dtype=torch.float32)
+        biases.append(bias.masked_fill(~keep[None], float("-inf")).to(dtype))
+    return biases
