@@ -366,8 +366,13 @@ def _dense(impl, q, k, v, causal) -> torch.Tensor:
     return out[0].movedim(1, 0).to(q.dtype)  # [Hq, q_len, D]
 
 
-def run_forward(impl, layer, query, key, value, kv_cache, md, output, *, prefill):
-    """The step logic shared by the torch backends; `prefill` runs prefix-free prefills."""
+def run_forward(impl, layer, query, key, value, kv_cache, md, output, *, prefill, prefix=None):
+    """The step logic shared by the torch backends.
+
+    `prefill(query, key, value, q_lens, kv_lens, causal)` runs prefills without a cached
+    prefix; `prefix(query, key, value, key_cache, value_cache, md, q_lens, kv_lens, k_scale,
+    v_scale)` runs chunked prefill (default: `PagedAttention.forward_prefix`).
+    """
     attn_type = impl.attn_type
     num_heads, head_size, num_kv_heads = impl.num_heads, impl.head_size, impl.num_kv_heads
     if md is None:
@@ -430,31 +435,45 @@ def run_forward(impl, layer, query, key, value, kv_cache, md, output, *, prefill
                     "prefill with a cached prefix needs chunked_prefill=True, "
                     "a kv_cache and prefill_block_tables"
                 )
-            out[:num_prefill_tokens] = PagedAttention.forward_prefix(
-                query[:num_prefill_tokens],
-                key[:num_prefill_tokens],
-                value[:num_prefill_tokens],
-                impl.kv_cache_dtype,
-                key_cache,
-                value_cache,
-                md.prefill_block_tables,
-                md.prefill_query_start_loc,
-                torch.tensor(kv_lens),
-                md.max_query_len,
-                impl.alibi_slopes,
-                impl.sliding_window,
-                k_scale,
-                v_scale,
-                scale=impl.scale,
-                logits_soft_cap=impl.logits_soft_cap,
-            )
+            if prefix is not None:
+                out[:num_prefill_tokens] = prefix(
+                    query[:num_prefill_tokens],
+                    key[:num_prefill_tokens],
+                    value[:num_prefill_tokens],
+                    key_cache,
+                    value_cache,
+                    md,
+                    q_lens,
+                    kv_lens,
+                    k_scale,
+                    v_scale,
+                )
+            else:
+                out[:num_prefill_tokens] = PagedAttention.forward_prefix(
+                    query[:num_prefill_tokens],
+                    key[:num_prefill_tokens],
+                    value[:num_prefill_tokens],
+                    impl.kv_cache_dtype,
+                    key_cache,
+                    value_cache,
+                    md.prefill_block_tables,
+                    md.prefill_query_start_loc,
+                    torch.tensor(kv_lens),
+                    md.max_query_len,
+                    impl.alibi_slopes,
+                    impl.sliding_window,
+                    k_scale,
+                    v_scale,
+                    scale=impl.scale,
+                    logits_soft_cap=impl.logits_soft_cap,
+                )
         else:
             if key is None:  # cross attention: the encoder's keys come from the cache
                 k_pre, v_pre = _cached_encoder_kv(
                     impl, md, key_cache, value_cache, kv_lens, k_scale, v_scale, query.dtype
                 )
-            else:
-                k_pre, v_pre = key, value
+            else:  # the prefills' keys lead (decode tokens' keys follow)
+                k_pre, v_pre = key[: sum(kv_lens)], value[: sum(kv_lens)]
             out[:num_prefill_tokens] = prefill(
                 query[:num_prefill_tokens], k_pre, v_pre, q_lens, kv_lens, causal
             )

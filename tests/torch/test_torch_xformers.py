@@ -1,0 +1,108 @@
+"""XFORMERS: xformers' own bias objects, executed on CPU by the documented reference path,
+checked against the float64 reference and against TORCH_SDPA on the same inputs."""
+
+import warnings
+
+import pytest
+import torch
+from test_torch_sdpa import CASES, _run, alibi
+from tolerances import assert_close
+from torch_cases import reference_attention
+
+xformers = pytest.importorskip("xformers", reason="xformers is not installed in this environment")
+
+from xformers.ops.fmha import attn_bias as xbias  # noqa: E402
+
+from torch_backends import AttentionLayer, AttentionType, get_attn_backend  # noqa: E402
+from torch_backends.torch_sdpa import TorchSDPAMetadataBuilder  # noqa: E402
+from torch_backends.xformers import (  # noqa: E402
+    XFormersBackend,
+    XFormersImpl,
+    XFormersMetadataBuilder,
+    execute_reference,
+)
+
+
+def _xformers_impl(case):
+    _name, _prefills, _decodes, hq, hkv, d, _bs, _dtype, cache_dtype, extras = case
+    return XFormersImpl(
+        hq,
+        d,
+        d**-0.5,
+        hkv,
+        kv_cache_dtype=cache_dtype,
+        alibi_slopes=alibi(hq) if extras.get("alibi") else None,
+        sliding_window=extras.get("sliding_window"),
+        logits_soft_cap=extras.get("logits_soft_cap"),
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_xformers_matches_float64_and_sdpa(case, rng):
+    step, sdpa, layer, dtypes = _run(case, rng)
+    cache_for_sdpa = step.kv_cache.clone()
+    impl = _xformers_impl(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = impl.forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)
+    hq, d = case[3], case[5]
+    assert_close(out.view(-1, hq, d).float(), step.expected, *dtypes)
+    # Same inputs through TORCH_SDPA: same cache bytes after the write, same outputs.
+    ref = sdpa.forward(layer, step.query, step.key, step.value, cache_for_sdpa, step.metadata)
+    assert torch.equal(step.kv_cache.view(torch.uint8), cache_for_sdpa.view(torch.uint8))
+    assert_close(out.float(), ref.float(), *dtypes)
+
+
+def test_cpu_execution_warns_once(rng):
+    import torch_backends.xformers as xf
+
+    xf._warned_cpu = False
+    impl = XFormersImpl(2, 64, 0.125, attn_type=AttentionType.ENCODER_ONLY)
+    md = TorchSDPAMetadataBuilder().build(
+        [], [], block_tables=[], block_size=16, encoder_seq_lens=[3]
+    )
+    x = torch.randn(3, 128)
+    with pytest.warns(RuntimeWarning, match="xformers has no CPU kernel"):
+        impl.forward(AttentionLayer(), x, x, x, torch.empty(0), md)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        impl.forward(AttentionLayer(), x, x, x, torch.empty(0), md)  # no second warning
+
+
+def test_masks_are_xformers_objects():
+    impl = XFormersImpl(4, 64, 0.1, 2)
+    assert isinstance(impl.make_attn_bias([3, 5], [3, 5], True), xbias.BlockDiagonalCausalMask)
+    assert isinstance(
+        impl.make_attn_bias([2], [7], True), xbias.BlockDiagonalCausalFromBottomRightMask
+    )
+    assert isinstance(impl.make_attn_bias([2], [7], False), xbias.BlockDiagonalMask)
+    local = XFormersImpl(4, 64, 0.1, 2, sliding_window=4)
+    assert isinstance(
+        local.make_attn_bias([3, 5], [3, 5], True), xbias.BlockDiagonalCausalLocalAttentionMask
+    )
+    with_alibi = XFormersImpl(4, 64, 0.1, 2, alibi_slopes=alibi(4))
+    biases = with_alibi.make_attn_bias([3, 5], [3, 5], True)
+    assert all(isinstance(b, xbias.LowerTriangularMaskWithTensorBias) for b in biases)
+
+
+def test_reference_execution_of_a_bias_object(rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q = torch.randn(7, 4, 32, generator=gen)
+    k = torch.randn(7, 2, 32, generator=gen)
+    v = torch.randn(7, 2, 32, generator=gen)
+    bias = xbias.BlockDiagonalCausalMask.from_seqlens([3, 4])
+    out = execute_reference(q, k, v, bias, scale=0.2)
+    expected = reference_attention(q, k, v, [3, 4], [3, 4], causal=True, scale=0.2)
+    assert_close(out, expected, torch.float32)
+
+
+def test_registry_and_builder():
+    assert get_attn_backend("XFORMERS") is XFormersBackend
+    assert XFormersBackend.get_name() == "XFORMERS"
+    md = XFormersMetadataBuilder().build([3, 9], [3, 1], block_tables=[[0], [1]], block_size=16)
+    assert type(md).__name__ == "XFormersMetadata" and md.num_decode_tokens == 1
+
+
+def test_block_sparse_rejected():
+    with pytest.raises(ValueError, match="XFormers does not support block-sparse attention"):
+        XFormersImpl(4, 64, 0.1, blocksparse_params={"local_blocks": 2})

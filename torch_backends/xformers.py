@@ -1,0 +1,296 @@
+"""XFORMERS: vLLM V0's xFormers backend, standalone.
+
+Masks are xformers' own `attn_bias` objects, built from the step's sequence lengths:
+- decoder prefill: `BlockDiagonalCausalMask` (`.make_local_attention(W)` with a window);
+- chunked prefill over a cached prefix: `BlockDiagonalCausalFromBottomRightMask`
+  (`BlockDiagonalCausalLocalAttentionFromBottomRightMask` with a window), the prefix gathered
+  from the paged cache;
+- encoder / encoder-only: `BlockDiagonalMask`; cross attention: `BlockDiagonalMask` over
+  (decoder lengths, encoder lengths);
+- ALiBi: per sequence, `LowerTriangularMaskWithTensorBias` (causal) or a plain tensor bias.
+Decode reads the paged cache through `PagedAttention.forward_decode`.
+
+On CUDA the prefill runs `xformers.ops.memory_efficient_attention_forward`. xformers ships no
+CPU kernel, so on CPU the *same bias objects* are executed by a reference path:
+`bias.materialize(...)` added to `scale * q.k`, softmax in float32, times v. The backend says
+so once with a warning. xformers has no logits soft cap either: with a soft cap the reference
+path runs on every device (vLLM V0 ignored the cap).
+"""
+
+import warnings
+from typing import Any
+
+import torch
+
+from torch_backends.abstract import AttentionLayer, AttentionType
+from torch_backends.paged_attn import PagedAttention
+from torch_backends.torch_sdpa import (
+    TorchSDPABackend,
+    TorchSDPAMetadata,
+    TorchSDPAMetadataBuilder,
+    check_attn_type,
+    check_impl_args,
+    run_forward,
+)
+
+try:
+    from xformers.ops import fmha, memory_efficient_attention_forward
+    from xformers.ops.fmha import attn_bias as xbias
+except ImportError as e:  # pragma: no cover - exercised only without xformers
+    raise ImportError(
+        "The XFORMERS backend needs xformers (>= 0.0.35 with torch >= 2.10): "
+        "pip install 'jax-attn[xformers]'"
+    ) from e
+
+_warned_cpu = False
+
+
+def _warn_cpu_once() -> None:
+    global _warned_cpu
+    if not _warned_cpu:
+        _warned_cpu = True
+        warnings.warn(
+            "XFORMERS: xformers has no CPU kernel; running its attention biases through the "
+            "reference execution (materialized bias, float32 softmax) instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+class XFormersBackend(TorchSDPABackend):
+    """Same cache layout and block ops as TORCH_SDPA (vLLM's paged split layout)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "XFORMERS"
+
+    @staticmethod
+    def get_impl_cls() -> type["XFormersImpl"]:
+        return XFormersImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type["XFormersMetadata"]:
+        return XFormersMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type["XFormersMetadataBuilder"]:
+        return XFormersMetadataBuilder
+
+
+class XFormersMetadata(TorchSDPAMetadata):
+    """The step metadata (same fields as TORCH_SDPA's)."""
+
+
+class XFormersMetadataBuilder(TorchSDPAMetadataBuilder):
+    def build(self, *args, **kwargs) -> XFormersMetadata:
+        md = super().build(*args, **kwargs)
+        return XFormersMetadata(**{f: getattr(md, f) for f in md.__dataclass_fields__})
+
+
+class XFormersImpl:
+    """vLLM V0's `XFormersImpl` API: `forward(layer, query, key, value, kv_cache, metadata)`."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        blocksparse_params: dict[str, Any] | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+    ) -> None:
+        self.num_kv_heads = check_impl_args(
+            "XFormers",
+            num_heads,
+            head_size,
+            num_kv_heads,
+            alibi_slopes,
+            blocksparse_params,
+            kv_cache_dtype,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.alibi_slopes = (
+            None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
+        )
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = check_attn_type(attn_type)
+        self.num_queries_per_kv = num_heads // self.num_kv_heads
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: XFormersMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return run_forward(
+            self,
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            prefill=self._prefill,
+            prefix=self._prefix,
+        )
+
+    # -- masks ---------------------------------------------------------------------------
+
+    def make_attn_bias(self, q_lens: list[int], kv_lens: list[int], causal: bool):
+        """The xformers bias of a prefill (one object), or a list (one per sequence) with
+        ALiBi, as vLLM built them."""
+        if self.alibi_slopes is not None:
+            return _make_alibi_bias(
+                self.alibi_slopes, self.num_kv_heads, q_lens, kv_lens, causal, self.sliding_window
+            )
+        bottom_right = any(k != q for q, k in zip(q_lens, kv_lens, strict=True))
+        if not causal:
+            if self.sliding_window is not None:
+                return [
+                    _window_tensor_bias(q, k, self.sliding_window)
+                    for q, k in zip(q_lens, kv_lens, strict=True)
+                ]
+            return xbias.BlockDiagonalMask.from_seqlens(q_lens, kv_lens)
+        if bottom_right:
+            if self.sliding_window is not None:
+                return xbias.BlockDiagonalCausalLocalAttentionFromBottomRightMask.from_seqlens(
+                    q_lens, kv_lens, window_size=self.sliding_window
+                )
+            return xbias.BlockDiagonalCausalFromBottomRightMask.from_seqlens(q_lens, kv_lens)
+        mask = xbias.BlockDiagonalCausalMask.from_seqlens(q_lens)
+        if self.sliding_window is not None:
+            mask = mask.make_local_attention(self.sliding_window)
+        return mask
+
+    # -- execution -----------------------------------------------------------------------
+
+    def _prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
+        bias = self.make_attn_bias(q_lens, kv_lens, causal)
+        if not isinstance(bias, list):
+            return self._run(query, key, value, bias)
+        output = torch.empty_like(query)
+        q0 = k0 = 0
+        for q_len, kv_len, seq_bias in zip(q_lens, kv_lens, bias, strict=True):
+            output[q0 : q0 + q_len] = self._run(
+                query[q0 : q0 + q_len], key[k0 : k0 + kv_len], value[k0 : k0 + kv_len], seq_bias
+            )
+            q0, k0 = q0 + q_len, k0 + kv_len
+        return output
+
+    def _prefix(
+        self, query, key, value, key_cache, value_cache, md, q_lens, kv_lens, k_scale, v_scale
+    ) -> torch.Tensor:
+        """Chunked prefill: the cached prefix gathered, then a bottom-right causal mask."""
+        ctx_lens = [k - q for q, k in zip(q_lens, kv_lens, strict=True)]
+        ctx_k, ctx_v = PagedAttention.gather_kv(
+            key_cache,
+            value_cache,
+            md.prefill_block_tables,
+            max(ctx_lens),
+            self.kv_cache_dtype,
+            k_scale,
+            v_scale,
+        )
+        keys, values, q0 = [], [], 0
+        for i, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+            keys += [ctx_k[i, :ctx].to(query.dtype), key[q0 : q0 + q_len]]
+            values += [ctx_v[i, :ctx].to(query.dtype), value[q0 : q0 + q_len]]
+            q0 += q_len
+        return self._prefill(query, torch.cat(keys), torch.cat(values), q_lens, kv_lens, True)
+
+    def _run(self, query, key, value, bias) -> torch.Tensor:
+        """Attention of `[Tq, Hq, D]` over `[Tk, Hkv, D]` under an xformers bias."""
+        if query.is_cuda and self.logits_soft_cap is None:
+            # BMHK layout with the kv heads repeated for GQA (vLLM V0 did the same).
+            group = self.num_queries_per_kv
+            k = key.repeat_interleave(group, dim=1)[None]
+            v = value.repeat_interleave(group, dim=1)[None]
+            out = memory_efficient_attention_forward(
+                query[None], k, v, attn_bias=bias, scale=self.scale
+            )
+            return out[0]
+        if not query.is_cuda:
+            _warn_cpu_once()
+        return execute_reference(
+            query, key, value, bias, scale=self.scale, logits_soft_cap=self.logits_soft_cap
+        )
+
+
+def execute_reference(query, key, value, bias, *, scale, logits_soft_cap=None):
+    """Run an xformers attention bias without xformers' kernels: the documented CPU path.
+
+    `bias` is an `AttentionBias` (materialized to `[Hq, Tq, Tk]`) or a tensor broadcastable to
+    it. Rows whose keys are all masked give zeros.
+    """
+    num_tokens, num_heads, _head_size = query.shape
+    num_keys, num_kv_heads = key.shape[:2]
+    shape = (1, num_heads, num_tokens, num_keys)  # BHMN, as xformers materializes it
+    if isinstance(bias, fmha.attn_bias.AttentionBias):
+        dense = bias.materialize(shape, dtype=torch.float32, device=query.device)[0]
+    elif bias is None:
+        dense = torch.zeros(shape[1:], dtype=torch.float32, device=query.device)
+    else:
+        dense = bias.float().expand(shape[1:])
+    group = num_heads // num_kv_heads
+    k = key.float().repeat_interleave(group, dim=1)  # [Tk, Hq, D]
+    v = value.float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    logits = logits + dense
+    row_max = logits.amax(dim=-1, keepdim=True)
+    weights = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, 0.0))
+    total = weights.sum(dim=-1, keepdim=True)
+    probs = weights / torch.where(total > 0, total, 1.0)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+
+
+def _window_tensor_bias(q_len: int, kv_len: int, window: int) -> torch.Tensor:
+    """Non-causal window (encoders): keys within `window` of the query, on either side."""
+    p_q = torch.arange(kv_len - q_len, kv_len)[:, None]
+    p_k = torch.arange(kv_len)[None, :]
+    keep = (p_q - p_k) < window  # the spec's window rule; keys ahead stay visible
+    return torch.zeros(1, q_len, kv_len).masked_fill(~keep[None], float("-inf"))
+
+
+def _make_alibi_bias(
+    alibi_slopes: torch.Tensor,
+    num_kv_heads: int,
+    q_lens: list[int],
+    kv_lens: list[int] | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+) -> list:
+    """One ALiBi bias per sequence: `slope_h * (p_k - p_q)` as a `[1, Hq, Tq, Tk]` tensor,
+    wrapped in `LowerTriangularMaskWithTensorBias` when causal (vLLM's choice). Bottom-right
+    positions when `kv_lens` differ from `q_lens` (chunked prefill, cross attention)."""
+    kv_lens = q_lens if kv_lens is None else kv_lens
+    biases = []
+    for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
+        p_q = torch.arange(kv_len - q_len, kv_len, dtype=torch.float32)[:, None]
+        p_k = torch.arange(kv_len, dtype=torch.float32)[None, :]
+        bias = alibi_slopes.float()[:, None, None] * (p_k - p_q)[None]  # [Hq, Tq, Tk]
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool)
+        if causal:
+            keep &= p_k <= p_q
+        if sliding_window is not None:
+            keep &= (p_q - p_k) < sliding_window
+        bias = bias.masked_fill(~keep[None], float("-inf"))
+        if causal and q_len == kv_len and sliding_window is None:
+            biases.append(xbias.LowerTriangularMaskWithTensorBias(bias[None]))
+        else:
+            biases.append(bias)
+    return biases
