@@ -24,16 +24,16 @@ import torch
 import torch.nn.functional as F
 
 from torch_backends import _math
+from torch_backends._step import PagedImpl
 from torch_backends.abstract import (
     AttentionBackend,
     AttentionImpl,
-    AttentionLayer,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
     check_attn_type,
 )
-from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata, fp8_dtype
+from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
 
 PAD_SLOT_ID = -1
 
@@ -230,87 +230,16 @@ def _cumsum(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
 
 
-def check_impl_args(
-    backend: str,
-    num_heads: int,
-    head_size: int,
-    num_kv_heads: int | None,
-    alibi_slopes,
-    blocksparse_params,
-    kv_cache_dtype: str,
-) -> int:
-    """The checks every backend's impl makes, with vLLM's messages; returns num_kv_heads."""
-    if blocksparse_params is not None:
-        raise ValueError(f"{backend} does not support block-sparse attention.")
-    supported = PagedAttention.get_supported_head_sizes()
-    if head_size not in supported:
-        raise ValueError(
-            f"Head size {head_size} is not supported by PagedAttention. "
-            f"Supported head sizes are: {supported}."
-        )
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be divisible by {num_kv_heads=}")
-    if alibi_slopes is not None and len(alibi_slopes) != num_heads:
-        raise ValueError(f"{len(alibi_slopes)} alibi_slopes for num_heads={num_heads}")
-    fp8_dtype(kv_cache_dtype)  # raises on an unknown cache dtype
-    return num_kv_heads
+class TorchSDPABackendImpl(PagedImpl, AttentionImpl[TorchSDPAMetadata]):
+    """Prefills through `scaled_dot_product_attention`; see the module docstring."""
 
+    backend_name = "Torch SPDA"  # vLLM's spelling, kept so its error messages match
 
-class TorchSDPABackendImpl(AttentionImpl[TorchSDPAMetadata]):
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        blocksparse_params: dict[str, Any] | None = None,
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-    ) -> None:
-        self.num_kv_heads = check_impl_args(
-            "Torch SPDA",
-            num_heads,
-            head_size,
-            num_kv_heads,
-            alibi_slopes,
-            blocksparse_params,
-            kv_cache_dtype,
-        )
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.alibi_slopes = (
-            None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
-        )
-        self.sliding_window = sliding_window
-        self.kv_cache_dtype = kv_cache_dtype
-        self.logits_soft_cap = logits_soft_cap
-        self.attn_type = check_attn_type(attn_type)
-        self.num_queries_per_kv = num_heads // self.num_kv_heads
-        self.need_mask = alibi_slopes is not None or sliding_window is not None
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.need_mask = self.alibi_slopes is not None or self.sliding_window is not None
 
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: TorchSDPAMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """query `[T, Hq*D]`, key/value `[T or encoder tokens, Hkv*D]` (None for cross
-        attention after the encoder pass), kv_cache `[2, NB, BS*Hkv*D]` (may be empty).
-        Returns `[T, Hq*D]`."""
-        return run_forward(
-            self, layer, query, key, value, kv_cache, attn_metadata, output, prefill=self._prefill
-        )
-
-    def _prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
+    def prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
         """Per-sequence SDPA over new keys (no prefix): `[Tq, Hq, D]`."""
         output = torch.empty_like(query)
         q0 = k0 = 0
@@ -364,161 +293,6 @@ def _dense(impl, q, k, v, causal) -> torch.Tensor:
         logits_soft_cap=impl.logits_soft_cap,
     )
     return out[0].movedim(1, 0).to(q.dtype)  # [Hq, q_len, D]
-
-
-def run_forward(impl, layer, query, key, value, kv_cache, md, output, *, prefill, prefix=None):
-    """The step logic shared by the torch backends.
-
-    `prefill(query, key, value, q_lens, kv_lens, causal)` runs prefills without a cached
-    prefix; `prefix(query, key, value, key_cache, value_cache, md, q_lens, kv_lens, k_scale,
-    v_scale)` runs chunked prefill (default: `PagedAttention.forward_prefix`).
-    """
-    attn_type = impl.attn_type
-    num_heads, head_size, num_kv_heads = impl.num_heads, impl.head_size, impl.num_kv_heads
-    if md is None:
-        raise ValueError("attn_metadata is required")
-    if attn_type == AttentionType.ENCODER_DECODER and not md.is_all_cross_attn_metadata_set:
-        raise AttributeError(
-            "Encoder/decoder cross-attention requires setting cross-attention metadata attributes."
-        )
-    if (
-        attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
-        and not md.is_all_encoder_attn_metadata_set
-    ):
-        raise AttributeError("Encoder attention requires setting encoder metadata attributes.")
-    query = query.view(-1, num_heads, head_size)
-    if key is not None:
-        key = key.view(-1, num_kv_heads, head_size)
-        value = value.view(-1, num_kv_heads, head_size)
-    k_scale = getattr(layer, "_k_scale", 1.0)
-    v_scale = getattr(layer, "_v_scale", 1.0)
-
-    uses_cache = kv_cache.numel() > 0 and attn_type in (
-        AttentionType.DECODER,
-        AttentionType.ENCODER_DECODER,
-    )
-    if uses_cache:
-        key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, num_kv_heads, head_size)
-        if key is not None and value is not None:
-            slots = (
-                md.cross_slot_mapping
-                if attn_type == AttentionType.ENCODER_DECODER
-                else md.slot_mapping
-            )
-            PagedAttention.write_to_paged_cache(
-                key, value, key_cache, value_cache, slots, impl.kv_cache_dtype, k_scale, v_scale
-            )
-
-    if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-        num_prefill_tokens, num_decode_tokens = md.num_encoder_tokens, 0
-    else:
-        num_prefill_tokens, num_decode_tokens = md.num_prefill_tokens, md.num_decode_tokens
-    if query.shape[0] != num_prefill_tokens + num_decode_tokens:
-        raise ValueError(
-            f"query has {query.shape[0]} tokens but the metadata describes "
-            f"{num_prefill_tokens} prefill + {num_decode_tokens} decode tokens"
-        )
-    out = torch.empty_like(query) if output is None else output.view(-1, num_heads, head_size)
-    causal = attn_type == AttentionType.DECODER
-    bias = dict(
-        alibi_slopes=impl.alibi_slopes,
-        sliding_window=impl.sliding_window,
-        logits_soft_cap=impl.logits_soft_cap,
-    )
-
-    if num_prefill_tokens:
-        q_lens, kv_lens = md.get_seq_lens(attn_type)
-        has_prefix = causal and any(k > q for q, k in zip(q_lens, kv_lens, strict=True))
-        if has_prefix:
-            if not (md.chunked_prefill and uses_cache and md.prefill_block_tables is not None):
-                raise ValueError(
-                    "prefill with a cached prefix needs chunked_prefill=True, "
-                    "a kv_cache and prefill_block_tables"
-                )
-            if prefix is not None:
-                out[:num_prefill_tokens] = prefix(
-                    query[:num_prefill_tokens],
-                    key[:num_prefill_tokens],
-                    value[:num_prefill_tokens],
-                    key_cache,
-                    value_cache,
-                    md,
-                    q_lens,
-                    kv_lens,
-                    k_scale,
-                    v_scale,
-                )
-            else:
-                out[:num_prefill_tokens] = PagedAttention.forward_prefix(
-                    query[:num_prefill_tokens],
-                    key[:num_prefill_tokens],
-                    value[:num_prefill_tokens],
-                    impl.kv_cache_dtype,
-                    key_cache,
-                    value_cache,
-                    md.prefill_block_tables,
-                    md.prefill_query_start_loc,
-                    torch.tensor(kv_lens),
-                    md.max_query_len,
-                    impl.alibi_slopes,
-                    impl.sliding_window,
-                    k_scale,
-                    v_scale,
-                    scale=impl.scale,
-                    logits_soft_cap=impl.logits_soft_cap,
-                )
-        else:
-            if key is None:  # cross attention: the encoder's keys come from the cache
-                k_pre, v_pre = _cached_encoder_kv(
-                    impl, md, key_cache, value_cache, kv_lens, k_scale, v_scale, query.dtype
-                )
-            else:  # the prefills' keys lead (decode tokens' keys follow)
-                k_pre, v_pre = key[: sum(kv_lens)], value[: sum(kv_lens)]
-            out[:num_prefill_tokens] = prefill(
-                query[:num_prefill_tokens], k_pre, v_pre, q_lens, kv_lens, causal
-            )
-    if num_decode_tokens:
-        if not uses_cache:
-            raise ValueError("decode needs a kv_cache")
-        if attn_type == AttentionType.ENCODER_DECODER:
-            tables = md.cross_block_tables[md.num_prefills :]
-            seq_lens = md.encoder_seq_lens_tensor[md.num_prefills :]
-            max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-        else:
-            tables, seq_lens, max_len = md.block_tables, md.seq_lens_tensor, md.max_decode_seq_len
-        out[num_prefill_tokens:] = PagedAttention.forward_decode(
-            query[num_prefill_tokens:],
-            key_cache,
-            value_cache,
-            tables,
-            seq_lens,
-            max_len,
-            impl.kv_cache_dtype,
-            num_kv_heads,
-            impl.scale,
-            impl.alibi_slopes,
-            k_scale,
-            v_scale,
-            sliding_window=bias["sliding_window"],
-            logits_soft_cap=bias["logits_soft_cap"],
-        )
-    return out.view(-1, num_heads * head_size)
-
-
-def _cached_encoder_kv(impl, md, key_cache, value_cache, kv_lens, k_scale, v_scale, dtype):
-    """The encoder keys/values of the prefill sequences, read back from the cache."""
-    k, v = PagedAttention.gather_kv(
-        key_cache,
-        value_cache,
-        md.cross_block_tables[: md.num_prefills],
-        max(kv_lens, default=0),
-        impl.kv_cache_dtype,
-        k_scale,
-        v_scale,
-    )
-    keys = [k[i, :n] for i, n in enumerate(kv_lens)]
-    values = [v[i, :n] for i, n in enumerate(kv_lens)]
-    return torch.cat(keys).to(dtype), torch.cat(values).to(dtype)
 
 
 def _make_alibi_bias(

@@ -18,19 +18,15 @@ path runs on every device (vLLM V0 ignored the cap).
 """
 
 import warnings
-from typing import Any
 
 import torch
 
-from torch_backends.abstract import AttentionLayer, AttentionType
-from torch_backends.paged_attn import PagedAttention
+from torch_backends._step import PagedImpl
+from torch_backends.abstract import AttentionImpl
 from torch_backends.torch_sdpa import (
     TorchSDPABackend,
     TorchSDPAMetadata,
     TorchSDPAMetadataBuilder,
-    check_attn_type,
-    check_impl_args,
-    run_forward,
 )
 
 try:
@@ -87,65 +83,10 @@ class XFormersMetadataBuilder(TorchSDPAMetadataBuilder):
         return XFormersMetadata(**{f: getattr(md, f) for f in md.__dataclass_fields__})
 
 
-class XFormersImpl:
-    """vLLM V0's `XFormersImpl` API: `forward(layer, query, key, value, kv_cache, metadata)`."""
+class XFormersImpl(PagedImpl, AttentionImpl[XFormersMetadata]):
+    """vLLM V0's `XFormersImpl`: `forward(layer, query, key, value, kv_cache, metadata)`."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        blocksparse_params: dict[str, Any] | None = None,
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-    ) -> None:
-        self.num_kv_heads = check_impl_args(
-            "XFormers",
-            num_heads,
-            head_size,
-            num_kv_heads,
-            alibi_slopes,
-            blocksparse_params,
-            kv_cache_dtype,
-        )
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.alibi_slopes = (
-            None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
-        )
-        self.sliding_window = sliding_window
-        self.kv_cache_dtype = kv_cache_dtype
-        self.logits_soft_cap = logits_soft_cap
-        self.attn_type = check_attn_type(attn_type)
-        self.num_queries_per_kv = num_heads // self.num_kv_heads
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: XFormersMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return run_forward(
-            self,
-            layer,
-            query,
-            key,
-            value,
-            kv_cache,
-            attn_metadata,
-            output,
-            prefill=self._prefill,
-            prefix=self._prefix,
-        )
+    backend_name = "XFormers"
 
     # -- masks ---------------------------------------------------------------------------
 
@@ -177,7 +118,7 @@ class XFormersImpl:
 
     # -- execution -----------------------------------------------------------------------
 
-    def _prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
+    def prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
         bias = self.make_attn_bias(q_lens, kv_lens, causal)
         if not isinstance(bias, list):
             return self._run(query, key, value, bias)
@@ -190,26 +131,20 @@ class XFormersImpl:
             q0, k0 = q0 + q_len, k0 + kv_len
         return output
 
-    def _prefix(
+    def prefix(
         self, query, key, value, key_cache, value_cache, md, q_lens, kv_lens, k_scale, v_scale
     ) -> torch.Tensor:
         """Chunked prefill: the cached prefix gathered, then a bottom-right causal mask."""
         ctx_lens = [k - q for q, k in zip(q_lens, kv_lens, strict=True)]
-        ctx_k, ctx_v = PagedAttention.gather_kv(
-            key_cache,
-            value_cache,
-            md.prefill_block_tables,
-            max(ctx_lens),
-            self.kv_cache_dtype,
-            k_scale,
-            v_scale,
+        ctx_k, ctx_v = self.gather_kv(
+            key_cache, value_cache, md.prefill_block_tables, max(ctx_lens), k_scale, v_scale
         )
         keys, values, q0 = [], [], 0
         for i, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
             keys += [ctx_k[i, :ctx].to(query.dtype), key[q0 : q0 + q_len]]
             values += [ctx_v[i, :ctx].to(query.dtype), value[q0 : q0 + q_len]]
             q0 += q_len
-        return self._prefill(query, torch.cat(keys), torch.cat(values), q_lens, kv_lens, True)
+        return self.prefill(query, torch.cat(keys), torch.cat(values), q_lens, kv_lens, True)
 
     def _run(self, query, key, value, bias) -> torch.Tensor:
         """Attention of `[Tq, Hq, D]` over `[Tk, Hkv, D]` under an xformers bias."""

@@ -1,0 +1,268 @@
+"""`PagedImpl`: the step logic shared by the torch backends' `AttentionImpl`s.
+
+One `forward` routes a step for every attention type:
+
+    DECODER          write new K/V -> prefills (prefill / chunked `prefix`) -> decodes
+    ENCODER(_ONLY)   no cache: bidirectional prefill over the given K/V
+    ENCODER_DECODER  write the encoder K/V (cross_slot_mapping) when given -> decoder
+                     prefills over them -> decodes over the cached encoder K/V
+
+A backend provides `prefill` and may override the cache hooks (`split_kv_cache`, `write_kv`,
+`gather_kv`, `decode`, `prefix`); the defaults use vLLM's split layout (`PagedAttention`).
+"""
+
+from typing import Any
+
+import torch
+
+from torch_backends.abstract import AttentionLayer, AttentionType, check_attn_type
+from torch_backends.paged_attn import PagedAttention, fp8_dtype
+
+
+def check_impl_args(
+    backend: str,
+    num_heads: int,
+    head_size: int,
+    num_kv_heads: int | None,
+    alibi_slopes,
+    blocksparse_params,
+    kv_cache_dtype: str,
+) -> int:
+    """The checks every backend's impl makes, with vLLM's messages; returns num_kv_heads."""
+    if blocksparse_params is not None:
+        raise ValueError(f"{backend} does not support block-sparse attention.")
+    supported = PagedAttention.get_supported_head_sizes()
+    if head_size not in supported:
+        raise ValueError(
+            f"Head size {head_size} is not supported by PagedAttention. "
+            f"Supported head sizes are: {supported}."
+        )
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be divisible by {num_kv_heads=}")
+    if alibi_slopes is not None and len(alibi_slopes) != num_heads:
+        raise ValueError(f"{len(alibi_slopes)} alibi_slopes for num_heads={num_heads}")
+    fp8_dtype(kv_cache_dtype)  # raises on an unknown cache dtype
+    return num_kv_heads
+
+
+class PagedImpl:
+    backend_name = "paged"
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        blocksparse_params: dict[str, Any] | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+    ) -> None:
+        self.num_kv_heads = check_impl_args(
+            self.backend_name,
+            num_heads,
+            head_size,
+            num_kv_heads,
+            alibi_slopes,
+            blocksparse_params,
+            kv_cache_dtype,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.alibi_slopes = (
+            None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
+        )
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = check_attn_type(attn_type)
+        self.num_queries_per_kv = num_heads // self.num_kv_heads
+
+    # -- hooks a backend may override ------------------------------------------------------
+
+    def split_kv_cache(self, kv_cache: torch.Tensor):
+        return PagedAttention.split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
+
+    def write_kv(self, key, value, key_cache, value_cache, slots, k_scale, v_scale) -> None:
+        PagedAttention.write_to_paged_cache(
+            key, value, key_cache, value_cache, slots, self.kv_cache_dtype, k_scale, v_scale
+        )
+
+    def gather_kv(self, key_cache, value_cache, block_tables, kv_len, k_scale, v_scale):
+        return PagedAttention.gather_kv(
+            key_cache, value_cache, block_tables, kv_len, self.kv_cache_dtype, k_scale, v_scale
+        )
+
+    def decode(
+        self, query, key_cache, value_cache, block_tables, seq_lens, max_len, k_scale, v_scale
+    ) -> torch.Tensor:
+        return PagedAttention.forward_decode(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            max_len,
+            self.kv_cache_dtype,
+            self.num_kv_heads,
+            self.scale,
+            self.alibi_slopes,
+            k_scale,
+            v_scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )
+
+    def prefix(
+        self, query, key, value, key_cache, value_cache, md, q_lens, kv_lens, k_scale, v_scale
+    ) -> torch.Tensor:
+        return PagedAttention.forward_prefix(
+            query,
+            key,
+            value,
+            self.kv_cache_dtype,
+            key_cache,
+            value_cache,
+            md.prefill_block_tables,
+            md.prefill_query_start_loc,
+            torch.tensor(kv_lens),
+            md.max_query_len,
+            self.alibi_slopes,
+            self.sliding_window,
+            k_scale,
+            v_scale,
+            scale=self.scale,
+            logits_soft_cap=self.logits_soft_cap,
+        )
+
+    def prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- the step --------------------------------------------------------------------------
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query `[T, Hq*D]`; key/value `[T or encoder tokens, Hkv*D]` (None for cross
+        attention once the encoder K/V are cached); kv_cache `[2, NB, BS*Hkv*D]` (empty for
+        encoders). Returns `[T, Hq*D]`: prefill tokens first, then one per decode sequence."""
+        md, attn_type = attn_metadata, self.attn_type
+        num_heads, head_size, num_kv_heads = self.num_heads, self.head_size, self.num_kv_heads
+        if md is None:
+            raise ValueError("attn_metadata is required")
+        encoder = attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+        if attn_type == AttentionType.ENCODER_DECODER and not md.is_all_cross_attn_metadata_set:
+            raise AttributeError(
+                "Encoder/decoder cross-attention requires setting "
+                "cross-attention metadata attributes."
+            )
+        if encoder and not md.is_all_encoder_attn_metadata_set:
+            raise AttributeError("Encoder attention requires setting encoder metadata attributes.")
+        query = query.view(-1, num_heads, head_size)
+        if key is not None:
+            key = key.view(-1, num_kv_heads, head_size)
+            value = value.view(-1, num_kv_heads, head_size)
+        k_scale = getattr(layer, "_k_scale", 1.0)
+        v_scale = getattr(layer, "_v_scale", 1.0)
+
+        uses_cache = kv_cache.numel() > 0 and not encoder
+        if uses_cache:
+            key_cache, value_cache = self.split_kv_cache(kv_cache)
+            if key is not None and value is not None:
+                slots = (
+                    md.cross_slot_mapping
+                    if attn_type == AttentionType.ENCODER_DECODER
+                    else md.slot_mapping
+                )
+                self.write_kv(key, value, key_cache, value_cache, slots, k_scale, v_scale)
+
+        if encoder:
+            num_prefill_tokens, num_decode_tokens = md.num_encoder_tokens, 0
+        else:
+            num_prefill_tokens, num_decode_tokens = md.num_prefill_tokens, md.num_decode_tokens
+        if query.shape[0] != num_prefill_tokens + num_decode_tokens:
+            raise ValueError(
+                f"query has {query.shape[0]} tokens but the metadata describes "
+                f"{num_prefill_tokens} prefill + {num_decode_tokens} decode tokens"
+            )
+        out = torch.empty_like(query) if output is None else output.view(-1, num_heads, head_size)
+        causal = attn_type == AttentionType.DECODER
+
+        if num_prefill_tokens:
+            q_lens, kv_lens = md.get_seq_lens(attn_type)
+            pre = slice(0, num_prefill_tokens)
+            if causal and any(k > q for q, k in zip(q_lens, kv_lens, strict=True)):
+                if not (md.chunked_prefill and uses_cache and md.prefill_block_tables is not None):
+                    raise ValueError(
+                        "prefill with a cached prefix needs chunked_prefill=True, "
+                        "a kv_cache and prefill_block_tables"
+                    )
+                out[pre] = self.prefix(
+                    query[pre],
+                    key[pre],
+                    value[pre],
+                    key_cache,
+                    value_cache,
+                    md,
+                    q_lens,
+                    kv_lens,
+                    k_scale,
+                    v_scale,
+                )
+            elif key is None:  # cross attention: the encoder's K/V come from the cache
+                if not uses_cache:
+                    raise ValueError("cross attention without key/value needs a kv_cache")
+                k_pre, v_pre = self._cached_encoder_kv(
+                    md, key_cache, value_cache, kv_lens, k_scale, v_scale, query.dtype
+                )
+                out[pre] = self.prefill(query[pre], k_pre, v_pre, q_lens, kv_lens, causal)
+            else:  # the prefills' keys lead (decode tokens' keys follow)
+                kv = slice(0, sum(kv_lens))
+                out[pre] = self.prefill(query[pre], key[kv], value[kv], q_lens, kv_lens, causal)
+        if num_decode_tokens:
+            if not uses_cache:
+                raise ValueError("decode needs a kv_cache")
+            if attn_type == AttentionType.ENCODER_DECODER:
+                tables = md.cross_block_tables[md.num_prefills :]
+                seq_lens = md.encoder_seq_lens_tensor[md.num_prefills :]
+                max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+            else:
+                tables, seq_lens = md.block_tables, md.seq_lens_tensor
+                max_len = md.max_decode_seq_len
+            out[num_prefill_tokens:] = self.decode(
+                query[num_prefill_tokens:],
+                key_cache,
+                value_cache,
+                tables,
+                seq_lens,
+                max_len,
+                k_scale,
+                v_scale,
+            )
+        return out.view(-1, num_heads * head_size)
+
+    def _cached_encoder_kv(self, md, key_cache, value_cache, kv_lens, k_scale, v_scale, dtype):
+        """The encoder K/V of the prefill sequences, read back from the cache."""
+        k, v = self.gather_kv(
+            key_cache,
+            value_cache,
+            md.cross_block_tables[: md.num_prefills],
+            max(kv_lens, default=0),
+            k_scale,
+            v_scale,
+        )
+        keys = [k[i, :n] for i, n in enumerate(kv_lens)]
+        values = [v[i, :n] for i, n in enumerate(kv_lens)]
+        return torch.cat(keys).to(dtype), torch.cat(values).to(dtype)
