@@ -67,7 +67,7 @@ CASES = [
 ]
 
 
-def _run(case, rng):
+def _run(case, rng, layout="vllm"):
     _name, prefills, decodes, hq, hkv, d, bs, dtype, cache_dtype, extras = case
     fp8 = cache_dtype != "auto"
     k_scale, v_scale = (0.45, 0.7) if fp8 else (1.0, 1.0)
@@ -90,6 +90,7 @@ def _run(case, rng):
         kv_cache_dtype=cache_dtype,
         k_scale=k_scale,
         v_scale=v_scale,
+        layout=layout,
         **bias,
     )
     impl = TorchSDPABackendImpl(hq, d, d**-0.5, hkv, kv_cache_dtype=cache_dtype, **bias)

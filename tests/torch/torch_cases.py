@@ -73,8 +73,20 @@ def nan_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, kv_cache_d
     return torch.full(shape, float("nan"), dtype=dtype)
 
 
-def put(kv_cache, half, slot, x, head_size, num_kv_heads, block_size, kv_cache_dtype, scale):
-    """Write `x [Hkv, D]` at `slot` by explicit split-layout index arithmetic."""
+def put(
+    kv_cache,
+    half,
+    slot,
+    x,
+    head_size,
+    num_kv_heads,
+    block_size,
+    kv_cache_dtype,
+    scale,
+    layout="vllm",
+):
+    """Write `x [Hkv, D]` at `slot` by explicit index arithmetic in vLLM's split layout
+    (key `[NB, Hkv, D/x, BS, x]`, value `[NB, Hkv, D, BS]`) or IPEX's (`[NB, Hkv, BS, D]`)."""
     elem = kv_cache.element_size()
     xw = 16 // elem
     block, offset = divmod(slot, block_size)
@@ -86,7 +98,9 @@ def put(kv_cache, half, slot, x, head_size, num_kv_heads, block_size, kv_cache_d
         x = x.to(kv_cache.dtype)
     h = torch.arange(num_kv_heads)[:, None]
     d = torch.arange(head_size)[None, :]
-    if half == 0:  # key block viewed as [Hkv, D/x, BS, x]
+    if layout == "ipex":  # key and value blocks viewed as [Hkv, BS, D]
+        index = (h * block_size + offset) * head_size + d
+    elif half == 0:  # key block viewed as [Hkv, D/x, BS, x]
         index = ((h * (head_size // xw) + d // xw) * block_size + offset) * xw + d % xw
     else:  # value block viewed as [Hkv, D, BS]
         index = (h * head_size + d) * block_size + offset
@@ -127,6 +141,7 @@ def make_decoder_step(
     alibi_slopes=None,
     sliding_window=None,
     logits_soft_cap=None,
+    layout="vllm",
 ) -> Step:
     """prefills: [(q_len, ctx_len)], decodes: [ctx_len]; prefills come first in the step."""
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
@@ -159,6 +174,7 @@ def make_decoder_step(
                     block_size,
                     kv_cache_dtype,
                     k_scale,
+                    layout,
                 )
                 put(
                     kv_cache,
@@ -170,6 +186,7 @@ def make_decoder_step(
                     block_size,
                     kv_cache_dtype,
                     v_scale,
+                    layout,
                 )
             else:
                 slots.append(slot)
