@@ -214,7 +214,6 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
             return _reference_prefill(
                 self, query, torch.cat(keys), torch.cat(values), q_lens, kv_lens, causal=True
             )
-        tables = md.prefill_block_tables.int()
         out = torch.empty_like(query)
         left, right = self._window(causal=True)
         IpexPagedAttention.flash_attn_varlen_func(
@@ -229,7 +228,7 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
             self.scale * k_scale,
             True,
             md.prefill_block_tables.int(),
-            self.alibi_slopes,
+            None,  # ALiBi took the torch path above
             left,
             right,
             self.kv_cache_dtype,

@@ -16,5 +16,5 @@ def test_import_error_says_how_to_install():
         import torch_backends.ipex_attn  # noqa: F401
     from torch_backends import get_attn_backend
 
-    with pytest.raises(ImportError, match="intel_extension_for_pytorch 2.8"):
+    with pytest.raises(ImportError, match=r"intel_extension_for_pytorch 2\.8"):
         get_attn_backend("IPEX")
