@@ -289,7 +289,7 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
                 self.scale,
                 causal,
                 tables,
-                self.alibi_slopes,
+                None,  # ALiBi took the torch path above
                 left,
                 right,
                 "auto",
