@@ -42,5 +42,7 @@ def assert_close(actual, expected, *dtypes, what: str = "output") -> None:
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
-    assert np.all(np.isfinite(a)), f"{what}: non-finite values at {np.argwhere(~np.isfinite(a))[:5]}"
+    assert np.all(np.isfinite(a)), (
+        f"{what}: non-finite values at {np.argwhere(~np.isfinite(a))[:5]}"
+    )
     np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=what)

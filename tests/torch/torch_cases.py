@@ -100,6 +100,8 @@ def put(
     d = torch.arange(head_size)[None, :]
     if layout == "ipex":  # key and value blocks viewed as [Hkv, BS, D]
         index = (h * block_size + offset) * head_size + d
+    elif layout == "nhd":  # the JAX core's [BS, Hkv, D]
+        index = (offset * num_kv_heads + h) * head_size + d
     elif half == 0:  # key block viewed as [Hkv, D/x, BS, x]
         index = ((h * (head_size // xw) + d // xw) * block_size + offset) * xw + d % xw
     else:  # value block viewed as [Hkv, D, BS]

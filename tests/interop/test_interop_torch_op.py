@@ -1,0 +1,131 @@
+"""The JAX core as torch ops and the "JAX" backend: float64 agreement, opcheck, compile."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tolerances import assert_close
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "torch"))
+from test_torch_sdpa import CASES, _run, alibi
+
+from interop.torch_op import (
+    JaxAttnBackend,
+    JaxAttnBackendImpl,
+    paged_attention_op,
+    varlen_attention_op,
+)
+from torch_backends import AttentionLayer, AttentionType, get_attn_backend
+from torch_backends.torch_sdpa import TorchSDPAMetadataBuilder
+
+JAX_CASES = [
+    c
+    for c in CASES
+    if c[0]
+    in (
+        "prefill-only",
+        "mixed-gqa4",
+        "chunked-gqa8",
+        "bf16",
+        "alibi-chunked",
+        "window-chunked-alibi",
+        "softcap",
+        "fp8-e4m3",
+        "fp8-e5m2",
+    )
+]
+
+
+def _impl(case):
+    _n, _p, _d, hq, hkv, d, _bs, _dt, cache_dtype, extras = case
+    return JaxAttnBackendImpl(
+        hq,
+        d,
+        d**-0.5,
+        hkv,
+        kv_cache_dtype=cache_dtype,
+        alibi_slopes=alibi(hq) if extras.get("alibi") else None,
+        sliding_window=extras.get("sliding_window"),
+        logits_soft_cap=extras.get("logits_soft_cap"),
+    )
+
+
+@pytest.mark.parametrize("case", JAX_CASES, ids=[c[0] for c in JAX_CASES])
+def test_jax_backend_matches_float64_and_sdpa(case, rng):
+    seed = int(rng.integers(2**31))
+    step, sdpa, layer, dtypes = _run(case, np.random.default_rng(seed), layout="nhd")
+    out = _impl(case).forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)
+    hq, d = case[3], case[5]
+    assert_close(out.view(-1, hq, d).float(), step.expected, *dtypes)
+    s = _run(case, np.random.default_rng(seed))[0]
+    ref = sdpa.forward(layer, s.query, s.key, s.value, s.kv_cache, s.metadata)
+    assert_close(out.float(), ref.float(), *dtypes)
+
+
+def test_registry():
+    assert get_attn_backend("JAX") is JaxAttnBackend
+
+
+def test_encoder_through_varlen_op(rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    lens = [4, 9]
+    q, k, v = (torch.randn(13, h, 64, generator=gen) for h in (4, 2, 2))
+    impl = JaxAttnBackendImpl(
+        4, 64, 0.125, 2, attn_type=AttentionType.ENCODER_ONLY, sliding_window=3
+    )
+    md = TorchSDPAMetadataBuilder().build(
+        [], [], block_tables=[], block_size=16, encoder_seq_lens=lens
+    )
+    out = impl.forward(
+        AttentionLayer(), q.view(13, -1), k.view(13, -1), v.view(13, -1), torch.empty(0), md
+    )
+    from torch_cases import reference_attention
+
+    expected = reference_attention(q, k, v, lens, lens, causal=False, scale=0.125, sliding_window=3)
+    assert_close(out.view(13, 4, 64), expected, torch.float32)
+
+
+def _op_args(rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    nb, bs, hkv, d = 6, 8, 2, 64
+    kc = torch.randn(nb, bs, hkv, d, generator=gen)
+    vc = torch.randn(nb, bs, hkv, d, generator=gen)
+    q = torch.randn(5, 4, d, generator=gen)
+    return (
+        q,
+        kc,
+        vc,
+        torch.tensor([0, 4, 5], dtype=torch.int32),
+        torch.tensor([4, 12], dtype=torch.int32),
+        torch.tensor([[3, 0], [1, 5]], dtype=torch.int32),
+        0.125,
+        True,
+        None,
+        -1,
+        -1.0,
+        1.0,
+        1.0,
+    )
+
+
+def test_opcheck(rng):
+    torch.library.opcheck(paged_attention_op, _op_args(rng))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, h, 64, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    torch.library.opcheck(varlen_attention_op, (q, k, v, cu, cu, 0.125, False, None, 4, 5.0))
+
+
+def test_torch_compile_fullgraph(rng):
+    args = _op_args(rng)
+
+    def step(q, kc, vc, qsl, seq_lens, tables):
+        return (
+            torch.ops.jax_attn.paged_attention(q * 2, kc, vc, qsl, seq_lens, tables, *args[6:]) + 1
+        )
+
+    compiled = torch.compile(step, fullgraph=True)  # inductor, the default backend
+    eager = step(*args[:6])
+    torch.testing.assert_close(compiled(*args[:6]), eager)
