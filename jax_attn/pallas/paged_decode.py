@@ -1,0 +1,416 @@
+"""Paged decode attention: one new query token per sequence against its paged KV cache.
+
+Design (Triton-backed Pallas on GPU; the same code runs on CPU with `interpret=True`):
+
+- Grid `(num_seqs, num_kv_heads, num_kv_splits)`. One program owns one kv head of one
+  sequence and every query head of that GQA group, so each cache block is read once per group
+  rather than once per query head. The group is padded to `max(16, next_pow2(G))` rows because
+  Triton's dot needs at least 16 rows; the extra rows are zeros and are sliced away.
+- The cache keeps its own `[NB, BS, Hkv, D]` layout: the BlockSpec squeezes the kv-head axis,
+  so the kernel sees this head's `[NB, BS, D]` pages (strided, no transposed copy).
+- Keys are visited in compute blocks of `pages_per_compute_block` pages; the block table slice
+  of a compute block is read inside the loop and the pages gathered with it.
+- Split-K: a sequence's compute blocks (only those that touch the sliding window) are shared
+  out evenly among the splits, sized by that sequence's own length. Each split writes an
+  unnormalized float32 partial with its running max and sum; `_merge_splits` combines them.
+- Unused memory never reaches the output: keys past `seq_len` (or before the window) get a
+  finite mask logit and an exactly zero weight, and their value rows are replaced by zeros
+  before the second dot, so `0 * NaN` never happens. Block ids past the sequence's last page
+  are replaced by 0 and all ids are clamped into range, so no load can fault.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int32
+
+from jax_attn.pallas import _checks
+from jax_attn.pallas._checks import MASK_VALUE
+
+# Tokens per compute block when the caller does not say: 128 keys keep the K/V tiles of one
+# loop step at 32 KiB each for D=128 bf16, which pipelines well with two stages.
+_TARGET_BLOCK_K = 128
+# Aim for this many programs in flight (an H100 has 132 SMs, several CTAs each) before
+# splitting sequences along the keys.
+_TARGET_PROGRAMS = 512
+_MAX_KV_SPLITS = 16
+
+
+def _paged_decode_kernel(
+    seq_len_ref,  # [1] this sequence's seq_len
+    logit_scale_ref,  # [1] scale * k_scale
+    q_ref,  # [G_pad, D] the group's query heads, zero rows past G
+    k_ref,  # [NB, BS, D] this kv head's key pages
+    v_ref,  # [NB, BS, D]
+    block_table_ref,  # [max_blocks_padded]
+    slopes_ref,  # [G_pad] ALiBi slopes, or None
+    o_ref,  # [G_pad, D] float32, unnormalized partial of this split
+    m_ref,  # [G_pad] running max of this split
+    l_ref,  # [G_pad] running sum of this split
+    *,
+    pages_per_compute_block: int,
+    num_kv_splits: int,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    compute_dtype,
+):
+    split = pl.program_id(2)
+    num_blocks, block_size, head_size = k_ref.shape
+    group_pad = q_ref.shape[0]
+    block_k = pages_per_compute_block * block_size
+
+    seq_len = seq_len_ref[0]
+    logit_scale = logit_scale_ref[0]
+    q_pos = seq_len - 1  # the decode token is the sequence's last position
+    # The first key any row may see: the window start, else 0.
+    first_key = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    num_pages = pl.cdiv(seq_len, block_size)
+    cb_lo = first_key // block_k
+    cb_hi = pl.cdiv(seq_len, block_k)
+    # This split's share of the compute blocks that touch [first_key, seq_len).
+    per_split = pl.cdiv(cb_hi - cb_lo, num_kv_splits)
+    my_lo = cb_lo + split * per_split
+    my_hi = jnp.minimum(my_lo + per_split, cb_hi)
+
+    q = q_ref[...].astype(compute_dtype)
+    slopes = None if slopes_ref is None else slopes_ref[...]
+
+    def body(cb, carry):
+        o_prev, m_prev, l_prev = carry
+        page_idx = cb * pages_per_compute_block + jnp.arange(pages_per_compute_block)
+        pages = block_table_ref[pl.ds(cb * pages_per_compute_block, pages_per_compute_block)]
+        # Pages past the sequence's end may be stale or junk ids: read block 0 instead, and
+        # clamp the rest so that a bad id can never fault.
+        pages = jnp.where(page_idx < num_pages, pages, 0)
+        pages = jnp.clip(pages, 0, num_blocks - 1)
+        # [P, BS, D] -> [block_k, D]
+        k = k_ref[pages].reshape(block_k, head_size).astype(compute_dtype)
+        v = v_ref[pages].reshape(block_k, head_size).astype(compute_dtype)
+
+        key_pos = cb * block_k + jnp.arange(block_k)
+        valid = (key_pos < seq_len) & (key_pos >= first_key)  # [block_k]
+
+        # [G_pad, D] x [block_k, D] -> [G_pad, block_k]
+        logits = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        logits = logits * logit_scale
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        if slopes is not None:
+            rel = (key_pos - q_pos).astype(jnp.float32)
+            logits = logits + slopes[:, None] * rel[None, :]
+        # `where`, not an additive mask: a NaN key gives a NaN logit that must not survive.
+        logits = jnp.where(valid[None, :], logits, MASK_VALUE)
+
+        m_next = jnp.maximum(m_prev, logits.max(axis=1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.where(valid[None, :], jnp.exp(logits - m_next[:, None]), 0.0)
+        l_next = correction * l_prev + p.sum(axis=1)
+        # A zero weight times a NaN value is NaN: zero the rows of unused slots first.
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        # [G_pad, block_k] x [block_k, D] -> [G_pad, D]
+        pv = jax.lax.dot_general(
+            p.astype(compute_dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        return correction[:, None] * o_prev + pv, m_next, l_next
+
+    o = jnp.zeros((group_pad, head_size), jnp.float32)
+    row_max = jnp.full((group_pad,), MASK_VALUE, jnp.float32)
+    row_sum = jnp.zeros((group_pad,), jnp.float32)
+    o, row_max, row_sum = jax.lax.fori_loop(my_lo, my_hi, body, (o, row_max, row_sum))
+    o_ref[...] = o
+    m_ref[...] = row_max
+    l_ref[...] = row_sum
+
+
+def _merge_splits(o, row_max, row_sum, v_scale):
+    """Combine split-K partials in float32.
+
+    o: [S, Hkv, K, G_pad, D] unnormalized; row_max, row_sum: [S, Hkv, K, G_pad]. An empty
+    split has row_max = MASK_VALUE, row_sum = 0, o = 0, so its weight is 0 whenever any split
+    saw a key, and a sequence with no keys at all ends with a zero sum and gives zeros.
+    """
+    m_max = row_max.max(axis=2, keepdims=True)  # [S, Hkv, 1, G_pad]
+    w = jnp.exp(row_max - m_max)  # [S, Hkv, K, G_pad]
+    l_sum = (w * row_sum).sum(axis=2)  # [S, Hkv, G_pad]
+    o_sum = (w[..., None] * o).sum(axis=2)  # [S, Hkv, G_pad, D]
+    safe_l = jnp.where(l_sum > 0, l_sum, 1.0)
+    out = jnp.where((l_sum > 0)[..., None], o_sum / safe_l[..., None], 0.0)
+    # The value scale is linear in the output, so it is applied once here.
+    return out * v_scale
+
+
+def _default_pages_per_compute_block(block_size: int, max_blocks: int) -> int:
+    pages = max(1, _TARGET_BLOCK_K // block_size)
+    pages = min(pages, _checks.next_pow2(max_blocks))
+    # At least 16 keys per step: Triton's dot needs 16 columns.
+    return max(pages, _checks.next_pow2(pl.cdiv(_checks.MIN_DOT, block_size)))
+
+
+def _default_num_kv_splits(num_seqs: int, num_kv_heads: int, num_compute_blocks: int) -> int:
+    splits = pl.cdiv(_TARGET_PROGRAMS, num_seqs * num_kv_heads)
+    return max(1, min(splits, _MAX_KV_SPLITS, num_compute_blocks))
+
+
+def _paged_decode_pallas(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    alibi_slopes,
+    logit_scale,
+    v_scale,
+    *,
+    sliding_window,
+    logits_soft_cap,
+    pages_per_compute_block,
+    num_kv_splits,
+    interpret,
+):
+    num_seqs, num_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    group_pad = max(_checks.MIN_DOT, _checks.next_pow2(group))
+    dtype = _checks.compute_dtype(query.dtype, key_cache.dtype)
+
+    # [S, Hq, D] -> [S, Hkv, G, D] -> [S, Hkv, G_pad, D]
+    q = query.astype(dtype).reshape(num_seqs, num_kv_heads, group, head_size)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
+
+    # Pad the block tables to whole compute blocks; padded entries are never used as pages.
+    max_blocks = block_tables.shape[1]
+    max_blocks_pad = pl.cdiv(max_blocks, pages_per_compute_block) * pages_per_compute_block
+    tables = jnp.pad(block_tables, ((0, 0), (0, max_blocks_pad - max_blocks)))
+
+    if alibi_slopes is None:
+        slopes, slopes_spec = None, None
+    else:
+        # [Hq] -> [Hkv, G] -> [Hkv, G_pad]
+        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
+        slopes = jnp.pad(slopes, ((0, 0), (0, group_pad - group)))
+        slopes_spec = pl.BlockSpec((None, group_pad), lambda s, h, k: (h, 0))
+
+    kernel = functools.partial(
+        _paged_decode_kernel,
+        pages_per_compute_block=pages_per_compute_block,
+        num_kv_splits=num_kv_splits,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        compute_dtype=dtype,
+    )
+    cache_spec = pl.BlockSpec(
+        (num_blocks, block_size, None, head_size), lambda s, h, k: (0, 0, h, 0)
+    )
+    partial_shape = (num_seqs, num_kv_heads, num_kv_splits, group_pad)
+    o, row_max, row_sum = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_kv_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda s, h, k: (s,)),  # seq_lens
+            pl.BlockSpec((1,), lambda s, h, k: (0,)),  # logit scale
+            pl.BlockSpec((None, None, group_pad, head_size), lambda s, h, k: (s, h, 0, 0)),
+            cache_spec,
+            cache_spec,
+            pl.BlockSpec((None, max_blocks_pad), lambda s, h, k: (s, 0)),
+            slopes_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, group_pad, head_size), lambda s, h, k: (s, h, k, 0, 0)),
+            pl.BlockSpec((None, None, None, group_pad), lambda s, h, k: (s, h, k, 0)),
+            pl.BlockSpec((None, None, None, group_pad), lambda s, h, k: (s, h, k, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*partial_shape, head_size), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        name="paged_decode",
+    )(seq_lens, logit_scale.reshape(1), q, key_cache, value_cache, tables, slopes)
+
+    out = _merge_splits(o, row_max, row_sum, v_scale)  # [S, Hkv, G_pad, D]
+    # [S, Hkv, G_pad, D] -> [S, Hkv, G, D] -> [S, Hq, D]
+    out = out[:, :, :group].reshape(num_seqs, num_heads, head_size)
+    return out.astype(query.dtype)
+
+
+def _check_decode_args(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    alibi_slopes,
+    sliding_window,
+    logits_soft_cap,
+    pages_per_compute_block,
+    num_kv_splits,
+    interpret,
+):
+    _checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_seqs")
+    num_seqs, num_heads, head_size = query.shape
+    block_size = key_cache.shape[1]
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks]; got {block_tables.shape}")
+    _checks.check_int_array(
+        block_tables, "block_tables", (num_seqs, block_tables.shape[1]), "(num_seqs, max_blocks)"
+    )
+    _checks.check_int_array(seq_lens, "seq_lens", (num_seqs,), "(num_seqs,)")
+    _checks.check_features(alibi_slopes, sliding_window, logits_soft_cap, num_heads)
+    _checks.check_positive(pages_per_compute_block, "pages_per_compute_block")
+    _checks.check_positive(num_kv_splits, "num_kv_splits")
+    _checks.check_native_shapes(block_size, head_size, interpret)
+    if not interpret and pages_per_compute_block is not None:
+        if not _checks.is_pow2(pages_per_compute_block):
+            raise ValueError(f"{pages_per_compute_block=} must be a power of two on GPU")
+        if pages_per_compute_block * block_size < _checks.MIN_DOT:
+            raise ValueError(
+                f"{pages_per_compute_block=} * {block_size=} must be >= 16 on GPU (tl.dot)"
+            )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "sliding_window",
+        "logits_soft_cap",
+        "pages_per_compute_block",
+        "num_kv_splits",
+        "interpret",
+    ),
+)
+def paged_decode(
+    query: Float[Array, "num_seqs num_heads head_size"],
+    key_cache: Float[Array, "num_blocks block_size num_kv_heads head_size"],
+    value_cache: Float[Array, "num_blocks block_size num_kv_heads head_size"],
+    block_tables: Int32[Array, "num_seqs max_blocks"],
+    seq_lens: Int32[Array, " num_seqs"],
+    *,
+    scale: float,
+    alibi_slopes: Float[Array, " num_heads"] | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scale=1.0,
+    v_scale=1.0,
+    pages_per_compute_block: int | None = None,
+    num_kv_splits: int | None = None,
+    interpret: bool = False,
+) -> Float[Array, "num_seqs num_heads head_size"]:
+    """Decode attention of one query token per sequence over a paged cache (Pallas kernel).
+
+    Sequence i's keys are `seq_lens[i]` tokens in the blocks `block_tables[i]`; its query sits
+    at position `seq_lens[i] - 1`. Math as in SPEC.md (scale, soft cap, ALiBi, sliding window,
+    softmax in float32). Caches of any float dtype, or fp8 (`float8_e4m3fn` / `float8_e5m2`),
+    are read as `stored * k_scale` / `stored * v_scale`. Sequences with `seq_len == 0` give
+    zeros. Nothing in unused blocks or past `seq_len` affects the output, NaN included.
+
+    `pages_per_compute_block` (pages per loop step) and `num_kv_splits` (split-K programs per
+    sequence and kv head) default to a heuristic. On GPU, `block_size` and `head_size` must be
+    powers of two; `interpret=True` runs the same kernel on CPU with no such limit.
+    """
+    _check_decode_args(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
+        pages_per_compute_block,
+        num_kv_splits,
+        interpret,
+    )
+    num_seqs = query.shape[0]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    max_blocks = max(block_tables.shape[1], 1)
+    if pages_per_compute_block is None:
+        pages_per_compute_block = _default_pages_per_compute_block(block_size, max_blocks)
+    if num_kv_splits is None:
+        num_compute_blocks = pl.cdiv(max_blocks, pages_per_compute_block)
+        num_kv_splits = _default_num_kv_splits(num_seqs, num_kv_heads, num_compute_blocks)
+    logit_scale = jnp.float32(scale) * _checks.scale_array(k_scale, "k_scale")
+    return _paged_decode_pallas(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        alibi_slopes,
+        logit_scale,
+        _checks.scale_array(v_scale, "v_scale"),
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        pages_per_compute_block=pages_per_compute_block,
+        num_kv_splits=num_kv_splits,
+        interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap"))
+def paged_decode_reference(
+    query: Float[Array, "num_seqs num_heads head_size"],
+    key_cache: Float[Array, "num_blocks block_size num_kv_heads head_size"],
+    value_cache: Float[Array, "num_blocks block_size num_kv_heads head_size"],
+    block_tables: Int32[Array, "num_seqs max_blocks"],
+    seq_lens: Int32[Array, " num_seqs"],
+    *,
+    scale: float,
+    alibi_slopes: Float[Array, " num_heads"] | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scale=1.0,
+    v_scale=1.0,
+) -> Float[Array, "num_seqs num_heads head_size"]:
+    """`paged_decode` in plain jnp: gather every sequence's pages, one dense softmax."""
+    num_seqs, num_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+    k_scale = _checks.scale_array(k_scale, "k_scale")
+    v_scale = _checks.scale_array(v_scale, "v_scale")
+
+    tables = jnp.clip(block_tables, 0, num_blocks - 1)
+    # [NB, BS, Hkv, D][S, MB] -> [S, MB, BS, Hkv, D] -> [S, L, Hkv, D]
+    k = key_cache[tables].reshape(num_seqs, max_len, num_kv_heads, head_size)
+    v = value_cache[tables].reshape(num_seqs, max_len, num_kv_heads, head_size)
+    k = k.astype(jnp.float32) * k_scale
+    v = v.astype(jnp.float32) * v_scale
+
+    key_pos = jnp.arange(max_len, dtype=jnp.int32)[None, :]  # [1, L]
+    q_pos = (seq_lens - 1)[:, None]  # [S, 1]
+    valid = key_pos < seq_lens[:, None]  # [S, L]
+    if sliding_window is not None:
+        valid = valid & (q_pos - key_pos < sliding_window)
+    v = jnp.where(valid[:, :, None, None], v, 0.0)
+
+    # [S, Hq, D] -> [S, Hkv, G, D]
+    q = query.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_size)
+    # [S, Hkv, G, D] x [S, L, Hkv, D] -> [S, Hkv, G, L]
+    logits = jnp.einsum("shgd,slhd->shgl", q, k, precision="highest") * scale
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
+        rel = (key_pos - q_pos).astype(jnp.float32)[:, None, None, :]  # [S, 1, 1, L]
+        logits = logits + slopes * rel
+    mask = valid[:, None, None, :]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+    denom = p.sum(axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    # [S, Hkv, G, L] x [S, L, Hkv, D] -> [S, Hkv, G, D] -> [S, Hq, D]
+    out = jnp.einsum("shgl,slhd->shgd", p, v, precision="highest")
+    return out.reshape(num_seqs, num_heads, head_size).astype(query.dtype)
