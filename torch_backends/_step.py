@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from torch_backends.abstract import AttentionLayer, AttentionType, check_attn_type
-from torch_backends.paged_attn import PagedAttention, fp8_dtype
+from torch_backends.paged_attn import PagedAttention, dequantize, fp8_dtype, quantize
 
 
 def check_impl_args(
@@ -84,6 +84,14 @@ class PagedImpl:
         self.num_queries_per_kv = num_heads // self.num_kv_heads
 
     # -- hooks a backend may override ------------------------------------------------------
+
+    def as_cached(self, x: torch.Tensor, scale) -> torch.Tensor:
+        """`x` as a read from this cache returns it (in `x`'s dtype); `x` if not fp8."""
+        if self.kv_cache_dtype == "auto":
+            return x
+        return dequantize(quantize(x, self.kv_cache_dtype, scale), self.kv_cache_dtype, scale).to(
+            x.dtype
+        )
 
     def split_kv_cache(self, kv_cache: torch.Tensor):
         return PagedAttention.split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
@@ -187,6 +195,11 @@ class PagedImpl:
                     else md.slot_mapping
                 )
                 self.write_kv(key, value, key_cache, value_cache, slots, k_scale, v_scale)
+                # Attention reads what the cache holds: with an fp8 cache the new tokens'
+                # K/V are rounded the same way, so prefill, chunked prefill and decode (and
+                # every backend) see identical keys. vLLM V0 used the unrounded new K/V.
+                key = self.as_cached(key, k_scale)
+                value = self.as_cached(value, v_scale)
 
         if encoder:
             num_prefill_tokens, num_decode_tokens = md.num_encoder_tokens, 0

@@ -107,9 +107,8 @@ class XFormersImpl(PagedImpl, AttentionImpl[XFormersMetadata]):
             return xbias.BlockDiagonalMask.from_seqlens(q_lens, kv_lens)
         if bottom_right:
             if self.sliding_window is not None:
-                return xbias.BlockDiagonalCausalLocalAttentionFromBottomRightMask.from_seqlens(
-                    q_lens, kv_lens, window_size=self.sliding_window
-                )
+                mask = xbias.BlockDiagonalCausalFromBottomRightMask.from_seqlens(q_lens, kv_lens)
+                return mask.make_local_attention_from_bottomright(self.sliding_window)
             return xbias.BlockDiagonalCausalFromBottomRightMask.from_seqlens(q_lens, kv_lens)
         mask = xbias.BlockDiagonalCausalMask.from_seqlens(q_lens)
         if self.sliding_window is not None:

@@ -1,0 +1,190 @@
+"""Cross-check runners for the torch backends: a `crosscheck.Problem` through vLLM's API.
+
+Each runner converts the workload's core-layout cache to the backend's layout
+(`interop.layouts`), orders the sequences as vLLM wants them (prefills first, then decodes),
+builds the metadata with the backend's builder, runs `impl.forward` (which writes the new
+tokens' K/V first), and returns the output in the workload's token order.
+"""
+
+import importlib
+import importlib.util
+
+import numpy as np
+import torch
+
+from interop import layouts
+from interop.crosscheck import AttnType, Backend, Problem, Unsupported
+
+_FP8 = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
+
+
+def _torch(x: np.ndarray) -> torch.Tensor:
+    """NumPy (ml_dtypes included) -> torch, bit for bit."""
+    name = x.dtype.name
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        bits = {1: np.uint8, 2: np.int16}[x.dtype.itemsize]
+        return torch.from_numpy(np.ascontiguousarray(x).view(bits).copy()).view(
+            getattr(torch, name)
+        )
+    return torch.from_numpy(np.ascontiguousarray(x).copy())
+
+
+def _order(problem: Problem) -> list[int]:
+    """Sequence order for vLLM: prefills (incl. chunked) first, then decodes."""
+    w = problem.workload
+    decode = [q == 1 and c > 0 for q, c in zip(w.query_lens, w.context_lens, strict=True)]
+    return [i for i, d in enumerate(decode) if not d] + [i for i, d in enumerate(decode) if d]
+
+
+def _token_index(query_lens: list[int], order: list[int]) -> np.ndarray:
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    return np.concatenate([np.arange(starts[i], starts[i + 1]) for i in order]).astype(np.int64)
+
+
+def _runner(backend_name: str, layout: str):
+    def run(problem: Problem) -> np.ndarray:
+        from torch_backends import AttentionLayer, get_attn_backend
+
+        spec, w = problem.spec, problem.workload
+        backend = get_attn_backend(backend_name)
+        kv_cache_dtype = _FP8.get(spec.cache_dtype or "", "auto")
+        if backend_name == "IPEX" and kv_cache_dtype == "fp8":
+            raise Unsupported("IPEX 2.8 has fp8_e5m2 caches only")
+        impl = backend.get_impl_cls()(
+            spec.num_heads,
+            spec.head_size,
+            spec.head_size**-0.5,
+            spec.num_kv_heads,
+            alibi_slopes=None if problem.alibi_slopes is None else problem.alibi_slopes.tolist(),
+            sliding_window=spec.sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=spec.logits_soft_cap,
+            attn_type=_attn_type(spec.attn_type),
+        )
+        layer = AttentionLayer(w.k_scale, w.v_scale)
+        if spec.attn_type is AttnType.DECODER:
+            return _run_decoder(problem, backend, impl, layer, layout)
+        return _run_cacheless(problem, backend, impl, layer, layout)
+
+    return run
+
+
+def _attn_type(attn_type: AttnType):
+    from torch_backends import AttentionType
+
+    return {
+        AttnType.DECODER: AttentionType.DECODER,
+        AttnType.ENCODER: AttentionType.ENCODER,
+        AttnType.ENCODER_ONLY: AttentionType.ENCODER_ONLY,
+        AttnType.ENCODER_DECODER: AttentionType.ENCODER_DECODER,
+    }[attn_type]
+
+
+def _pack(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """Core-layout caches -> a backend's packed `kv_cache[2, NB, BS*Hkv*D]`; fp8 caches as
+    uint8 bits, as vLLM stores them (each impl views them as its float8 dtype)."""
+    if key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    if layout == "vllm":
+        return layouts.nhd_to_vllm(key_cache, value_cache)
+    if layout == "ipex":
+        return layouts.nhd_to_ipex(key_cache, value_cache)
+    num_blocks = key_cache.shape[0]  # the core's own layout, packed
+    return torch.stack([key_cache.reshape(num_blocks, -1), value_cache.reshape(num_blocks, -1)])
+
+
+def _run_decoder(problem, backend, impl, layer, layout) -> np.ndarray:
+    w = problem.workload
+    order = _order(problem)
+    tokens = _token_index(w.query_lens, order)
+    kv_cache = _pack(_torch(w.key_cache), _torch(w.value_cache), layout)
+    seq_lens = [w.seq_lens[i] for i in order]
+    q_lens = [w.query_lens[i] for i in order]
+    tables = [w.block_tables[i, : -(-w.seq_lens[i] // w.block_size)].tolist() for i in order]
+    md = backend.get_builder_cls()().build(
+        seq_lens, q_lens, -1, -1, block_tables=tables, block_size=w.block_size
+    )
+    spec = problem.spec
+    out = impl.forward(
+        layer,
+        _torch(w.query[tokens]).reshape(len(tokens), -1),
+        _torch(w.new_key[tokens]).reshape(len(tokens), -1),
+        _torch(w.new_value[tokens]).reshape(len(tokens), -1),
+        kv_cache,
+        md,
+    )
+    result = np.empty(w.query.shape, np.float64)
+    result[tokens] = out.float().numpy().reshape(len(tokens), spec.num_heads, spec.head_size)
+    return result
+
+
+def _run_cacheless(problem, backend, impl, layer, layout) -> np.ndarray:
+    """Encoder, encoder-only (no cache) and cross attention (encoder K/V through the cache)."""
+    spec, w = problem.spec, problem.workload
+    dtype = w.query.dtype
+    keys = _torch(np.concatenate(w.keys).astype(dtype))
+    values = _torch(np.concatenate(w.values).astype(dtype))
+    builder = backend.get_builder_cls()()
+    query = _torch(w.query).reshape(w.query.shape[0], -1)
+    if spec.attn_type is AttnType.ENCODER_DECODER:
+        if spec.fp8:
+            raise Unsupported("cross-attention workloads here use float caches")
+        blocks = [-(-n // w.block_size) for n in w.seq_lens]
+        starts = np.concatenate([[0], np.cumsum(blocks)])
+        cross_tables = [list(range(starts[i], starts[i + 1])) for i in range(len(blocks))]
+        shape = (int(starts[-1]), w.block_size, spec.num_kv_heads, spec.head_size)
+        nan = torch.full(shape, float("nan")).to(keys.dtype)
+        kv_cache = _pack(nan, nan.clone(), layout)
+        md = builder.build(
+            w.query_lens,
+            w.query_lens,
+            -1,
+            -1,
+            block_tables=[[0]] * len(w.query_lens),
+            block_size=w.block_size,
+            encoder_seq_lens=w.seq_lens,
+            cross_block_tables=cross_tables,
+        )
+    else:
+        kv_cache = torch.empty(0)
+        md = builder.build(
+            [], [], -1, -1, block_tables=[], block_size=w.block_size, encoder_seq_lens=w.seq_lens
+        )
+    out = impl.forward(
+        layer,
+        query,
+        keys.reshape(keys.shape[0], -1),
+        values.reshape(values.shape[0], -1),
+        kv_cache,
+        md,
+    )
+    return out.float().numpy().reshape(w.query.shape).astype(np.float64)
+
+
+def _available(module: str, needs: str):
+    def check() -> str | None:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            return f"{needs}: {str(e).splitlines()[0][:160]}"
+        return None
+
+    return check
+
+
+def _xformers_available() -> str | None:
+    if importlib.util.find_spec("xformers") is None:
+        return "xformers is not installed (pip install 'jax-attn[xformers]'; needs torch >= 2.10)"
+    return _available("torch_backends.xformers", "XFORMERS backend")()
+
+
+TORCH_BACKENDS = [
+    Backend(
+        "TORCH_SDPA",
+        _available("torch_backends.torch_sdpa", "torch"),
+        _runner("TORCH_SDPA", "vllm"),
+    ),
+    Backend("XFORMERS", _xformers_available, _runner("XFORMERS", "vllm")),
+    Backend("IPEX", _available("torch_backends.ipex_attn", "IPEX"), _runner("IPEX", "ipex")),
+    Backend("JAX-via-torch", _available("interop.torch_op", "torch + jax"), _runner("JAX", "nhd")),
+]
