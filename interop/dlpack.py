@@ -1,85 +1,171 @@
 """One tensor, two frameworks: `to_jax` / `to_torch` over DLPack, never silently wrong.
 
-What shares memory and what is copied (measured with jax 0.10.2 and torch 2.13 on CPU):
+When memory is shared and when it is copied (measured with jax 0.10.2 and torch 2.13, CPU;
+`copy_reason(tensor)` says which case a tensor falls in):
 
-| torch tensor                                   | to_jax                                   |
-|------------------------------------------------|------------------------------------------|
-| compact, 64-byte aligned (bf16, f16, f32, i32, | zero-copy                                |
-| bool, uint8, float8_e4m3fn, float8_e5m2)       |                                          |
-| 2-D transpose of a compact tensor              | zero-copy (JAX takes the column-major    |
-|                                                | layout as is)                            |
-| non-compact view (e.g. a column slice)         | explicit copy (`.contiguous()`)          |
-| misaligned offset (e.g. `x[1:]`)               | copied by JAX on import                  |
-| int64                                          | values checked: with x64 off, cast to    |
-|                                                | int32 (copy) or `OverflowError`; with x64 |
-|                                                | on, zero-copy int64                      |
-| requires grad                                  | detached explicitly (same memory)        |
-| 0-size                                         | a new empty array                        |
+| torch tensor                                        | `to_jax`                               |
+|-----------------------------------------------------|----------------------------------------|
+| compact row-major, data 64-byte aligned: bf16, f16, | zero-copy                              |
+| f32, i8/i16/i32, u8, bool, float8_e4m3fn/e5m2       |                                        |
+| any permutation of a compact tensor (`x.t()`,       | zero-copy: XLA keeps the permuted      |
+| `x.permute(2, 0, 1)`, size-1 dims with any stride)  | layout (`array.format` shows it)       |
+| non-compact view (column slice, `x[::2]`, expand)   | explicit copy: XLA imports only        |
+|                                                     | permutations of compact strides        |
+| data not 64-byte aligned (`x[1:]` of a flat tensor) | explicit copy: XLA's CPU client would  |
+|                                                     | copy anyway, silently                  |
+| requires grad                                       | detached (same memory): the autograd   |
+|                                                     | graph does not cross frameworks        |
+| conjugate / negative bit set                        | explicit copy resolving the bit        |
+| int64 / uint64, x64 off                             | range-checked, then cast to int32 /    |
+|                                                     | uint32 (copy); out of range raises     |
+|                                                     | `OverflowError` (DLPack would wrap)    |
+| float64 / complex128, x64 off                       | cast to float32 / complex64 (copy), as |
+|                                                     | `jnp.asarray` does                     |
+| 64-bit types, x64 on                                | zero-copy, exact                       |
+| 0-size                                              | same rules (nothing to share)          |
 
-`to_torch` is zero-copy for every JAX array (after `block_until_ready`).
-On CUDA, DLPack's stream handshake orders the consumer after the producer's stream; torch's
-current stream is synchronized before export as well, so a pending kernel cannot race.
+`to_torch` shares memory with every single-device JAX array (JAX allocates 64-byte aligned,
+compact buffers); `copy=True` gives an independent tensor instead.
+
+Aliasing: a zero-copy result is a second name for the same memory. JAX assumes its arrays are
+immutable, so writing the torch tensor in place (either direction) changes the JAX array under
+JAX's feet; pass `copy=True` where the torch side will be written.
+
+CUDA: JAX's DLPack import asks torch for the tensor on JAX's stream and torch orders that after
+its current stream; `to_jax` also synchronizes torch's current stream first, so the array never
+sees a half-written tensor even where the handshake is skipped. `to_torch` waits for the JAX
+computation that produces the array (`block_until_ready`) before exporting it.
 """
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
+from jaxtyping import Array, Shaped
+from torch import Tensor
 
-_INT32 = torch.iinfo(torch.int32)
+# XLA's CPU client imports external memory only at this alignment (`cpu::MinAlign()`); below
+# it, it copies without saying so. The same rule is applied on every device, which is
+# conservative on GPUs (torch's CUDA allocator hands out 512-byte aligned blocks).
+_ALIGN_BYTES = 64
+
+# 64-bit dtypes JAX narrows when x64 is off: (narrow dtype, range-check needed).
+_NARROW_WITHOUT_X64: dict[torch.dtype, tuple[torch.dtype, bool]] = {
+    torch.int64: (torch.int32, True),
+    torch.uint64: (torch.uint32, True),
+    torch.float64: (torch.float32, False),
+    torch.complex128: (torch.complex64, False),
+}
 
 
-def to_jax(tensor: torch.Tensor) -> jax.Array:
-    """A JAX array of `tensor`'s values, sharing memory where the layout allows."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"to_jax expects a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.requires_grad:
-        tensor = tensor.detach()  # the gradient graph does not cross frameworks
-    if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
-        tensor = _int64_to_int32(tensor)
-    if tensor.numel() == 0:
-        return jnp.zeros(tuple(tensor.shape), dtype=_jax_dtype(tensor.dtype))
-    if not _dlpack_compatible(tensor):
-        tensor = tensor.contiguous()  # explicit copy: JAX imports only compact strides
+def to_jax(tensor: Shaped[Tensor, "*shape"], *, copy: bool = False) -> Shaped[Array, "*shape"]:
+    """`tensor` as a JAX array on the same device, sharing its memory where the layout allows.
+
+    Copies (always explicitly, see `copy_reason` and the module table): when `copy=True`; for
+    views XLA cannot import (non-compact strides), data not 64-byte aligned, a conjugate or
+    negative bit; and for 64-bit dtypes while x64 is off, which are cast to their 32-bit twins
+    (int64 / uint64 only after checking every value fits, else `OverflowError`).
+    A tensor that requires grad is detached (no copy): gradients do not flow back to torch.
+    """
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"tensor.layout={tensor.layout} must be torch.strided (dense)")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensor.device={tensor.device} must be a cpu or cuda device")
+    tensor = tensor.detach()  # a no-op view without grad; DLPack refuses tensors with grad
+    if not jax.config.jax_enable_x64 and tensor.dtype in _NARROW_WITHOUT_X64:
+        tensor = _narrow(tensor)
+    if copy or copy_reason(tensor) is not None:
+        # torch's allocator returns compact, 64-byte aligned memory.
+        tensor = tensor.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()
     return jax.dlpack.from_dlpack(tensor)
 
 
-def to_torch(array: jax.Array) -> torch.Tensor:
-    """A torch tensor viewing `array`'s memory (JAX arrays are immutable: do not write it)."""
+def to_torch(array: Shaped[Array, "*shape"], *, copy: bool = False) -> Shaped[Tensor, "*shape"]:
+    """`array` as a torch tensor on the same device, sharing its memory unless `copy=True`.
+
+    The shared tensor is writable to torch but JAX arrays are immutable: take `copy=True` (one
+    device copy) before writing it in place. Waits for the computation producing `array`.
+    """
+    if isinstance(array, jax.core.Tracer):
+        raise TypeError(
+            "array must be a concrete jax.Array, got a tracer: to_torch cannot run under "
+            "jax.jit / vmap / grad"
+        )
     if not isinstance(array, jax.Array):
-        raise TypeError(f"to_torch expects a jax.Array, got {type(array).__name__}")
+        raise TypeError(f"array must be a jax.Array, got {type(array).__name__}")
+    if array.is_deleted():
+        raise ValueError("array was deleted (donated to a jitted call?); nothing to export")
+    devices = array.sharding.device_set
+    if len(devices) != 1:
+        raise ValueError(
+            f"array must live on one device, got {len(devices)} ({array.sharding}); "
+            "jax.device_put it onto one device first"
+        )
     array.block_until_ready()
-    if array.size == 0:
-        return torch.zeros(array.shape, dtype=_torch_dtype(array.dtype))
-    return torch.from_dlpack(array)
+    tensor = torch.from_dlpack(array)
+    return tensor.clone() if copy else tensor
 
 
-def _int64_to_int32(tensor: torch.Tensor) -> torch.Tensor:
-    """JAX without x64 would wrap int64 through DLPack silently: check, then cast."""
-    if tensor.numel():
-        lo, hi = int(tensor.min()), int(tensor.max())
-        if lo < _INT32.min or hi > _INT32.max:
-            bad = hi if hi > _INT32.max else lo
+def copy_reason(tensor: Tensor) -> str | None:
+    """Why DLPack cannot share `tensor`'s memory with JAX as it stands, or None if it can.
+
+    Only the memory layout counts here: dtype narrowing without x64 is `to_jax`'s business.
+    """
+    if tensor.is_conj() or tensor.is_neg():
+        return "conjugate/negative bit set (DLPack cannot express it)"
+    if not _is_permuted_compact(tensor):
+        return f"non-compact strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}"
+    if tensor.data_ptr() % _ALIGN_BYTES:
+        return f"data pointer {tensor.data_ptr():#x} is not {_ALIGN_BYTES}-byte aligned"
+    return None
+
+
+def shares_memory(tensor: Tensor, array: Array) -> bool:
+    """Whether `tensor` and `array` start at the same address (the zero-copy proof)."""
+    return tensor.data_ptr() == array.unsafe_buffer_pointer()
+
+
+def _is_permuted_compact(tensor: Tensor) -> bool:
+    """Strides are a permutation of a row-major compact layout (what XLA imports).
+
+    Size-1 dims may have any stride. E.g. shape (4, 5, 6) permuted (2, 0, 1) has strides
+    (1, 30, 6): sorted by stride they are 1, 6, 30 = 1, 1*6, 6*5, so it is compact.
+    """
+    expected = 1
+    dims = zip(tensor.shape, tensor.stride(), strict=True)
+    for stride, size in sorted((stride, size) for size, stride in dims if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _narrow(tensor: Tensor) -> Tensor:
+    """A 64-bit `tensor` as its 32-bit twin, as JAX holds it without x64 (a copy).
+
+    DLPack would hand JAX the 64-bit buffer and JAX would reinterpret it as 32-bit values,
+    wrapping large integers silently; integers are range-checked here first.
+    """
+    narrow, check = _NARROW_WITHOUT_X64[tensor.dtype]
+    if check and tensor.numel():
+        info = torch.iinfo(narrow)
+        # torch has no min/max kernels for uint64; int64 bits read values >= 2**63 as negative.
+        wide = tensor.view(torch.int64)
+        lo, hi = int(wide.min()), int(wide.max())
+        if tensor.dtype == torch.uint64 and lo < 0:
+            lo = hi = lo + 2**64  # a value past int64's range is certainly past uint32's
+        if lo < info.min or hi > info.max:
+            bad = hi if hi > info.max else lo
             raise OverflowError(
-                f"int64 tensor holds {bad}, which does not fit int32 (JAX's default integer); "
-                "enable x64 (`jax.config.update('jax_enable_x64', True)`) to keep int64"
+                f"tensor ({str(tensor.dtype).removeprefix('torch.')}) holds {bad}, outside "
+                f"{str(narrow).removeprefix('torch.')} [{info.min}, {info.max}], JAX's integer "
+                "type without x64; enable x64 (`with jax.enable_x64(True):`) to keep 64 bits"
             )
-    return tensor.to(torch.int32)
+        if tensor.dtype == torch.uint64:
+            return wide.to(torch.int64).to(narrow)
+    return tensor.to(narrow)
 
 
-def _dlpack_compatible(tensor: torch.Tensor) -> bool:
-    """Row-major compact, or a 2-D transpose of one (JAX accepts both layouts)."""
-    if tensor.is_contiguous():
-        return True
-    return tensor.dim() == 2 and tensor.t().is_contiguous()
-
-
-def _jax_dtype(dtype: torch.dtype):
-    name = str(dtype).removeprefix("torch.")
-    return jnp.dtype({"bool": "bool"}.get(name, name))
-
-
-def _torch_dtype(dtype) -> torch.dtype:
-    return getattr(torch, np.dtype(dtype).name)
+__all__ = ["copy_reason", "shares_memory", "to_jax", "to_torch"]
