@@ -30,7 +30,11 @@ def compute_dtype(query_dtype, cache_dtype):
     has no Triton lowering), else the wider of the two so a float32 cache keeps its bits."""
     if jnp.dtype(cache_dtype) in FP8_DTYPES:
         return jnp.dtype(query_dtype)
-    return jnp.promote_types(query_dtype, cache_dtype)
+    query_dtype, cache_dtype = jnp.dtype(query_dtype), jnp.dtype(cache_dtype)
+    # Spelled out rather than `promote_types`, which strict promotion refuses for bf16 x f32.
+    if query_dtype == cache_dtype:
+        return query_dtype
+    return jnp.dtype(jnp.float32)
 
 
 def check_query_and_cache(query, key_cache, value_cache, *, query_axis: str) -> None:
