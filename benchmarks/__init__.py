@@ -1,0 +1,1 @@
+"""The benchmark suite that `jax-attn bench` runs (see `benchmarks/README.md`)."""

@@ -1,0 +1,326 @@
+"""The peers a workload runs on, each prepared once and then called many times.
+
+| peer          | what one call runs                                                         |
+|---------------|----------------------------------------------------------------------------|
+| jax-xla       | `jax_attn.paged_decode` (decode-only steps) or `paged_attention`, impl xla  |
+| jax-reference | the same entry with impl="reference" (the dense oracle), where it fits     |
+| TORCH_SDPA    | `TorchSDPABackendImpl.forward`: prefills over their contiguous K/V, then   |
+|               | decodes over the paged cache (no cache write: keys are already there)      |
+| IPEX          | IPEX 2.8's kernels directly: `varlen_attention` for prefills,              |
+|               | `PagedAttention.single_query_cached_kv_attention` for decodes              |
+| XFORMERS      | `XFormersImpl.forward` as TORCH_SDPA, on CUDA only (no CPU kernel)         |
+
+`prepare` does all conversion, layout changes, metadata building and (for JAX) compilation,
+so a call is the attention step and nothing else. Every call returns only when its result is
+ready (`block_until_ready` for JAX, `torch.cuda.synchronize` on CUDA).
+"""
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from benchmarks.workloads import Data, Spec
+
+# The dense oracle materializes [Hq, T, L] logits per sequence for every token of the batch:
+# past these sizes one call takes many seconds, so it is skipped with a note.
+REFERENCE_MAX_FLOPS = 20e9
+REFERENCE_MAX_BYTES = 4e9
+
+
+class Skip(Exception):
+    """This peer does not run this workload here (the message says why)."""
+
+
+@dataclasses.dataclass
+class Prepared:
+    call: Callable[[], Any]  # one step; returns once the result is ready
+    output: Callable[[Any], np.ndarray]  # a call's result as float32 [T, Hq, D]
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    name: str
+    why_unavailable: Callable[[], str | None]  # None when it runs here
+    prepare: Callable[[Data], Prepared]
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX
+
+
+def _jax_available() -> str | None:
+    return None if importlib.util.find_spec("jax") else "jax is not installed"
+
+
+def reference_cost(spec: Spec) -> tuple[float, float]:
+    """(flops, peak bytes) of one call of the dense oracle on `spec` (float32)."""
+    max_len = -(-max(spec.seq_lens) // spec.block_size) * spec.block_size
+    heads, size, word = spec.num_heads, spec.head_size, 4
+    if spec.is_decode:  # one query per sequence, sequences one at a time
+        flops = spec.num_seqs * 4 * heads * max_len * size
+        peak = 2 * max_len * (heads + spec.num_kv_heads) * size * word
+        return flops, peak
+    tokens = spec.num_tokens  # every sequence against every token of the batch
+    flops = spec.num_seqs * 4 * heads * tokens * max_len * size
+    peak = 4 * heads * tokens * max_len * word + spec.num_seqs * tokens * heads * size * word
+    return flops, peak
+
+
+def _prepare_jax(data: Data, impl: str) -> Prepared:
+    import jax
+    import jax.numpy as jnp
+
+    import jax_attn
+
+    spec = data.spec
+    if impl == "reference":
+        flops, peak = reference_cost(spec)
+        if flops > REFERENCE_MAX_FLOPS or peak > REFERENCE_MAX_BYTES:
+            raise Skip(
+                f"skipped: the dense oracle needs {flops / 1e9:.0f} GFLOP and "
+                f"{peak / 1e9:.1f} GB per call"
+            )
+    query = jnp.asarray(data.query)
+    key_cache, value_cache = jnp.asarray(data.key_cache), jnp.asarray(data.value_cache)
+    if spec.is_decode:
+        fn = functools.partial(jax_attn.paged_decode, impl=impl)
+        args = (query, key_cache, value_cache, jnp.asarray(data.block_tables),
+                jnp.asarray(data.seq_lens))  # fmt: skip
+        entry = "paged_decode"
+    else:
+        metadata = jax_attn.RaggedMetadata.build(
+            data.query_lens, data.context_lens, data.block_tables, spec.block_size
+        )
+        fn = functools.partial(jax_attn.paged_attention, causal=True, impl=impl)
+        args = (query, key_cache, value_cache, metadata)
+        entry = "paged_attention"
+    start = time.perf_counter()
+    lowered = jax.jit(fn).lower(*args)
+    traced = time.perf_counter()
+    compiled = lowered.compile()
+    done = time.perf_counter()
+
+    def call():
+        return compiled(*args).block_until_ready()
+
+    def output(result) -> np.ndarray:
+        return np.asarray(result.astype(jnp.float32)).reshape(result.shape[0], -1)
+
+    info = dict(entry=entry, lower_s=traced - start, compile_s=done - traced)
+    return Prepared(call, output, info)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch: vLLM V0's backends through their public `forward`
+
+
+def _torch_tensor(x: np.ndarray):
+    """NumPy (bfloat16 included) -> torch, bit for bit."""
+    import torch
+
+    if x.dtype.name == "bfloat16":
+        bits = torch.from_numpy(np.ascontiguousarray(x).view(np.int16))
+        return bits.view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _torch_output(result) -> np.ndarray:
+    return result.float().cpu().numpy().reshape(result.shape[0], -1)
+
+
+def _torch_available() -> str | None:
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    return None
+
+
+def _backend_available(module: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        reason = _torch_available()
+        if reason:
+            return reason
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            return f"not available: {module} does not import ({e})"
+        return None
+
+    return check
+
+
+def _xformers_available() -> str | None:
+    reason = _torch_available()
+    if reason:
+        return reason
+    import torch
+
+    if not torch.cuda.is_available():
+        return "not available: needs CUDA (xformers has no CPU kernel)"
+    return _backend_available("torch_backends.xformers")()
+
+
+def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepared:
+    import torch
+
+    from interop import layouts
+    from torch_backends import AttentionLayer, get_attn_backend
+
+    spec = data.spec
+    backend = get_attn_backend(backend_name)
+    impl = backend.get_impl_cls()(
+        spec.num_heads, spec.head_size, spec.head_size**-0.5, spec.num_kv_heads
+    )
+    layer = AttentionLayer()
+    builder = backend.get_builder_cls()()
+    hidden = spec.num_heads * spec.head_size
+    query = _torch_tensor(data.query).reshape(spec.num_tokens, hidden).to(device)
+    output = torch.empty_like(query)
+    num_pre = spec.num_prefills
+    pre_tokens = int(data.query_lens[:num_pre].sum())
+    tables = [row[: -(-n // spec.block_size)].tolist() for row, n in
+              zip(data.block_tables, data.seq_lens.tolist(), strict=True)]  # fmt: skip
+    steps = []  # (query, key, value, kv_cache, metadata, output) per forward call
+    if num_pre:
+        # A prefill without a cached prefix reads its own contiguous K/V (vLLM's prefill);
+        # an empty kv_cache tells forward to write nothing.
+        keys, values = (_torch_tensor(x).reshape(x.shape[0], -1).to(device)
+                        for x in data.prefill_kv())  # fmt: skip
+        md = builder.build(
+            data.seq_lens[:num_pre].tolist(),
+            data.query_lens[:num_pre].tolist(),
+            block_tables=tables[:num_pre],
+            block_size=spec.block_size,
+        )
+        empty = torch.empty(0, device=device)
+        steps.append((query[:pre_tokens], keys, values, empty, md, output[:pre_tokens]))
+    if num_pre < spec.num_seqs:
+        # Decodes read the paged cache; key=None: their keys are already cached.
+        kv_cache = layouts.nhd_to_vllm(
+            _torch_tensor(data.key_cache), _torch_tensor(data.value_cache)
+        ).to(device)
+        md = builder.build(
+            data.seq_lens[num_pre:].tolist(),
+            data.query_lens[num_pre:].tolist(),
+            block_tables=tables[num_pre:],
+            block_size=spec.block_size,
+        )
+        steps.append((query[pre_tokens:], None, None, kv_cache, md, output[pre_tokens:]))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def call():
+        for q, k, v, cache, md, out in steps:
+            impl.forward(layer, q, k, v, cache, md, output=out)
+        sync()
+        return output
+
+    info = dict(torch_threads=torch.get_num_threads(), device=device)
+    return Prepared(call, _torch_output, info)
+
+
+# ---------------------------------------------------------------------------------------------
+# IPEX: the kernels themselves
+
+
+def _ipex_available() -> str | None:
+    reason = _torch_available()
+    if reason:
+        return reason
+    import torch
+
+    if not torch.__version__.startswith("2.8"):
+        return (
+            f"not available: IPEX 2.8 needs torch 2.8.* (this is torch {torch.__version__}); "
+            "run the bench in the IPEX env: JAX_ATTN_ENV=ipex bash scripts/run.sh jax-attn bench"
+        )
+    try:
+        importlib.import_module("intel_extension_for_pytorch")
+    except ImportError as e:
+        return f"not available: intel_extension_for_pytorch does not import ({e})"
+    return None
+
+
+def _prepare_ipex(data: Data) -> Prepared:
+    import torch
+    from intel_extension_for_pytorch.llm import functional as ipex_functional
+    from intel_extension_for_pytorch.llm.modules import PagedAttention as IpexPagedAttention
+
+    from interop import layouts
+
+    spec = data.spec
+    scale = spec.head_size**-0.5
+    query = _torch_tensor(data.query)  # [T, Hq, D]
+    output = torch.empty_like(query)
+    num_pre = spec.num_prefills
+    pre_tokens = int(data.query_lens[:num_pre].sum())
+    steps = []
+    if num_pre:
+        keys, values = (_torch_tensor(x) for x in data.prefill_kv())  # [Tk, Hkv, D]
+        q_lens = data.query_lens[:num_pre]
+        cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+        q_pre, out_pre = query[:pre_tokens], output[:pre_tokens]
+        max_len = int(q_lens.max())
+
+        def prefill():
+            ipex_functional.varlen_attention(
+                q_pre, keys, values, out_pre, cu_seqlens, cu_seqlens, None, max_len, max_len,
+                0.0, scale, False, True, False, None,
+            )  # fmt: skip
+
+        steps.append(prefill)
+    if num_pre < spec.num_seqs:
+        kv_cache = layouts.nhd_to_ipex(
+            _torch_tensor(data.key_cache), _torch_tensor(data.value_cache)
+        )  # [2, NB, BS*Hkv*D], each half [NB, Hkv, BS, D]
+        shape = (kv_cache.shape[1], spec.num_kv_heads, spec.block_size, spec.head_size)
+        key_cache, value_cache = kv_cache[0].view(shape), kv_cache[1].view(shape)
+        # Query head h reads kv head h // (Hq / Hkv).
+        group = spec.num_heads // spec.num_kv_heads
+        head_mapping = torch.arange(spec.num_kv_heads, dtype=torch.int32)
+        head_mapping = head_mapping.repeat_interleave(group)
+        tables = torch.from_numpy(data.block_tables[num_pre:].copy())
+        seq_lens = torch.from_numpy(data.seq_lens[num_pre:].copy())
+        max_len = int(seq_lens.max())
+        q_dec, out_dec = query[pre_tokens:], output[pre_tokens:]
+
+        def decode():
+            IpexPagedAttention.single_query_cached_kv_attention(
+                out_dec, q_dec, key_cache, value_cache, head_mapping, scale, tables, seq_lens,
+                spec.block_size, max_len, None,
+            )  # fmt: skip
+
+        steps.append(decode)
+
+    def call():
+        for step in steps:
+            step()
+        return output
+
+    import intel_extension_for_pytorch as ipex
+
+    info = dict(torch_threads=torch.get_num_threads(), ipex=ipex.__version__)
+    return Prepared(call, _torch_output, info)
+
+
+PEERS = [
+    Peer("jax-xla", _jax_available, functools.partial(_prepare_jax, impl="xla")),
+    Peer("jax-reference", _jax_available, functools.partial(_prepare_jax, impl="reference")),
+    Peer(
+        "TORCH_SDPA",
+        _backend_available("torch_backends.torch_sdpa"),
+        functools.partial(_prepare_vllm, backend_name="TORCH_SDPA"),
+    ),
+    Peer("IPEX", _ipex_available, _prepare_ipex),
+    Peer(
+        "XFORMERS",
+        _xformers_available,
+        functools.partial(_prepare_vllm, backend_name="XFORMERS", device="cuda"),
+    ),
+]
+BASELINE = "jax-xla"

@@ -1,0 +1,486 @@
+"""`jax-attn bench`: every peer side by side on named workloads, against the memory-copy floor.
+
+Method (details and the latest table in `benchmarks/README.md`):
+1. The copy floor: a large array copy (out of cache), on one thread and on all cores; the faster
+   method is the floor's copy and also runs as one more peer inside every workload's rounds, so
+   each workload's fraction of copy bandwidth uses a copy measured under the same conditions.
+2. Per workload: draw the data once; prepare each peer (layouts, metadata, JAX compilation:
+   never timed; the JAX compile time is reported); warm up; check each peer's output once
+   against the JAX xla path; then time `reps` rounds, each round calling every peer once in a
+   rotated order (spreading machine noise across peers). Report medians and IQRs.
+3. Per peer: median time, bytes moved (`Spec.bytes_moved`: K/V read once, queries and
+   outputs), GB/s, fraction of the copy bandwidth, and `x_jax` = time / JAX xla time (> 1: the
+   JAX xla path is faster).
+"""
+
+import argparse
+import concurrent.futures
+import datetime
+import gc
+import importlib.metadata
+import itertools
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from benchmarks import backends
+from benchmarks.backends import BASELINE, PEERS, Prepared, Skip
+from benchmarks.workloads import Spec, make_data, named_workloads
+
+COPY_BYTES = 512 * 2**20  # the source array; far larger than any cache here
+QUICK_COPY_BYTES = 16 * 2**20
+WORKLOAD_BUDGET_S = 45.0  # timed rounds stop early past this (at least MIN_REPS rounds)
+MIN_REPS = 5
+
+
+# ---------------------------------------------------------------------------------------------
+# The copy floor
+
+
+class Copier:
+    """`dst[:] = src` on `threads` threads, each copying its own contiguous slice."""
+
+    def __init__(self, nbytes: int, threads: int) -> None:
+        self.src = np.ones(nbytes // 4, np.float32)
+        self.dst = np.zeros_like(self.src)  # touched now: no page faults inside the timing
+        self.threads = threads
+        self.bytes = 2 * self.src.nbytes  # read + written
+        bounds = np.linspace(0, self.src.size, threads + 1).astype(int)
+        self.slices = [slice(a, b) for a, b in itertools.pairwise(bounds)]
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+
+    def __call__(self) -> None:
+        if self.pool is None:
+            np.copyto(self.dst, self.src)
+            return
+        # np.copyto releases the GIL for plain dtypes, so the slices copy in parallel.
+        jobs = [self.pool.submit(np.copyto, self.dst[s], self.src[s]) for s in self.slices]
+        for job in jobs:
+            job.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def _stats(times: list[float]) -> dict:
+    q25, median, q75 = np.percentile(times, [25, 50, 75])
+    return dict(median_s=float(median), iqr_s=float(q75 - q25), reps=len(times))
+
+
+def measure_copy(nbytes: int, reps: int, tick: Callable[[], None]) -> tuple[Copier, dict]:
+    """Time 1-thread and all-core copies (interleaved); keep the faster as the floor."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    copiers = {f"{n}-thread": Copier(nbytes, n) for n in sorted({1, cores or 1})}
+    times = {name: [] for name in copiers}
+    for copier in copiers.values():
+        copier()  # warm-up
+    for _ in range(reps):
+        for name, copier in copiers.items():
+            start = time.perf_counter()
+            copier()
+            times[name].append(time.perf_counter() - start)
+        tick()
+    record = {"bytes": next(iter(copiers.values())).bytes}
+    for name, ts in times.items():
+        stats = _stats(ts)
+        record[name] = dict(stats, gb_s=record["bytes"] / stats["median_s"] / 1e9)
+    best = max(times, key=lambda name: record[name]["gb_s"])
+    record.update(method=f"numpy copyto, {best}", gb_s=record[best]["gb_s"])
+    for name, copier in copiers.items():
+        if name != best:
+            copier.close()
+    return copiers[best], record
+
+
+# ---------------------------------------------------------------------------------------------
+# One workload
+
+
+def _tolerance(spec: Spec) -> tuple[float, float]:
+    from interop.crosscheck import TOLERANCES
+
+    atol, rtol = TOLERANCES[spec.dtype]
+    return 2 * atol, 2 * rtol  # two approximations compared with each other, not with float64
+
+
+def run_workload(
+    spec: Spec,
+    peers: list,
+    copier: Copier,
+    reps: int,
+    budget_s: float | None,
+    rng: np.random.Generator,
+    progress,
+) -> dict:
+    task = progress.add_task(f"{spec.name}: preparing", total=len(peers) + 2 + reps)
+    data = make_data(spec, rng)
+    rows: dict[str, dict] = {}
+    prepared: dict[str, Prepared] = {}
+    for peer in peers:
+        progress.update(task, description=f"{spec.name}: preparing {peer.name}")
+        try:
+            prepared[peer.name] = peer.prepare(data)
+            rows[peer.name] = dict(status="ok", note="", **prepared[peer.name].info)
+        except Skip as e:
+            rows[peer.name] = dict(status="skipped", note=str(e))
+        except Exception as e:  # reported in the table; the other peers still run
+            rows[peer.name] = dict(status="error", note=f"{type(e).__name__}: {e}")
+        progress.advance(task)
+    del data
+
+    # Warm-up (twice: the first call may allocate or page in), keeping the first output.
+    progress.update(task, description=f"{spec.name}: warming up")
+    outputs = {}
+    for name, p in list(prepared.items()):
+        try:
+            outputs[name] = p.output(p.call())
+            p.call()
+        except Exception as e:
+            rows[name].update(status="error", note=f"{type(e).__name__}: {e}")
+            del prepared[name]
+    copier()
+    progress.advance(task)
+    _verify(spec, outputs, rows)
+    del outputs
+    progress.advance(task)
+
+    # Timed rounds, every peer once per round, the order rotated each round.
+    calls = {name: p.call for name, p in prepared.items()}
+    calls["copy"] = copier
+    names = list(calls)
+    times = {name: [] for name in names}
+    started = time.perf_counter()
+    for r in range(reps):
+        progress.update(task, description=f"{spec.name}: round {r + 1}/{reps}")
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+        progress.advance(task)
+        if budget_s is not None and r + 1 >= MIN_REPS and time.perf_counter() - started > budget_s:
+            break
+    progress.update(task, completed=len(peers) + 2 + reps, description=f"{spec.name}: done")
+    del prepared, calls
+    gc.collect()
+
+    copy = _stats(times.pop("copy"))
+    copy_gb_s = copier.bytes / copy["median_s"] / 1e9
+    base = np.median(times[BASELINE]) if BASELINE in times else None
+    for name, ts in times.items():
+        row = rows[name]
+        row.update(_stats(ts))
+        row.update(
+            times_s=[round(t, 6) for t in ts],
+            bytes=spec.bytes_moved,
+            gb_s=spec.bytes_moved / row["median_s"] / 1e9,
+            gflop_s=spec.flops / row["median_s"] / 1e9,
+        )
+        row["fraction_of_copy"] = row["gb_s"] / copy_gb_s
+        row["ratio_vs_jax"] = None if base is None else row["median_s"] / base
+    return dict(
+        spec=_spec_record(spec),
+        bytes=spec.bytes_moved,
+        flops=spec.flops,
+        copy=dict(copy, gb_s=copy_gb_s),
+        backends=rows,
+    )
+
+
+def _verify(spec: Spec, outputs: dict[str, np.ndarray], rows: dict[str, dict]) -> None:
+    """Each output against the JAX xla path's: max |error| and whether it is within the
+    tolerance of the workload's dtype (a peer that computes something else is not timed as
+    if it were right: it is marked and the run fails)."""
+    if BASELINE not in outputs:
+        for name in outputs:
+            rows[name].update(max_abs_err_vs_jax=None, agrees=None)
+        return
+    expected = outputs[BASELINE]
+    atol, rtol = _tolerance(spec)
+    for name, out in outputs.items():
+        if out.shape != expected.shape:
+            rows[name].update(max_abs_err_vs_jax=None, agrees=False)
+            rows[name]["note"] = f"output shape {out.shape} != {expected.shape}"
+            continue
+        diff = np.abs(out - expected)
+        error = float(np.nanmax(diff)) if diff.size else 0.0
+        finite = bool(np.isfinite(out).all())
+        agrees = finite and bool(np.all(diff <= atol + rtol * np.abs(expected)))
+        rows[name].update(max_abs_err_vs_jax=error if finite else float("nan"), agrees=agrees)
+
+
+def _spec_record(spec: Spec) -> dict:
+    record = {
+        k: v
+        for k, v in vars(spec).items()
+        if k not in ("query_lens", "seq_lens") and not k.startswith("_")
+    }
+    record.update(
+        description=spec.describe(),
+        num_seqs=spec.num_seqs,
+        num_tokens=spec.num_tokens,
+        num_prefills=spec.num_prefills,
+        query_lens=list(spec.query_lens),
+        seq_lens=list(spec.seq_lens),
+    )
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets (issue 5), judged on the full-size workloads only
+
+
+def _median(results: dict, workload: str, peer: str) -> float | None:
+    row = results.get(workload, {}).get("backends", {}).get(peer, {})
+    return row.get("median_s") if row.get("status") == "ok" else None
+
+
+def check_targets(results: dict) -> list[dict]:
+    targets = []
+
+    def add(what: str, value: float | None, goal: str, met: Callable[[float], bool]) -> None:
+        targets.append(
+            dict(
+                target=what,
+                goal=goal,
+                value=value,
+                met=None if value is None else bool(met(value)),
+            )
+        )
+
+    row = results.get("decode-f32", {}).get("backends", {}).get(BASELINE, {})
+    add(
+        "decode-f32: jax-xla fraction of copy bandwidth",
+        row.get("fraction_of_copy"),
+        ">= 0.50",
+        lambda v: v >= 0.5,
+    )
+    jax_f32, ipex = _median(results, "decode-f32", BASELINE), _median(results, "decode-f32", "IPEX")
+    add(
+        "decode-f32: IPEX time / jax-xla time",
+        ipex / jax_f32 if ipex and jax_f32 else None,
+        ">= 8",
+        lambda v: v >= 8,
+    )
+    jax_bf16 = _median(results, "decode-bf16", BASELINE)
+    add(
+        "decode: f32 time / bf16 time (jax-xla)",
+        jax_f32 / jax_bf16 if jax_f32 and jax_bf16 else None,
+        ">= 1.6",
+        lambda v: v >= 1.6,
+    )
+    jax_pre = _median(results, "prefill-8x512", BASELINE)
+    sdpa = _median(results, "prefill-8x512", "TORCH_SDPA")
+    add(
+        "prefill-8x512: TORCH_SDPA time / jax-xla time",
+        sdpa / jax_pre if sdpa and jax_pre else None,
+        ">= 1.0",
+        lambda v: v >= 1.0,
+    )
+    add(
+        "decode-f32: jax-xla compile time (s)",
+        row.get("compile_s"),
+        "< 10",
+        lambda v: v < 10,
+    )
+    return targets
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine, table, entry point
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
+    cpu, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu in ("", platform.processor()):
+                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    info = dict(
+        cpu=cpu,
+        cpu_count=os.cpu_count(),
+        cores_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        simd=sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        versions={
+            d: _version(d)
+            for d in ("jax", "jaxlib", "numpy", "torch", "intel-extension-for-pytorch", "xformers")
+        },
+        env={k: os.environ[k] for k in ("XLA_FLAGS", "OMP_NUM_THREADS") if k in os.environ},
+    )
+    try:
+        import jax
+
+        info["jax_devices"] = [str(d) for d in jax.devices()]
+    except Exception as e:
+        info["jax_devices"] = f"unavailable: {e}"
+    if _version("torch"):
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        info["torch_interop_threads"] = torch.get_num_interop_threads()
+    return info
+
+
+def _fmt(value, spec: str, missing: str = "") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def render(console, record: dict) -> None:
+    from rich.table import Table
+
+    copy = record["copy"]
+    table = Table(
+        title=f"jax-attn bench ({record['date']}, {record['machine']['cpu']}, "
+        f"{record['machine']['cores_usable']} cores): copy floor {copy['gb_s']:.1f} GB/s "
+        f"({copy['method']})",
+        title_justify="left",
+    )
+    for column, justify in [
+        ("workload", "left"),
+        ("peer", "left"),
+        ("median ms", "right"),
+        ("IQR ms", "right"),
+        ("GB/s", "right"),
+        ("of copy", "right"),
+        ("x jax", "right"),
+        ("max err", "right"),
+        ("note", "left"),
+    ]:
+        table.add_column(column, justify=justify)
+    for name, result in record["workloads"].items():
+        spec = result["spec"]
+        label = f"[bold]{name}[/]\n[dim]{spec['description']}\n{result['bytes'] / 1e6:.0f} MB"
+        shown = [
+            (p, row) for p, row in result["backends"].items() if row["status"] != "unavailable"
+        ]
+        for i, (peer, row) in enumerate(shown):
+            if row["status"] != "ok":
+                cells = ["", "", "", "", "", ""]
+                note = row["note"]
+            else:
+                agrees = row.get("agrees")
+                err = _fmt(row.get("max_abs_err_vs_jax"), ".1e", "-")
+                cells = [
+                    f"{row['median_s'] * 1e3:.1f}",
+                    f"{row['iqr_s'] * 1e3:.1f}",
+                    f"{row['gb_s']:.2f}",
+                    f"{row['fraction_of_copy']:.0%}",
+                    _fmt(row["ratio_vs_jax"], ".2f", "-"),
+                    err + (" [red]WRONG" if agrees is False else ""),
+                ]
+                note = row["note"]
+                if "compile_s" in row:
+                    note = f"compile {row['compile_s']:.2f} s"
+            table.add_row(label if i == 0 else "", peer, *cells, note)
+        table.add_row(
+            "", "[dim]copy", f"[dim]{result['copy']['median_s'] * 1e3:.1f}",
+            f"[dim]{result['copy']['iqr_s'] * 1e3:.1f}", f"[dim]{result['copy']['gb_s']:.2f}",
+            "[dim]100%", "", "", "", end_section=True,
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        "[dim]x jax: median time / jax-xla median time (> 1: jax-xla is faster). "
+        "GB/s: bytes moved (K/V read once + queries + outputs) / median time."
+    )
+    for peer, reason in record["unavailable"].items():
+        console.print(f"[yellow]not run[/]: {peer}: {reason}")
+    for target in record["targets"]:
+        value = target["value"]
+        mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]not measured[/]"}
+        console.print(
+            f"target {target['target']}: {_fmt(value, '.2f', '-')} (goal {target['goal']}) "
+            f"{mark[target['met']]}"
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    console = Console()
+    if not console.is_terminal:  # a log file or a pipe: room for the whole table
+        console = Console(width=max(console.width, 150))
+    quick = bool(getattr(args, "quick", False))
+    specs = named_workloads(quick)
+    wanted = getattr(args, "workloads", None)
+    if wanted:
+        names = [n.strip() for n in wanted.split(",") if n.strip()]
+        unknown = [n for n in names if n not in specs]
+        if unknown:
+            console.print(f"[red]unknown workloads {unknown}; known: {sorted(specs)}")
+            return 2
+        specs = {n: specs[n] for n in names}
+    reps_arg = getattr(args, "reps", None)
+    if reps_arg is not None and reps_arg < 1:
+        console.print(f"[red]--reps={reps_arg} must be >= 1")
+        return 2
+
+    peers, unavailable = [], {}
+    for peer in PEERS:
+        reason = peer.why_unavailable()
+        if reason is None:
+            peers.append(peer)
+        else:
+            unavailable[peer.name] = reason
+
+    record = dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        quick=quick,
+        machine=machine_info(),
+        unavailable=unavailable,
+        workloads={},
+    )
+    rng = np.random.default_rng(0)
+    columns = [*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn()]  # fmt: skip
+    with Progress(*columns, console=console, transient=True) as progress:
+        copy_reps = 3 if quick else 7
+        task = progress.add_task("copy floor", total=copy_reps)
+        copier, record["copy"] = measure_copy(
+            QUICK_COPY_BYTES if quick else COPY_BYTES, copy_reps, lambda: progress.advance(task)
+        )
+        for spec in specs.values():
+            reps = reps_arg or spec.reps
+            budget = None if reps_arg or quick else WORKLOAD_BUDGET_S
+            result = run_workload(spec, peers, copier, reps, budget, rng, progress)
+            for name, reason in unavailable.items():
+                result["backends"][name] = dict(status="unavailable", note=reason)
+            record["workloads"][spec.name] = result
+        copier.close()
+    record["targets"] = [] if quick else check_targets(record["workloads"])
+    record["reference_limits"] = dict(
+        max_flops=backends.REFERENCE_MAX_FLOPS, max_bytes=backends.REFERENCE_MAX_BYTES
+    )
+    render(console, record)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+        console.print(f"wrote {args.json}")
+    failures = [
+        f"{w}/{p}: {row['note'] or 'output disagrees with jax-xla'}"
+        for w, result in record["workloads"].items()
+        for p, row in result["backends"].items()
+        if row["status"] == "error" or row.get("agrees") is False
+    ]
+    for failure in failures:
+        console.print(f"[red]FAIL[/] {failure}")
+    return 1 if failures else 0

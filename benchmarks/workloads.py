@@ -1,0 +1,173 @@
+"""Named benchmark workloads and the data every backend runs on.
+
+A workload is one step of a serving engine: prefill sequences first, then decode sequences
+(vLLM's token order), every key and value already in the paged cache. Backends time attention
+only; writing the new tokens into the cache is not part of any measurement.
+
+    tokens:  |<-- prefill_0 -->|<-- prefill_1 -->|d0|d1|...|d27|
+
+The cache is filled with finite random values everywhere (no NaN poisoning: the tests do that;
+here NaN or denormal slow paths would only distort the timings), and blocks are assigned to
+sequences in random order, as a long-running engine's block manager would.
+"""
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    name: str
+    query_lens: tuple[int, ...]  # prefills (q_len == seq_len) first, then decodes (q_len 1)
+    seq_lens: tuple[int, ...]  # total keys per sequence, the new tokens included
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    dtype: str = "float32"  # query, cache and output
+    reps: int = 15  # timed repetitions per backend (interleaved), unless --reps says otherwise
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_prefills(self) -> int:
+        return sum(q > 1 or q == s for q, s in zip(self.query_lens, self.seq_lens, strict=True))
+
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for q in self.query_lens) and self.num_prefills == 0
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPES[self.dtype].itemsize
+
+    @property
+    def kv_bytes(self) -> int:
+        """Every cached key and value read once."""
+        return 2 * sum(self.seq_lens) * self.num_kv_heads * self.head_size * self.itemsize
+
+    @property
+    def bytes_moved(self) -> int:
+        """The least traffic a step needs: K/V read once, queries read, outputs written."""
+        return self.kv_bytes + 2 * self.num_tokens * self.num_heads * self.head_size * self.itemsize
+
+    @property
+    def flops(self) -> int:
+        """Multiply-adds x 2 of q.k and p.v over the keys each query may see (causal)."""
+        pairs = 0
+        for q, s in zip(self.query_lens, self.seq_lens, strict=True):
+            pairs += sum(s - q + 1 + i for i in range(q))
+        return 4 * pairs * self.num_heads * self.head_size
+
+    def describe(self) -> str:
+        decodes = self.num_seqs - self.num_prefills
+        parts = []
+        if self.num_prefills:
+            lens = sorted(set(self.query_lens[: self.num_prefills]))
+            parts.append(f"{self.num_prefills} prefill x {'/'.join(map(str, lens))}")
+        if decodes:
+            ctx = sorted(set(self.seq_lens[self.num_prefills :]))
+            parts.append(f"{decodes} decode @ ctx {'/'.join(map(str, ctx))}")
+        return (
+            " + ".join(parts)
+            + f", Hq{self.num_heads}/Hkv{self.num_kv_heads} D{self.head_size}"
+            + f" BS{self.block_size} {self.dtype}"
+        )
+
+
+def _decode(name, batch, ctx, dtype, **kw) -> Spec:
+    return Spec(name, (1,) * batch, (ctx,) * batch, dtype=dtype, **kw)
+
+
+def _prefill(name, num, length, **kw) -> Spec:
+    return Spec(name, (length,) * num, (length,) * num, **kw)
+
+
+def _mixed(name, prefills, prefill_len, decodes, ctx, **kw) -> Spec:
+    query_lens = (prefill_len,) * prefills + (1,) * decodes
+    seq_lens = (prefill_len,) * prefills + (ctx,) * decodes
+    return Spec(name, query_lens, seq_lens, **kw)
+
+
+def named_workloads(quick: bool = False) -> dict[str, Spec]:
+    """The suite, by name. `quick` keeps the names and shrinks every size (a smoke run)."""
+    if quick:
+        small = dict(num_heads=8, num_kv_heads=2, head_size=64, reps=3)
+        specs = [
+            _decode("decode-f32", 4, 64, "float32", **small),
+            _decode("decode-bf16", 4, 64, "bfloat16", **small),
+            _prefill("prefill-8x512", 2, 32, **small),
+            _mixed("mixed", 2, 16, 3, 40, **small),
+        ]
+    else:
+        specs = [
+            _decode("decode-f32", 32, 1024, "float32", reps=15),
+            _decode("decode-bf16", 32, 1024, "bfloat16", reps=15),
+            _prefill("prefill-8x512", 8, 512, reps=9),
+            _mixed("mixed", 4, 256, 28, 1024, reps=11),
+        ]
+    return {s.name: s for s in specs}
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """Host arrays of one workload, in the core's layout."""
+
+    spec: Spec
+    query: np.ndarray  # [T, Hq, D]
+    key_cache: np.ndarray  # [NB, BS, Hkv, D]
+    value_cache: np.ndarray
+    block_tables: np.ndarray  # [S, max_blocks] int32, 0 where unused
+    seq_lens: np.ndarray  # [S] int32
+    query_lens: np.ndarray  # [S] int32
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        return self.seq_lens - self.query_lens
+
+    def prefill_kv(self) -> tuple[np.ndarray, np.ndarray]:
+        """The prefill sequences' keys and values, contiguous `[sum(prefill seq_lens), Hkv, D]`
+        (read back from the cache, so every backend sees the same numbers)."""
+        spec = self.spec
+        slots = [
+            self.block_tables[i, pos // spec.block_size].astype(np.int64) * spec.block_size
+            + pos % spec.block_size
+            for i in range(spec.num_prefills)
+            for pos in [np.arange(self.seq_lens[i])]
+        ]
+        slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
+        rows = (-1, spec.num_kv_heads, spec.head_size)
+        return self.key_cache.reshape(rows)[slots], self.value_cache.reshape(rows)[slots]
+
+
+def make_data(spec: Spec, rng: np.random.Generator, extra_blocks: int = 4) -> Data:
+    dtype = _DTYPES[spec.dtype]
+    blocks_per_seq = [-(-n // spec.block_size) for n in spec.seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    order = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.zeros((spec.num_seqs, max(blocks_per_seq)), np.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = order[used : used + n]
+        used += n
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    q_shape = (spec.num_tokens, spec.num_heads, spec.head_size)
+    return Data(
+        spec=spec,
+        query=rng.standard_normal(q_shape, dtype=np.float32).astype(dtype),
+        key_cache=rng.standard_normal(shape, dtype=np.float32).astype(dtype),
+        value_cache=rng.standard_normal(shape, dtype=np.float32).astype(dtype),
+        block_tables=tables,
+        seq_lens=np.asarray(spec.seq_lens, np.int32),
+        query_lens=np.asarray(spec.query_lens, np.int32),
+    )
