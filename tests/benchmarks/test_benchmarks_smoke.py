@@ -1,0 +1,63 @@
+"""`jax-attn bench --quick` in-process: the record has its fields and every peer that ran
+computed the same attention as the JAX xla path. Speed is never asserted."""
+
+import argparse
+import json
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("rich")
+
+from benchmarks import run
+from benchmarks.workloads import named_workloads
+
+ROW_FIELDS = {
+    "median_s", "iqr_s", "reps", "bytes", "gb_s", "fraction_of_copy", "ratio_vs_jax",
+    "max_abs_err_vs_jax", "agrees", "times_s",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    args = argparse.Namespace(quick=True, workloads=None, reps=None, json=str(path))
+    assert run.main(args) == 0
+    return json.loads(path.read_text())
+
+
+def test_record_has_machine_copy_and_every_workload(record):
+    assert record["quick"] is True
+    assert {"cpu", "cpu_count", "versions", "jax_devices"} <= set(record["machine"])
+    assert record["copy"]["gb_s"] > 0 and record["copy"]["bytes"] > 0
+    assert set(record["workloads"]) == set(named_workloads(quick=True))
+    for result in record["workloads"].values():
+        assert result["bytes"] > 0 and result["copy"]["gb_s"] > 0
+        assert run.BASELINE in result["backends"]
+
+
+def test_every_peer_that_ran_agrees_with_jax(record):
+    ran = 0
+    for name, result in record["workloads"].items():
+        assert result["backends"][run.BASELINE]["status"] == "ok", name
+        for peer, row in result["backends"].items():
+            assert row["status"] in ("ok", "skipped", "unavailable"), (name, peer, row["note"])
+            if row["status"] != "ok":
+                assert row["note"], (name, peer)
+                continue
+            ran += 1
+            assert ROW_FIELDS <= set(row), (name, peer)
+            assert row["agrees"] is True, (name, peer, row["max_abs_err_vs_jax"])
+            assert row["reps"] == len(row["times_s"]) >= 1
+            assert row["bytes"] == result["bytes"]
+    assert ran >= 2 * len(record["workloads"])  # jax-xla and jax-reference at least
+
+
+def test_jax_compile_time_is_reported(record):
+    row = record["workloads"]["decode-f32"]["backends"][run.BASELINE]
+    assert row["compile_s"] > 0 and row["entry"] == "paged_decode"
+
+
+def test_unknown_workload_is_refused():
+    args = argparse.Namespace(quick=True, workloads="decode-f32,nope", reps=None, json=None)
+    assert run.main(args) == 2
