@@ -6,9 +6,12 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-echo "== main environment: full suite"
-JAX_ATTN_ENV=main bash scripts/run.sh python -m pytest -n 2 --dist loadgroup \
-    tests --nbmake notebooks "$@"
+echo "== main environment: full suite (tests/ and the notebooks, executed by nbmake)"
+paths=(tests)
+if compgen -G "notebooks/*.ipynb" >/dev/null; then
+    paths+=(--nbmake notebooks)
+fi
+JAX_ATTN_ENV=main bash scripts/run.sh python -m pytest -n 2 --dist loadgroup "${paths[@]}" "$@"
 
 echo "== IPEX environment (torch 2.8 + IPEX 2.8): tests marked ipex"
 set +e
