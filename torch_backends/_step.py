@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from torch_backends._batch import StepPlan
 from torch_backends.abstract import AttentionLayer, AttentionType, check_attn_type
 from torch_backends.paged_attn import PagedAttention, dequantize, fp8_dtype, quantize
 
@@ -129,6 +130,8 @@ class PagedImpl:
     def prefix(
         self, query, key, value, key_cache, value_cache, md, q_lens, kv_lens, k_scale, v_scale
     ) -> torch.Tensor:
+        """Prefills with a cached prefix; `md` is the step's `StepPlan` (its
+        `prefill_block_tables`, `prefill_query_start_loc`, `max_query_len`)."""
         return PagedAttention.forward_prefix(
             query,
             key,
@@ -163,14 +166,16 @@ class PagedImpl:
         attn_metadata,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query `[T, Hq*D]`; key/value `[T or encoder tokens, Hkv*D]` (None for cross
-        attention once the encoder K/V are cached); kv_cache `[2, NB, BS*Hkv*D]` (empty for
-        encoders). Returns `[T, Hq*D]`: prefill tokens first, then one per decode sequence."""
+        """query `[T, Hq*D]`; key/value `[T or encoder tokens, Hkv*D]`, or None when their K/V
+        are already cached (cross attention after the first step, or decodes); kv_cache
+        `[2, NB, BS*Hkv*D]` (empty: write nothing, as in vLLM's profiling run). Returns
+        `[T, Hq*D]`: prefill tokens first, then one per decode sequence."""
         md, attn_type = attn_metadata, self.attn_type
         num_heads, head_size, num_kv_heads = self.num_heads, self.head_size, self.num_kv_heads
         if md is None:
             raise ValueError("attn_metadata is required")
         encoder = attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+        # vLLM's messages (and exception type) for missing encoder / cross metadata.
         if attn_type == AttentionType.ENCODER_DECODER and not md.is_all_cross_attn_metadata_set:
             raise AttributeError(
                 "Encoder/decoder cross-attention requires setting "
@@ -178,7 +183,10 @@ class PagedImpl:
             )
         if encoder and not md.is_all_encoder_attn_metadata_set:
             raise AttributeError("Encoder attention requires setting encoder metadata attributes.")
+        plan: StepPlan = md.step_plan(attn_type)
         query = query.view(-1, num_heads, head_size)
+        if (key is None) != (value is None):
+            raise ValueError("key and value must both be given or both be None")
         if key is not None:
             key = key.view(-1, num_kv_heads, head_size)
             value = value.view(-1, num_kv_heads, head_size)
@@ -188,39 +196,36 @@ class PagedImpl:
         uses_cache = kv_cache.numel() > 0 and not encoder
         if uses_cache:
             key_cache, value_cache = self.split_kv_cache(kv_cache)
-            if key is not None and value is not None:
-                slots = (
-                    md.cross_slot_mapping
-                    if attn_type == AttentionType.ENCODER_DECODER
-                    else md.slot_mapping
+            if key is not None:
+                self.write_kv(
+                    key, value, key_cache, value_cache, plan.slot_mapping, k_scale, v_scale
                 )
-                self.write_kv(key, value, key_cache, value_cache, slots, k_scale, v_scale)
                 # Attention reads what the cache holds: with an fp8 cache the new tokens'
                 # K/V are rounded the same way, so prefill, chunked prefill and decode (and
                 # every backend) see identical keys. vLLM V0 used the unrounded new K/V.
                 key = self.as_cached(key, k_scale)
                 value = self.as_cached(value, v_scale)
 
-        if encoder:
-            num_prefill_tokens, num_decode_tokens = md.num_encoder_tokens, 0
-        else:
-            num_prefill_tokens, num_decode_tokens = md.num_prefill_tokens, md.num_decode_tokens
+        num_prefill_tokens, num_decode_tokens = plan.num_prefill_tokens, plan.num_decode_tokens
         if query.shape[0] != num_prefill_tokens + num_decode_tokens:
             raise ValueError(
                 f"query has {query.shape[0]} tokens but the metadata describes "
                 f"{num_prefill_tokens} prefill + {num_decode_tokens} decode tokens"
             )
+        if any(c < 0 for c in plan.ctx_lens) and attn_type != AttentionType.ENCODER_DECODER:
+            raise ValueError(
+                f"prefill query lengths {plan.q_lens} exceed kv lengths {plan.kv_lens}"
+            )
         out = torch.empty_like(query) if output is None else output.view(-1, num_heads, head_size)
         causal = attn_type == AttentionType.DECODER
 
         if num_prefill_tokens:
-            q_lens, kv_lens = md.get_seq_lens(attn_type)
-            pre = slice(0, num_prefill_tokens)
-            if causal and any(k > q for q, k in zip(q_lens, kv_lens, strict=True)):
-                if not (md.chunked_prefill and uses_cache and md.prefill_block_tables is not None):
+            q_lens, kv_lens, pre = plan.q_lens, plan.kv_lens, slice(0, num_prefill_tokens)
+            if causal and any(plan.ctx_lens):  # chunked prefill: a cached prefix
+                if not uses_cache or plan.prefill_block_tables is None or key is None:
                     raise ValueError(
-                        "prefill with a cached prefix needs chunked_prefill=True, "
-                        "a kv_cache and prefill_block_tables"
+                        "prefill with a cached prefix (query_len < seq_len) needs a kv_cache, "
+                        "the new key/value and block tables for the prefill sequences"
                     )
                 out[pre] = self.prefix(
                     query[pre],
@@ -228,17 +233,17 @@ class PagedImpl:
                     value[pre],
                     key_cache,
                     value_cache,
-                    md,
+                    plan,
                     q_lens,
                     kv_lens,
                     k_scale,
                     v_scale,
                 )
-            elif key is None:  # cross attention: the encoder's K/V come from the cache
-                if not uses_cache:
-                    raise ValueError("cross attention without key/value needs a kv_cache")
-                k_pre, v_pre = self._cached_encoder_kv(
-                    md, key_cache, value_cache, kv_lens, k_scale, v_scale, query.dtype
+            elif key is None:  # K/V from the cache (cross attention after its first step)
+                if not uses_cache or plan.prefill_block_tables is None:
+                    raise ValueError("prefill without key/value needs a kv_cache and block tables")
+                k_pre, v_pre = self._cached_kv(
+                    plan, key_cache, value_cache, k_scale, v_scale, query.dtype
                 )
                 out[pre] = self.prefill(query[pre], k_pre, v_pre, q_lens, kv_lens, causal)
             else:  # the prefills' keys lead (decode tokens' keys follow)
@@ -247,31 +252,25 @@ class PagedImpl:
         if num_decode_tokens:
             if not uses_cache:
                 raise ValueError("decode needs a kv_cache")
-            if attn_type == AttentionType.ENCODER_DECODER:
-                tables = md.cross_block_tables[md.num_prefills :]
-                seq_lens = md.encoder_seq_lens_tensor[md.num_prefills :]
-                max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-            else:
-                tables, seq_lens = md.block_tables, md.seq_lens_tensor
-                max_len = md.max_decode_seq_len
             out[num_prefill_tokens:] = self.decode(
                 query[num_prefill_tokens:],
                 key_cache,
                 value_cache,
-                tables,
-                seq_lens,
-                max_len,
+                plan.decode_block_tables,
+                plan.decode_seq_lens,
+                plan.max_decode_seq_len,
                 k_scale,
                 v_scale,
             )
         return out.view(-1, num_heads * head_size)
 
-    def _cached_encoder_kv(self, md, key_cache, value_cache, kv_lens, k_scale, v_scale, dtype):
-        """The encoder K/V of the prefill sequences, read back from the cache."""
+    def _cached_kv(self, plan, key_cache, value_cache, k_scale, v_scale, dtype):
+        """The prefill sequences' K/V read back from the cache, concatenated `[Tk, Hkv, D]`."""
+        kv_lens = plan.kv_lens
         k, v = self.gather_kv(
             key_cache,
             value_cache,
-            md.cross_block_tables[: md.num_prefills],
+            plan.prefill_block_tables,
             max(kv_lens, default=0),
             k_scale,
             v_scale,

@@ -17,13 +17,13 @@ prefill rather than relying on the block manager dropping old blocks.
 """
 
 import dataclasses
-import itertools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from torch_backends import _math
+from torch_backends._batch import HostBatch, StepPlan, cumsum, encoder_plan, pad_tables, require
 from torch_backends._step import PagedImpl
 from torch_backends.abstract import (
     AttentionBackend,
@@ -125,21 +125,55 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
         """(query lengths, key lengths) of the prefill sequences for `attn_type`."""
         attn_type = check_attn_type(attn_type)
         if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            _require(self.encoder_seq_lens, "encoder_seq_lens", attn_type)
+            require(self.encoder_seq_lens, "encoder_seq_lens", attn_type)
             return self.encoder_seq_lens, self.encoder_seq_lens
-        _require(self.seq_lens, "seq_lens", attn_type)
+        require(self.seq_lens, "seq_lens", attn_type)
         q_lens = self.seq_lens
         if self.prefill_query_start_loc is not None:
             q_lens = torch.diff(self.prefill_query_start_loc).tolist()
         if attn_type == AttentionType.ENCODER_DECODER:
-            _require(self.encoder_seq_lens, "encoder_seq_lens", attn_type)
+            require(self.encoder_seq_lens, "encoder_seq_lens", attn_type)
             return q_lens, self.encoder_seq_lens[: self.num_prefills]
         return q_lens, self.seq_lens
 
-
-def _require(value, name: str, attn_type) -> None:
-    if value is None:
-        raise ValueError(f"attn_metadata.{name} is required for {attn_type.value} attention")
+    def step_plan(self, attn_type: str) -> StepPlan:
+        """This step in the shared vocabulary (`_batch.StepPlan`): decode fields describe the
+        decode sequences only; prefills read a cached prefix through `prefill_block_tables`
+        when `chunked_prefill` is set."""
+        attn_type = check_attn_type(attn_type)
+        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            return encoder_plan(self, attn_type)
+        q_lens, kv_lens = self.get_seq_lens(attn_type) if self.num_prefill_tokens else ([], [])
+        if attn_type == AttentionType.ENCODER_DECODER:
+            cross, enc = self.cross_block_tables, self.encoder_seq_lens_tensor
+            if enc is None:
+                enc = torch.tensor(self.encoder_seq_lens, dtype=torch.int32)
+            decode_lens = enc[self.num_prefills :]
+            return StepPlan(
+                num_prefills=self.num_prefills,
+                num_prefill_tokens=self.num_prefill_tokens,
+                num_decode_tokens=self.num_decode_tokens,
+                slot_mapping=self.cross_slot_mapping,
+                q_lens=q_lens,
+                kv_lens=kv_lens,
+                prefill_block_tables=None if cross is None else cross[: self.num_prefills],
+                decode_block_tables=None if cross is None else cross[self.num_prefills :],
+                decode_seq_lens=decode_lens,
+                max_decode_seq_len=int(decode_lens.max()) if decode_lens.numel() else 0,
+            )
+        prefill_tables = self.prefill_block_tables if self.chunked_prefill else None
+        return StepPlan(
+            num_prefills=self.num_prefills,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens,
+            slot_mapping=self.slot_mapping,
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+            prefill_block_tables=prefill_tables,
+            decode_block_tables=self.block_tables,
+            decode_seq_lens=self.seq_lens_tensor,
+            max_decode_seq_len=self.max_decode_seq_len,
+        )
 
 
 class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
@@ -166,68 +200,32 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         encoder_seq_lens: list[int] | None = None,
         cross_block_tables: list[list[int]] | None = None,
     ) -> TorchSDPAMetadata:
-        if len(seq_lens) != len(query_lens) or len(block_tables) != len(seq_lens):
-            raise ValueError(
-                f"seq_lens ({len(seq_lens)}), query_lens ({len(query_lens)}) and "
-                f"block_tables ({len(block_tables)}) need one entry per sequence"
-            )
-        is_decode = [q == 1 and s > 1 for q, s in zip(query_lens, seq_lens, strict=True)]
-        num_prefills = is_decode.index(True) if any(is_decode) else len(seq_lens)
-        if not all(is_decode[num_prefills:]):
-            raise ValueError("sequences must be ordered prefills first, then decodes")
-        slots = []
-        for s, q, table in zip(seq_lens, query_lens, block_tables, strict=True):
-            if q > s:
-                raise ValueError(f"query_len {q} > seq_len {s}")
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
-        prefill_q, prefill_s = query_lens[:num_prefills], seq_lens[:num_prefills]
-        decode_s = seq_lens[num_prefills:]
-        md = TorchSDPAMetadata(
+        batch = HostBatch.from_lists(
+            seq_lens, query_lens, block_tables, block_size, encoder_seq_lens, cross_block_tables
+        )
+        num_prefills = batch.num_prefills
+        prefill_q, prefill_s = batch.query_lens[:num_prefills], batch.seq_lens[:num_prefills]
+        decode_s = batch.seq_lens[num_prefills:]
+        return TorchSDPAMetadata(
             num_prefills=num_prefills,
             num_prefill_tokens=sum(prefill_q),
             num_decode_tokens=len(decode_s),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long),
             multi_modal_placeholder_index_maps=None,
             enable_kv_scales_calculation=False,
             seq_lens_tensor=torch.tensor(decode_s, dtype=torch.int32),
             max_decode_seq_len=max(decode_s, default=0),
-            block_tables=_pad(block_tables[num_prefills:]),
+            block_tables=pad_tables(batch.block_tables[num_prefills:]),
             chunked_prefill=self.chunked_prefill,
             seq_lens=prefill_s,
             max_query_len=max(prefill_q, default=0),
             max_kv_len=max(prefill_s, default=0),
-            prefill_query_start_loc=_cumsum(prefill_q),
-            kv_start_loc=_cumsum(prefill_s),
-            prefill_block_tables=_pad(block_tables[:num_prefills]),
-            query_start_loc=_cumsum(query_lens),
+            prefill_query_start_loc=cumsum(prefill_q),
+            kv_start_loc=cumsum(prefill_s),
+            prefill_block_tables=pad_tables(batch.block_tables[:num_prefills]),
+            query_start_loc=cumsum(batch.query_lens),
+            **batch.encoder_fields(),
         )
-        if encoder_seq_lens is not None:
-            md.encoder_seq_lens = list(encoder_seq_lens)
-            md.encoder_seq_lens_tensor = torch.tensor(encoder_seq_lens, dtype=torch.int32)
-            md.max_encoder_seq_len = max(encoder_seq_lens, default=0)
-            md.num_encoder_tokens = sum(encoder_seq_lens)
-        if cross_block_tables is not None:  # encoder/decoder models cache the encoder K/V
-            if encoder_seq_lens is None:
-                raise ValueError("cross_block_tables needs encoder_seq_lens")
-            cross_slots = [
-                table[p // block_size] * block_size + p % block_size
-                for n, table in zip(encoder_seq_lens, cross_block_tables, strict=True)
-                for p in range(n)
-            ]
-            md.cross_slot_mapping = torch.tensor(cross_slots, dtype=torch.long)
-            md.cross_block_tables = _pad(cross_block_tables)
-        return md
-
-
-def _pad(tables: list[list[int]]) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
-    return torch.tensor(
-        [list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32
-    ).reshape(len(tables), width)
-
-
-def _cumsum(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
 
 
 class TorchSDPABackendImpl(PagedImpl, AttentionImpl[TorchSDPAMetadata]):
