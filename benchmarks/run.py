@@ -368,7 +368,7 @@ def render(console, record: dict) -> None:
         table.add_column(column, justify=justify)
     for name, result in record["workloads"].items():
         spec = result["spec"]
-        label = f"[bold]{name}[/]\n[dim]{spec['description']}\n{result['bytes'] / 1e6:.0f} MB"
+        label = f"[bold]{name}[/]\n[dim]{spec['description']}\n{result['bytes'] / 1e6:.3g} MB"
         shown = [
             (p, row) for p, row in result["backends"].items() if row["status"] != "unavailable"
         ]

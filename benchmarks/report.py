@@ -1,0 +1,67 @@
+"""A bench record (the JSON of `jax-attn bench --json`) as Markdown, for the README and NOTES:
+`python -m benchmarks.report benchmarks/results/cpu-ipex-env.json`.
+"""
+
+import json
+import sys
+
+
+def _cell(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def markdown(record: dict) -> str:
+    machine, copy = record["machine"], record["copy"]
+    versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items() if v)
+    lines = [
+        f"Run {record['date']}, {machine['cpu']} ({machine['cores_usable']} cores, "
+        f"{'/'.join(machine['simd'])}), torch threads {machine.get('torch_threads')}; {versions}.",
+        f"Copy floor: {copy['gb_s']:.1f} GB/s ({copy['method']}, "
+        f"{copy['bytes'] / 2**20:.0f} MiB read + written).",
+        "",
+        "| workload | peer | median ms | IQR ms | GB/s | of copy | x jax | max err vs jax | note |",
+        "|---|---|--:|--:|--:|--:|--:|--:|---|",
+    ]
+    for name, result in record["workloads"].items():
+        label = f"**{name}** {result['spec']['description']}, {result['bytes'] / 1e6:.3g} MB"
+        first = True
+        for peer, row in result["backends"].items():
+            if row["status"] == "unavailable":
+                continue
+            if row["status"] == "ok":
+                note = f"compile {row['compile_s']:.2f} s" if "compile_s" in row else row["note"]
+                if row.get("agrees") is False:
+                    note = "WRONG OUTPUT " + note
+                cells = [
+                    f"{row['median_s'] * 1e3:.1f}",
+                    f"{row['iqr_s'] * 1e3:.1f}",
+                    f"{row['gb_s']:.2f}",
+                    f"{row['fraction_of_copy']:.0%}",
+                    _cell(row["ratio_vs_jax"], ".2f"),
+                    _cell(row.get("max_abs_err_vs_jax"), ".1e"),
+                    note,
+                ]
+            else:
+                cells = ["", "", "", "", "", "", row["note"]]
+            lines.append("| " + " | ".join([label if first else "", peer, *cells]) + " |")
+            first = False
+        c = result["copy"]
+        lines.append(
+            f"| | copy | {c['median_s'] * 1e3:.1f} | {c['iqr_s'] * 1e3:.1f} | "
+            f"{c['gb_s']:.2f} | 100% | | | |"
+        )
+    unavailable = record.get("unavailable", {})
+    if unavailable:
+        lines.append("")
+        lines += [f"Not run: {peer}: {reason}." for peer, reason in unavailable.items()]
+    if record.get("targets"):
+        lines += ["", "| target | goal | measured | met |", "|---|---|--:|---|"]
+        for t in record["targets"]:
+            met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+            lines.append(f"| {t['target']} | {t['goal']} | {_cell(t['value'], '.2f')} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        sys.stdout.write(markdown(json.load(f)))
