@@ -22,16 +22,31 @@ mismatch IPEX's own import fails in confusing ways) and raises an `ImportError` 
 get a working environment.
 """
 
+import dataclasses
+from typing import Any
+
 import torch
 
 from torch_backends import _math
-from torch_backends._step import PagedImpl
-from torch_backends.abstract import AttentionImpl
-from torch_backends.torch_sdpa import (
-    TorchSDPABackend,
-    TorchSDPAMetadata,
-    TorchSDPAMetadataBuilder,
+from torch_backends._batch import (
+    HostBatch,
+    StepPlan,
+    all_seqs_plan,
+    cumsum,
+    encoder_plan,
+    pad_tables,
+    require,
 )
+from torch_backends._step import PagedImpl
+from torch_backends.abstract import (
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    check_attn_type,
+)
+from torch_backends.paged_attn import PagedAttentionMetadata
+from torch_backends.torch_sdpa import TorchSDPABackend
 
 _INSTALL = (
     "install it in its own environment: pip install 'jax-attn[ipex]' (torch 2.8.* + "
@@ -76,14 +91,115 @@ class IpexAttnBackend(TorchSDPABackend):
         return key_cache, value_cache
 
 
-class IpexAttnMetadata(TorchSDPAMetadata):
-    """The step metadata (same fields as TORCH_SDPA's)."""
+@dataclasses.dataclass
+class IpexAttnMetadata(AttentionMetadata, PagedAttentionMetadata):
+    """vLLM V0's `IpexAttnMetadata` fields (`is_prompt`, `seq_lens`, `seqlen_q`,
+    `max_seqlen`), plus optional fields vLLM's IPEX backend did not have, for what it did not
+    support: chunked prefill, mixed prefill/decode steps, encoder and cross attention.
+
+    vLLM's IPEX steps were all prompts (`is_prompt`, empty `block_tables`) or all decodes
+    (`block_tables`, `seq_lens_tensor` per decode). Here `block_tables` / `seq_lens_tensor`
+    have one row per sequence, prefills first, which is the same thing in both of those
+    cases; prefills with block table rows read their cached prefix through them (vLLM raised
+    "IPEX backend doesn't support prefix decoding").
+    """
+
+    # True if every sequence of the step is a prompt (informational here: the step is read
+    # from the counts and lengths).
+    is_prompt: bool
+    # Prompt lengths (total kv length of each prefill; all sequences may be listed).
+    seq_lens: list[int] | None
+    # [num_prefills + 1] cumulative prompt lengths: seq_lens [3, 5] -> [0, 3, 8].
+    seqlen_q: torch.Tensor | None
+    max_seqlen: int | None
+    # Chunked prefill: [S + 1] cumulative new-token counts (query_lens [2, 5] -> [0, 2, 7]);
+    # without it a prefill's query length is its seq_len.
+    query_start_loc: torch.Tensor | None = None
+    # Encoder and encoder/decoder cross attention (vLLM's IPEX backend had none):
+    encoder_seq_lens: list[int] | None = None
+    encoder_seq_lens_tensor: torch.Tensor | None = None
+    max_encoder_seq_len: int | None = None
+    num_encoder_tokens: int | None = None
+    cross_slot_mapping: torch.Tensor | None = None
+    cross_block_tables: torch.Tensor | None = None
+
+    @property
+    def is_all_encoder_attn_metadata_set(self) -> bool:
+        return self.encoder_seq_lens is not None
+
+    @property
+    def is_all_cross_attn_metadata_set(self) -> bool:
+        return (
+            self.is_all_encoder_attn_metadata_set
+            and self.cross_slot_mapping is not None
+            and self.cross_block_tables is not None
+        )
+
+    @property
+    def prefill_metadata(self) -> "IpexAttnMetadata | None":
+        return self if self.num_prefills > 0 else None
+
+    @property
+    def decode_metadata(self) -> "IpexAttnMetadata | None":
+        return self if self.num_decode_tokens > 0 else None
+
+    def step_plan(self, attn_type: str) -> StepPlan:
+        attn_type = check_attn_type(attn_type)
+        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            return encoder_plan(self, attn_type)
+        p = self.num_prefills
+        q_lens = seq_lens = []
+        if self.num_prefill_tokens:
+            require(self.seq_lens, "seq_lens", attn_type)
+            seq_lens = list(self.seq_lens[:p])
+            q_lens = seq_lens
+            if self.query_start_loc is not None:
+                q_lens = torch.diff(self.query_start_loc[: p + 1]).tolist()
+        return all_seqs_plan(self, attn_type, q_lens, seq_lens)
 
 
-class IpexAttnMetadataBuilder(TorchSDPAMetadataBuilder):
-    def build(self, *args, **kwargs) -> IpexAttnMetadata:
-        md = super().build(*args, **kwargs)
-        return IpexAttnMetadata(**{f: getattr(md, f) for f in md.__dataclass_fields__})
+class IpexAttnMetadataBuilder(AttentionMetadataBuilder[IpexAttnMetadata]):
+    """Builds `IpexAttnMetadata` (vLLM V0 had no IPEX builder: its XPU runner filled the
+    fields). Same `build` keywords as TORCH_SDPA's builder. A step of plain prompts gets
+    empty `block_tables`, as in vLLM."""
+
+    def __init__(self, input_builder: Any = None) -> None:
+        self.input_builder = input_builder
+
+    def build(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        cuda_graph_pad_size: int = -1,
+        batch_size: int = -1,
+        *,
+        block_tables: list[list[int]],
+        block_size: int,
+        encoder_seq_lens: list[int] | None = None,
+        cross_block_tables: list[list[int]] | None = None,
+    ) -> IpexAttnMetadata:
+        batch = HostBatch.from_lists(
+            seq_lens, query_lens, block_tables, block_size, encoder_seq_lens, cross_block_tables
+        )
+        p = batch.num_prefills
+        plain_prompts = batch.num_decode_tokens == 0 and batch.seq_lens == batch.query_lens
+        return IpexAttnMetadata(
+            num_prefills=p,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=batch.num_decode_tokens,
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long),
+            multi_modal_placeholder_index_maps=None,
+            enable_kv_scales_calculation=False,
+            seq_lens_tensor=torch.tensor(batch.seq_lens, dtype=torch.int32),
+            max_decode_seq_len=max(batch.seq_lens[p:], default=0),
+            block_tables=pad_tables([] if plain_prompts else batch.block_tables),
+            is_prompt=p > 0 and batch.num_decode_tokens == 0,
+            seq_lens=batch.seq_lens,
+            seqlen_q=cumsum(batch.seq_lens[:p]),
+            max_seqlen=max(batch.seq_lens[:p], default=0),
+            query_start_loc=cumsum(batch.query_lens),
+            **batch.encoder_fields(),
+        )
 
 
 _E5M2 = torch.float8_e5m2
@@ -151,7 +267,14 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
     ) -> torch.Tensor:
         k_scale, v_scale = self._scales(k_scale, v_scale)
         out = torch.empty_like(query)
-        if self.fp8:
+        if self.fp8 and self.alibi_slopes is not None:
+            # The only kernel with ALiBi (single_query_cached_kv_attention) reads caches in the
+            # query's dtype: give it the blocks this step reads, dequantized.
+            key_cache, value_cache, block_tables = _dequantized_blocks(
+                key_cache, value_cache, block_tables, query.dtype, k_scale, v_scale
+            )
+            k_scale = v_scale = 1.0
+        elif self.fp8:
             # single_query_cached_kv_attention needs the cache in the query's dtype; the
             # chunked-prefill kernel reads e5m2 and serves one query per sequence as well.
             num_seqs = query.shape[0]
@@ -162,7 +285,7 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
                 key_cache,
                 value_cache,
                 torch.arange(num_seqs + 1, dtype=torch.int32),
-                _cumsum(seq_lens.tolist()),
+                cumsum(seq_lens.tolist()),
                 1,
                 int(max_len),
                 self.scale * k_scale,
@@ -222,7 +345,7 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
             key_cache,
             value_cache,
             md.prefill_query_start_loc.int(),
-            _cumsum(kv_lens),
+            cumsum(kv_lens),
             max(q_lens),
             max(kv_lens),
             self.scale * k_scale,
@@ -259,8 +382,8 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
                 key.contiguous(),
                 value.contiguous(),
                 out,
-                _cumsum(q_lens),
-                _cumsum(kv_lens),
+                cumsum(q_lens),
+                cumsum(kv_lens),
                 None,
                 max(q_lens),
                 max(kv_lens),
@@ -282,8 +405,8 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
                 query.contiguous(),
                 key_cache,
                 value_cache,
-                _cumsum(q_lens),
-                _cumsum(kv_lens),
+                cumsum(q_lens),
+                cumsum(kv_lens),
                 max(q_lens),
                 max(kv_lens),
                 self.scale,
@@ -334,8 +457,16 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
         return left, 0 if causal else -1
 
 
-def _cumsum(lens) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(list(lens)).cumsum(0).tolist()], dtype=torch.int32)
+def _dequantized_blocks(key_cache, value_cache, block_tables, dtype, k_scale, v_scale):
+    """The blocks `block_tables` reads, as `dtype` values (`stored * scale`), in a compact
+    cache, with the tables renumbered into it.
+
+    block_tables [[7, 2], [2, 0]] -> blocks [0, 2, 7] copied, tables [[2, 1], [1, 0]].
+    """
+    used, tables = torch.unique(block_tables.long(), return_inverse=True)
+    keys = (key_cache[used].float() * k_scale).to(dtype)  # [U, Hkv, BS, D]
+    values = (value_cache[used].float() * v_scale).to(dtype)
+    return keys, values, tables.to(torch.int32)
 
 
 def _reference_prefill(impl, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:

@@ -17,17 +17,31 @@ so once with a warning. xformers has no logits soft cap either: with a soft cap 
 path runs on every device (vLLM V0 ignored the cap).
 """
 
+import dataclasses
 import warnings
+from typing import Any
 
 import torch
 
-from torch_backends._step import PagedImpl
-from torch_backends.abstract import AttentionImpl
-from torch_backends.torch_sdpa import (
-    TorchSDPABackend,
-    TorchSDPAMetadata,
-    TorchSDPAMetadataBuilder,
+from torch_backends._batch import (
+    HostBatch,
+    StepPlan,
+    all_seqs_plan,
+    cumsum,
+    encoder_plan,
+    pad_tables,
+    require,
 )
+from torch_backends._step import PagedImpl
+from torch_backends.abstract import (
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    check_attn_type,
+)
+from torch_backends.paged_attn import PagedAttentionMetadata
+from torch_backends.torch_sdpa import TorchSDPABackend
 
 try:
     from xformers.ops import fmha, memory_efficient_attention_forward
@@ -73,14 +87,165 @@ class XFormersBackend(TorchSDPABackend):
         return XFormersMetadataBuilder
 
 
-class XFormersMetadata(TorchSDPAMetadata):
-    """The step metadata (same fields as TORCH_SDPA's)."""
+@dataclasses.dataclass
+class XFormersMetadata(AttentionMetadata, PagedAttentionMetadata):
+    """vLLM V0's `XFormersMetadata` fields. Unlike TORCH_SDPA's, `block_tables`,
+    `seq_lens_tensor`, `seq_lens` and `context_lens_tensor` have one entry per sequence,
+    prefills first; `prefill_metadata` / `decode_metadata` slice them.
+
+        |---------- context_len ----------|-- query_len --|
+        |-------------------- seq_len --------------------|
+
+    Prefills with block table rows read their cached prefix through them (vLLM:
+    `prefill_meta.block_tables.numel() != 0`). vLLM's lazily cached `attn_bias` fields are
+    left out: the masks are rebuilt per call from the lengths.
+    """
+
+    # Longest prefill / decode sequence (0 when there is none).
+    max_prefill_seq_len: int
+    use_cuda_graph: bool
+    # seq_lens [5, 17, 9] with query_lens [5, 3, 1]: a plain prefill, a chunked prefill with
+    # 14 cached tokens, a decode with 8.
+    seq_lens: list[int] | None = None
+    seq_start_loc: torch.Tensor | None = None  # [S + 1], cumulative seq_lens
+    context_lens_tensor: torch.Tensor | None = None  # [S], seq_len - query_len
+    max_query_len: int | None = None
+    max_decode_query_len: int | None = None
+    query_start_loc: torch.Tensor | None = None  # [S + 1], cumulative query_lens
+    # Encoder and encoder/decoder cross attention:
+    encoder_seq_lens: list[int] | None = None
+    encoder_seq_lens_tensor: torch.Tensor | None = None
+    encoder_seq_start_loc: torch.Tensor | None = None
+    max_encoder_seq_len: int | None = None
+    num_encoder_tokens: int | None = None
+    cross_slot_mapping: torch.Tensor | None = None
+    cross_block_tables: torch.Tensor | None = None
+
+    @property
+    def is_all_encoder_attn_metadata_set(self) -> bool:
+        return (
+            self.encoder_seq_lens is not None
+            and self.encoder_seq_lens_tensor is not None
+            and self.max_encoder_seq_len is not None
+        )
+
+    @property
+    def is_all_cross_attn_metadata_set(self) -> bool:
+        return (
+            self.is_all_encoder_attn_metadata_set
+            and self.cross_slot_mapping is not None
+            and self.cross_block_tables is not None
+        )
+
+    @property
+    def prefill_metadata(self) -> "XFormersMetadata | None":
+        if self.num_prefills == 0:
+            return None
+        p, t = self.num_prefills, self.num_prefill_tokens
+        return dataclasses.replace(
+            self,
+            num_decode_tokens=0,
+            slot_mapping=_cut(self.slot_mapping, stop=t),
+            seq_lens=_cut(self.seq_lens, stop=p),
+            seq_lens_tensor=_cut(self.seq_lens_tensor, stop=p),
+            context_lens_tensor=_cut(self.context_lens_tensor, stop=p),
+            block_tables=_cut(self.block_tables, stop=p),
+            query_start_loc=_cut(self.query_start_loc, stop=p + 1),
+            seq_start_loc=_cut(self.seq_start_loc, stop=p + 1),
+            max_decode_seq_len=0,
+            use_cuda_graph=False,
+        )
+
+    @property
+    def decode_metadata(self) -> "XFormersMetadata | None":
+        if self.num_decode_tokens == 0:
+            return None
+        p, t = self.num_prefills, self.num_prefill_tokens
+        return dataclasses.replace(
+            self,
+            num_prefills=0,
+            num_prefill_tokens=0,
+            slot_mapping=_cut(self.slot_mapping, start=t),
+            seq_lens=None,
+            seq_lens_tensor=_cut(self.seq_lens_tensor, start=p),
+            context_lens_tensor=None,
+            block_tables=_cut(self.block_tables, start=p),
+            query_start_loc=None,
+            seq_start_loc=None,
+            max_prefill_seq_len=0,
+        )
+
+    def step_plan(self, attn_type: str) -> StepPlan:
+        attn_type = check_attn_type(attn_type)
+        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            return encoder_plan(self, attn_type)
+        p = self.num_prefills
+        q_lens = seq_lens = []
+        if self.num_prefill_tokens:
+            require(self.seq_lens, "seq_lens", attn_type)
+            seq_lens = list(self.seq_lens[:p])
+            q_lens = seq_lens
+            if self.query_start_loc is not None:
+                q_lens = torch.diff(self.query_start_loc[: p + 1]).tolist()
+        return all_seqs_plan(self, attn_type, q_lens, seq_lens)
 
 
-class XFormersMetadataBuilder(TorchSDPAMetadataBuilder):
-    def build(self, *args, **kwargs) -> XFormersMetadata:
-        md = super().build(*args, **kwargs)
-        return XFormersMetadata(**{f: getattr(md, f) for f in md.__dataclass_fields__})
+def _cut(x, start=None, stop=None):
+    return None if x is None else x[start:stop]
+
+
+class XFormersMetadataBuilder(AttentionMetadataBuilder[XFormersMetadata]):
+    """Builds `XFormersMetadata` from per-sequence lengths and block tables.
+
+    vLLM's builder read its inputs from the model runner (`input_builder`); standalone, the
+    block tables and block size are given to `build` as keywords, as for TORCH_SDPA.
+    """
+
+    def __init__(self, input_builder: Any = None) -> None:
+        self.input_builder = input_builder
+
+    def build(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        cuda_graph_pad_size: int = -1,
+        batch_size: int = -1,
+        *,
+        block_tables: list[list[int]],
+        block_size: int,
+        encoder_seq_lens: list[int] | None = None,
+        cross_block_tables: list[list[int]] | None = None,
+    ) -> XFormersMetadata:
+        batch = HostBatch.from_lists(
+            seq_lens, query_lens, block_tables, block_size, encoder_seq_lens, cross_block_tables
+        )
+        p = batch.num_prefills
+        enc = batch.encoder_fields()
+        if encoder_seq_lens is not None:
+            enc["encoder_seq_start_loc"] = cumsum(encoder_seq_lens)
+        return XFormersMetadata(
+            num_prefills=p,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=batch.num_decode_tokens,
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long),
+            multi_modal_placeholder_index_maps=None,
+            enable_kv_scales_calculation=False,
+            seq_lens_tensor=torch.tensor(batch.seq_lens, dtype=torch.int32),
+            max_prefill_seq_len=max(batch.seq_lens[:p], default=0),
+            max_decode_seq_len=max(batch.seq_lens[p:], default=0),
+            block_tables=pad_tables(batch.block_tables),
+            use_cuda_graph=False,
+            seq_lens=batch.seq_lens,
+            seq_start_loc=cumsum(batch.seq_lens),
+            context_lens_tensor=torch.tensor(
+                [s - q for s, q in zip(batch.seq_lens, batch.query_lens, strict=True)],
+                dtype=torch.int32,
+            ),
+            max_query_len=max(batch.query_lens, default=0),
+            max_decode_query_len=1 if batch.num_decode_tokens else 0,
+            query_start_loc=cumsum(batch.query_lens),
+            **enc,
+        )
 
 
 class XFormersImpl(PagedImpl, AttentionImpl[XFormersMetadata]):
