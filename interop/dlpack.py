@@ -7,6 +7,8 @@ When memory is shared and when it is copied (measured with jax 0.10.2 and torch 
 |-----------------------------------------------------|----------------------------------------|
 | compact row-major, data 64-byte aligned: bf16, f16, | zero-copy                              |
 | f32, i8/i16/i32, u8, bool, float8_e4m3fn/e5m2       |                                        |
+| float8 where torch's DLPack has no float8 (torch    | uint8 bits shared, then one copy: a    |
+| 2.8, the IPEX environment; see `FLOAT8_ZERO_COPY`)  | bit cast in JAX (same in `to_torch`)   |
 | any permutation of a compact tensor (`x.t()`,       | zero-copy: XLA keeps the permuted      |
 | `x.permute(2, 0, 1)`, size-1 dims with any stride)  | layout (`array.format` shows it)       |
 | non-compact view (column slice, `x[::2]`, expand)   | explicit copy: XLA imports only        |
@@ -25,7 +27,8 @@ When memory is shared and when it is copied (measured with jax 0.10.2 and torch 
 | 0-size                                              | same rules (nothing to share)          |
 
 `to_torch` shares memory with every single-device JAX array (JAX allocates 64-byte aligned,
-compact buffers); `copy=True` gives an independent tensor instead.
+compact buffers; float8 only where `FLOAT8_ZERO_COPY`); `copy=True` gives an independent
+tensor instead.
 
 Aliasing: a zero-copy result is a second name for the same memory. JAX assumes its arrays are
 immutable, so writing the torch tensor in place (either direction) changes the JAX array under
@@ -38,6 +41,7 @@ computation that produces the array (`block_until_ready`) before exporting it.
 """
 
 import jax
+import numpy as np
 import torch
 from jaxtyping import Array, Shaped
 from torch import Tensor
@@ -46,6 +50,23 @@ from torch import Tensor
 # it, it copies without saying so. The same rule is applied on every device, which is
 # conservative on GPUs (torch's CUDA allocator hands out 512-byte aligned blocks).
 _ALIGN_BYTES = 64
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _dlpack_carries_float8() -> bool:
+    """Whether this torch exports float8 through DLPack (torch 2.8 raises "float8 types are not
+    supported by dlpack"; 2.13 does it)."""
+    try:
+        torch.empty(1, dtype=torch.float8_e5m2).__dlpack__()
+    except (RuntimeError, BufferError, TypeError):
+        return False
+    return True
+
+
+# True where float8 tensors cross zero-copy; elsewhere they cross as uint8 bits (zero-copy)
+# plus a bit cast on the JAX side, which is one copy in JAX.
+FLOAT8_ZERO_COPY: bool = _dlpack_carries_float8()
 
 # 64-bit dtypes JAX narrows when x64 is off: (narrow dtype, range-check needed).
 _NARROW_WITHOUT_X64: dict[torch.dtype, tuple[torch.dtype, bool]] = {
@@ -79,6 +100,9 @@ def to_jax(tensor: Shaped[Tensor, "*shape"], *, copy: bool = False) -> Shaped[Ar
         tensor = tensor.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()
+    if tensor.dtype in _FLOAT8 and not FLOAT8_ZERO_COPY:
+        bits = jax.dlpack.from_dlpack(tensor.view(torch.uint8))
+        return jax.lax.bitcast_convert_type(bits, _jax_dtype(tensor.dtype))
     return jax.dlpack.from_dlpack(tensor)
 
 
@@ -87,6 +111,7 @@ def to_torch(array: Shaped[Array, "*shape"], *, copy: bool = False) -> Shaped[Te
 
     The shared tensor is writable to torch but JAX arrays are immutable: take `copy=True` (one
     device copy) before writing it in place. Waits for the computation producing `array`.
+    float8 arrays are bit cast to uint8 first (a copy) where torch's DLPack has no float8.
     """
     if isinstance(array, jax.core.Tracer):
         raise TypeError(
@@ -104,6 +129,10 @@ def to_torch(array: Shaped[Array, "*shape"], *, copy: bool = False) -> Shaped[Te
             "jax.device_put it onto one device first"
         )
     array.block_until_ready()
+    dtype = _torch_dtype(array.dtype)
+    if dtype in _FLOAT8 and not FLOAT8_ZERO_COPY:
+        bits = jax.lax.bitcast_convert_type(array, np.uint8).block_until_ready()
+        return torch.from_dlpack(bits).view(dtype)  # the bit cast made a fresh buffer already
     tensor = torch.from_dlpack(array)
     return tensor.clone() if copy else tensor
 
@@ -142,6 +171,14 @@ def _is_permuted_compact(tensor: Tensor) -> bool:
     return True
 
 
+def _jax_dtype(dtype: torch.dtype) -> np.dtype:
+    return np.dtype(getattr(jax.numpy, str(dtype).removeprefix("torch.")))
+
+
+def _torch_dtype(dtype) -> torch.dtype | None:
+    return getattr(torch, np.dtype(dtype).name, None)
+
+
 def _narrow(tensor: Tensor) -> Tensor:
     """A 64-bit `tensor` as its 32-bit twin, as JAX holds it without x64 (a copy).
 
@@ -168,4 +205,4 @@ def _narrow(tensor: Tensor) -> Tensor:
     return tensor.to(narrow)
 
 
-__all__ = ["copy_reason", "shares_memory", "to_jax", "to_torch"]
+__all__ = ["FLOAT8_ZERO_COPY", "copy_reason", "shares_memory", "to_jax", "to_torch"]
