@@ -491,7 +491,9 @@ def ragged_paged_attention_reference(
     k = k.astype(jnp.float32) * k_scale
     v = v.astype(jnp.float32) * v_scale
     key_pos = jnp.arange(max_len, dtype=jnp.int32)
-    in_seq = key_pos[None, :] < seq_lens[:, None]  # [S, L]
+    # Rows past num_seqs are junk: they own no keys (padding tokens map to row num_seqs).
+    real_seq = jnp.arange(max_seqs) < num_seqs
+    in_seq = (key_pos[None, :] < seq_lens[:, None]) & real_seq[:, None]  # [S, L]
     v = jnp.where(in_seq[:, :, None, None], v, 0.0)
 
     valid = in_seq[seq] & is_real[:, None]  # [T, L]

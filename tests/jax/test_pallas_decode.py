@@ -107,9 +107,7 @@ def make_decode_batch(case: Case, rng: np.random.Generator):
         keys.append(k.astype(np.float64) * k_scale)
         values.append(v.astype(np.float64) * v_scale)
     query = rng.standard_normal((num_seqs, case.num_heads, d)).astype(jnp.dtype(case.dtype))
-    slopes = (
-        rng.uniform(0.05, 1.0, case.num_heads).astype(np.float32) if case.alibi else None
-    )
+    slopes = rng.uniform(0.05, 1.0, case.num_heads).astype(np.float32) if case.alibi else None
     return query, key_cache, value_cache, tables, seq_lens, keys, values, slopes
 
 
@@ -268,8 +266,9 @@ ERRORS = [
 ]
 
 
-@pytest.mark.parametrize(("edit", "kwargs", "error", "match"), [e[1:] for e in ERRORS],
-                         ids=[e[0] for e in ERRORS])
+@pytest.mark.parametrize(
+    ("edit", "kwargs", "error", "match"), [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS]
+)
 def test_decode_argument_errors(edit, kwargs, error, match):
     with pytest.raises(error, match=match):
         paged_decode(*edit(_args()), scale=1.0, interpret=True, **kwargs)
