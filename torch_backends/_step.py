@@ -193,6 +193,13 @@ class PagedImpl:
         k_scale = getattr(layer, "_k_scale", 1.0)
         v_scale = getattr(layer, "_v_scale", 1.0)
 
+        num_prefill_tokens, num_decode_tokens = plan.num_prefill_tokens, plan.num_decode_tokens
+        if query.shape[0] != num_prefill_tokens + num_decode_tokens:
+            raise ValueError(
+                f"query has {query.shape[0]} tokens but the metadata describes "
+                f"{num_prefill_tokens} prefill + {num_decode_tokens} decode tokens"
+            )
+
         uses_cache = kv_cache.numel() > 0 and not encoder
         if uses_cache:
             key_cache, value_cache = self.split_kv_cache(kv_cache)
@@ -206,12 +213,6 @@ class PagedImpl:
                 key = self.as_cached(key, k_scale)
                 value = self.as_cached(value, v_scale)
 
-        num_prefill_tokens, num_decode_tokens = plan.num_prefill_tokens, plan.num_decode_tokens
-        if query.shape[0] != num_prefill_tokens + num_decode_tokens:
-            raise ValueError(
-                f"query has {query.shape[0]} tokens but the metadata describes "
-                f"{num_prefill_tokens} prefill + {num_decode_tokens} decode tokens"
-            )
         if any(c < 0 for c in plan.ctx_lens) and attn_type != AttentionType.ENCODER_DECODER:
             raise ValueError(
                 f"prefill query lengths {plan.q_lens} exceed kv lengths {plan.kv_lens}"

@@ -239,9 +239,12 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
         key, value, slots = key[keep], value[keep], slots[keep]
         k_scale, v_scale = self._scales(k_scale, v_scale)
         if self.fp8:
+            # Round with torch (to nearest even, saturating) and hand IPEX values it can
+            # store exactly: its own float -> e5m2 conversion rounds some ties differently,
+            # and the cache bytes must match the other backends'.
             finfo = torch.finfo(_E5M2)
-            key = (key.float() / k_scale).clamp(finfo.min, finfo.max)
-            value = (value.float() / v_scale).clamp(finfo.min, finfo.max)
+            key = (key.float() / k_scale).clamp(finfo.min, finfo.max).to(_E5M2).float()
+            value = (value.float() / v_scale).clamp(finfo.min, finfo.max).to(_E5M2).float()
         IpexPagedAttention.reshape_and_cache(
             key.contiguous(),
             value.contiguous(),
@@ -258,8 +261,8 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
         pos = torch.arange(kv_len)
         logical = (pos // block_size).clamp(max=max(block_tables.shape[1] - 1, 0))
         block = block_tables.long()[:, logical]  # [S, L]
-        k = key_cache[block, :, pos % block_size]  # [S, L, Hkv, D]
-        v = value_cache[block, :, pos % block_size]
+        k = _index(key_cache, (block, slice(None), pos % block_size))  # [S, L, Hkv, D]
+        v = _index(value_cache, (block, slice(None), pos % block_size))
         return k.float() * k_scale, v.float() * v_scale
 
     def decode(
@@ -377,10 +380,15 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
             and self.sliding_window is None
             and (self.logits_soft_cap is None)
         ):
+            # varlen_attention takes one kv head per query head (as vLLM V0 fed it), and on
+            # CPU it ignores `softmax_scale` and uses 1/sqrt(head_size): the queries carry
+            # the ratio instead.
+            group = self.num_queries_per_kv
+            default = self.head_size**-0.5
             ipex_functional.varlen_attention(
-                query.contiguous(),
-                key.contiguous(),
-                value.contiguous(),
+                (query * (self.scale / default)).contiguous(),
+                key.repeat_interleave(group, dim=1).contiguous(),  # [Tk, Hq, D]
+                value.repeat_interleave(group, dim=1).contiguous(),
                 out,
                 cumsum(q_lens),
                 cumsum(kv_lens),
@@ -457,6 +465,13 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
         return left, 0 if causal else -1
 
 
+def _index(cache: torch.Tensor, index) -> torch.Tensor:
+    """`cache[index]`; torch 2.8 has no CPU indexing for float8, so fp8 goes through bytes."""
+    if cache.dtype == _E5M2:
+        return cache.view(torch.uint8)[index].view(_E5M2)
+    return cache[index]
+
+
 def _dequantized_blocks(key_cache, value_cache, block_tables, dtype, k_scale, v_scale):
     """The blocks `block_tables` reads, as `dtype` values (`stored * scale`), in a compact
     cache, with the tables renumbered into it.
@@ -464,8 +479,8 @@ def _dequantized_blocks(key_cache, value_cache, block_tables, dtype, k_scale, v_
     block_tables [[7, 2], [2, 0]] -> blocks [0, 2, 7] copied, tables [[2, 1], [1, 0]].
     """
     used, tables = torch.unique(block_tables.long(), return_inverse=True)
-    keys = (key_cache[used].float() * k_scale).to(dtype)  # [U, Hkv, BS, D]
-    values = (value_cache[used].float() * v_scale).to(dtype)
+    keys = (_index(key_cache, used).float() * k_scale).to(dtype)  # [U, Hkv, BS, D]
+    values = (_index(value_cache, used).float() * v_scale).to(dtype)
     return keys, values, tables.to(torch.int32)
 
 

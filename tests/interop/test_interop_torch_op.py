@@ -10,6 +10,7 @@ from tolerances import assert_close
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "torch"))
 from test_torch_sdpa import CASES, _run, alibi
+from torch_cases import case_scale
 
 from interop.torch_op import (
     JaxAttnBackend,
@@ -43,7 +44,7 @@ def _impl(case):
     return JaxAttnBackendImpl(
         hq,
         d,
-        d**-0.5,
+        case_scale(case),
         hkv,
         kv_cache_dtype=cache_dtype,
         alibi_slopes=alibi(hq) if extras.get("alibi") else None,

@@ -133,30 +133,35 @@ def test_grad_matches_reference_grad(causal, rng):
 
 
 def test_grad_matches_finite_differences(rng):
-    """Central differences; the fast path accumulates in float32, so eps and rtol suit that."""
+    """Central differences along random unit directions of (q, k, v).
+
+    The fast path accumulates in float32, so the loss carries ~1e-6 of rounding noise; a
+    step of 1e-2 along a unit direction keeps that noise (~1e-4 in the quotient) and the
+    truncation error (~1e-5) well under the tolerance while the derivative itself is O(1).
+    """
     q, k, v, cu_q, cu_k = _inputs(rng, [2, 3], [4, 3], num_heads=2, num_kv_heads=1, head_size=8)
-    with jax.enable_x64(True):
-        q, k, v = (x.astype(jnp.float64) for x in (q, k, v))
 
-        def f(q, k, v):
-            return jnp.sum(jnp.sin(jax_attn.varlen_attention(q, k, v, cu_q, cu_k, causal=True)))
+    def f(q, k, v):
+        out = jax_attn.varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
 
-        grads = jax.grad(f, argnums=(0, 1, 2))(q, k, v)
-        eps = 1e-3
-        for arg, g in enumerate(grads):
-            x = [q, k, v]
-            flat = np.asarray(x[arg]).reshape(-1)
-            for idx in rng.choice(flat.size, size=6, replace=False):
-                plus, minus = flat.copy(), flat.copy()
-                plus[idx] += eps
-                minus[idx] -= eps
-                xp, xm = list(x), list(x)
-                xp[arg] = jnp.asarray(plus.reshape(x[arg].shape))
-                xm[arg] = jnp.asarray(minus.reshape(x[arg].shape))
-                numeric = (float(f(*xp)) - float(f(*xm))) / (2 * eps)
-                np.testing.assert_allclose(
-                    float(np.asarray(g).reshape(-1)[idx]), numeric, rtol=2e-3, atol=2e-4
-                )
+    grads = jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+    eps = 1e-2
+    for _ in range(4):
+        direction = [rng.standard_normal(x.shape) for x in (q, k, v)]
+        norm = np.sqrt(sum(np.sum(u**2) for u in direction))
+        direction = [u / norm for u in direction]
+        shifted = [
+            [jnp.asarray(np.asarray(x, np.float64) + sign * eps * u, jnp.float32)
+             for x, u in zip((q, k, v), direction, strict=True)]
+            for sign in (1, -1)
+        ]  # fmt: skip
+        numeric = (float(f(*shifted[0])) - float(f(*shifted[1]))) / (2 * eps)
+        analytic = sum(
+            float(np.sum(np.asarray(g, np.float64) * u))
+            for g, u in zip(grads, direction, strict=True)
+        )
+        np.testing.assert_allclose(analytic, numeric, rtol=5e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(

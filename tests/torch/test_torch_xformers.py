@@ -1,13 +1,12 @@
-"""XFORMERS: xformers' own bias objects, executed on CPU by the documented reference path,
-checked against the float64 reference and against TORCH_SDPA on the same inputs."""
+"""XFORMERS' own surface: xformers' bias objects and their documented CPU reference execution.
+(Every backend's steps, XFORMERS included: test_torch_backends.py.)"""
 
 import warnings
 
 import pytest
 import torch
-from test_torch_sdpa import CASES, _run, alibi
 from tolerances import assert_close
-from torch_cases import reference_attention
+from torch_cases import alibi, reference_attention
 
 xformers = pytest.importorskip("xformers", reason="xformers is not installed in this environment")
 
@@ -21,36 +20,6 @@ from torch_backends.xformers import (  # noqa: E402
     XFormersMetadataBuilder,
     execute_reference,
 )
-
-
-def _xformers_impl(case):
-    _name, _prefills, _decodes, hq, hkv, d, _bs, _dtype, cache_dtype, extras = case
-    return XFormersImpl(
-        hq,
-        d,
-        d**-0.5,
-        hkv,
-        kv_cache_dtype=cache_dtype,
-        alibi_slopes=alibi(hq) if extras.get("alibi") else None,
-        sliding_window=extras.get("sliding_window"),
-        logits_soft_cap=extras.get("logits_soft_cap"),
-    )
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_xformers_matches_float64_and_sdpa(case, rng):
-    step, sdpa, layer, dtypes = _run(case, rng)
-    cache_for_sdpa = step.kv_cache.clone()
-    impl = _xformers_impl(case)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        out = impl.forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)
-    hq, d = case[3], case[5]
-    assert_close(out.view(-1, hq, d).float(), step.expected, *dtypes)
-    # Same inputs through TORCH_SDPA: same cache bytes after the write, same outputs.
-    ref = sdpa.forward(layer, step.query, step.key, step.value, cache_for_sdpa, step.metadata)
-    assert torch.equal(step.kv_cache.view(torch.uint8), cache_for_sdpa.view(torch.uint8))
-    assert_close(out.float(), ref.float(), *dtypes)
 
 
 def test_cpu_execution_warns_once(rng):

@@ -224,3 +224,174 @@ def make_decoder_step(
         all_keys=all_k,
         all_values=all_v,
     )
+
+
+# -- the decoder cases every backend runs --------------------------------------------------
+
+
+def alibi(num_heads):
+    """The standard ALiBi slopes (written here, not taken from the code under test)."""
+    closest = 2 ** int(np.floor(np.log2(num_heads)))
+    slopes = [2.0 ** (-8.0 / closest * k) for k in range(1, closest + 1)]
+    slopes += [2.0 ** (-4.0 / closest * k) for k in range(1, 2 * (num_heads - closest), 2)]
+    return slopes
+
+
+# (id, prefills [(q_len, ctx_len)], decodes [ctx_len], Hq, Hkv, D, BS, dtype, kv_cache_dtype,
+#  extras). Together they cover GQA groups 1, 3, 4, 8; head sizes 64, 80, 128, 256; block
+# sizes 8, 16, 32; float32 and bfloat16; e4m3 and e5m2 caches; ALiBi, windows, soft cap.
+CASES = [
+    ("prefill-only", [(5, 0), (17, 0)], [], 4, 4, 64, 16, torch.float32, "auto", {}),
+    ("decode-only", [], [1, 16, 40], 8, 2, 64, 8, torch.float32, "auto", {}),
+    ("mixed-gqa4", [(7, 0)], [3, 33], 8, 2, 128, 16, torch.float32, "auto", {}),
+    ("chunked-gqa8", [(6, 10), (3, 0)], [20], 16, 2, 80, 8, torch.float32, "auto", {}),
+    ("mqa-d256-bs32", [(9, 0)], [40, 2], 8, 1, 256, 32, torch.float32, "auto", {}),
+    ("bf16", [(5, 0), (4, 12)], [17], 8, 2, 64, 16, torch.bfloat16, "auto", {}),
+    ("alibi", [(9, 0)], [5, 30], 8, 2, 64, 16, torch.float32, "auto", {"alibi": True}),
+    ("alibi-chunked", [(4, 9)], [12], 6, 2, 64, 8, torch.float32, "auto", {"alibi": True}),
+    ("window", [(12, 0)], [25], 4, 2, 64, 8, torch.float32, "auto", {"sliding_window": 5}),
+    (
+        "window-chunked-alibi",
+        [(5, 11)],
+        [20],
+        4,
+        1,
+        64,
+        8,
+        torch.float32,
+        "auto",
+        {"sliding_window": 7, "alibi": True},
+    ),
+    (
+        "softcap",
+        [(6, 0), (3, 5)],
+        [9],
+        4,
+        2,
+        64,
+        16,
+        torch.float32,
+        "auto",
+        {"logits_soft_cap": 2.0},
+    ),
+    ("fp8-e4m3", [(5, 0), (2, 7)], [21], 8, 2, 64, 16, torch.bfloat16, "fp8", {}),
+    ("fp8-e5m2", [(4, 0)], [13, 1], 4, 4, 128, 8, torch.float32, "fp8_e5m2", {}),
+    (
+        "fp8-e5m2-alibi-bf16-bs32",
+        [(3, 6)],
+        [30],
+        8,
+        2,
+        80,
+        32,
+        torch.bfloat16,
+        "fp8_e5m2",
+        {"alibi": True},
+    ),
+]
+
+# Cache layout of each backend's `kv_cache[2, NB, BS*Hkv*D]`, for `put`.
+LAYOUTS = {"TORCH_SDPA": "vllm", "XFORMERS": "vllm", "IPEX": "ipex", "JAX": "nhd"}
+
+
+def bias_kwargs(case) -> dict:
+    extras, num_heads = case[9], case[3]
+    return dict(
+        alibi_slopes=alibi(num_heads) if extras.get("alibi") else None,
+        sliding_window=extras.get("sliding_window"),
+        logits_soft_cap=extras.get("logits_soft_cap"),
+    )
+
+
+def case_scale(case) -> float:
+    """The softmax scale of `case`: not the default 1/sqrt(D), so a kernel that ignores the
+    scale it is given fails (IPEX's CPU `varlen_attention` does)."""
+    return 0.8 * case[5] ** -0.5
+
+
+def case_dtypes(case) -> tuple:
+    """The dtypes whose tolerance applies: the query dtype and, with fp8, the cache's."""
+    dtype, cache_dtype = case[7], case[8]
+    return (dtype, None if cache_dtype == "auto" else FP8[cache_dtype])
+
+
+def run_case(case, rng, backend_cls, layout=None):
+    """One random decoder step of `case` for `backend_cls` (its builder and impl; its cache
+    layout unless `layout` names another).
+
+    Returns (step, impl, layer). The same `rng` state gives the same numbers for every
+    backend, so two backends can be compared on identical inputs.
+    """
+    from torch_backends import AttentionLayer
+
+    _name, prefills, decodes, hq, hkv, d, bs, dtype, cache_dtype, _extras = case
+    fp8 = cache_dtype != "auto"
+    k_scale, v_scale = (0.45, 0.7) if fp8 else (1.0, 1.0)
+    scale = case_scale(case)
+    step = make_decoder_step(
+        rng,
+        backend_cls.get_builder_cls()(),
+        prefills=prefills,
+        decodes=decodes,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_size=d,
+        block_size=bs,
+        dtype=dtype,
+        kv_cache_dtype=cache_dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        scale=scale,
+        layout=layout or LAYOUTS[backend_cls.get_name()],
+        **bias_kwargs(case),
+    )
+    impl = backend_cls.get_impl_cls()(
+        hq, d, scale, hkv, kv_cache_dtype=cache_dtype, **bias_kwargs(case)
+    )
+    return step, impl, AttentionLayer(k_scale, v_scale)
+
+
+def backend_unavailable(name: str) -> str | None:
+    """Why backend `name` cannot be imported here (None if it can)."""
+    from torch_backends import get_attn_backend
+
+    try:
+        get_attn_backend(name)
+    except ImportError as e:
+        reason = f"{name} backend not importable here: {str(e).split(';')[0]}"
+        if name == "IPEX":
+            reason += "; scripts/test.sh runs these tests in the IPEX environment"
+        return reason
+    return None
+
+
+def backend_param(name: str):
+    """A pytest param for backend `name`: marked `ipex` for IPEX, skipped with the reason
+    where it cannot be imported (IPEX needs torch 2.8: scripts/test.sh runs those tests in
+    the IPEX environment)."""
+    import pytest
+
+    marks = [pytest.mark.ipex] if name == "IPEX" else []
+    reason = backend_unavailable(name)
+    if reason:
+        marks.append(pytest.mark.skip(reason=reason))
+    return pytest.param(name, marks=marks, id=name)
+
+
+def cache_bytes_at(kv_cache, slot, layout, num_kv_heads, head_size, block_size):
+    """The bytes of `slot`'s key and value in a `kv_cache` of `layout`, in `[Hkv, D]` order,
+    so caches of different layouts can be compared slot by slot."""
+    elem = kv_cache.element_size()
+    xw = 16 // elem
+    block, offset = divmod(slot, block_size)
+    h = torch.arange(num_kv_heads)[:, None]
+    d = torch.arange(head_size)[None, :]
+    if layout == "ipex":
+        key_index = value_index = (h * block_size + offset) * head_size + d
+    elif layout == "nhd":
+        key_index = value_index = (offset * num_kv_heads + h) * head_size + d
+    else:
+        key_index = ((h * (head_size // xw) + d // xw) * block_size + offset) * xw + d % xw
+        value_index = (h * head_size + d) * block_size + offset
+    raw = kv_cache.view(torch.uint8).view(2, kv_cache.shape[1], -1, elem)
+    return raw[0, block][key_index], raw[1, block][value_index]
