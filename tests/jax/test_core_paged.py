@@ -166,6 +166,33 @@ def test_paged_decode_matches_float64(case: Case, impl: str, rng):
     np.testing.assert_array_equal(np.asarray(out[num_seqs:], np.float32), 0.0)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(batch="chunked", block_size=8, sliding_window=20, alibi=True),
+        Case(batch="decode", dtype="bfloat16", soft_cap=3.0),
+        Case(batch="mixed", block_size=1, num_heads=8, num_kv_heads=1),
+    ],
+    ids=str,
+)
+def test_one_block_chunks(case: Case, rng, monkeypatch):
+    """The chunk size is a static choice (paged.chunk_blocks): force one block per online-
+    softmax step, the size large decode batches get, on batches of every kind."""
+    from jax_attn import paged
+
+    monkeypatch.setattr(paged, "KV_CHUNK_BYTES", 1)
+    monkeypatch.setattr(paged, "COMPUTE_BOUND_ROWS", 10**9)
+    assert paged.chunk_blocks(1, 1, 1, 8, case.block_size) == 1
+    w, md, query, kc, vc, kwargs, expected = _run(case, rng)
+    # A fresh trace of the unjitted entry, so the patched constants apply.
+    fresh = jax.jit(
+        paged.paged_attention.__wrapped__,
+        static_argnames=("causal", "sliding_window", "logits_soft_cap", "impl"),
+    )
+    out = fresh(query, kc, vc, md, impl="xla", **kwargs)
+    assert_close(out[: len(w.slot_mapping)], expected, *_tolerance_dtypes(case))
+
+
 def test_decode_and_unified_entry_agree(rng):
     case = Case(batch="decode", alibi=True, sliding_window=9)
     w, md, query, kc, vc, kwargs, _ = _run(case, rng)
