@@ -12,7 +12,9 @@ The number of tiles is bounded statically by `(T + S * (tile_q - 1)) // tile_q`,
 depend on `T`, `S` and `max_blocks`, and a jitted step never recompiles when lengths change.
 """
 
+import dataclasses
 import functools
+import itertools
 from typing import Literal
 
 import jax
@@ -37,6 +39,8 @@ KV_CHUNK_TOKENS = 128
 KV_CHUNK_BYTES = 4 << 20
 # Query rows per kv head in a tile from which a step counts as compute-bound.
 COMPUTE_BOUND_ROWS = 16
+# Compute-bound steps run their tiles in this many loops, grouped by how many chunks they need.
+TILE_GROUPS = 4
 
 
 def chunk_blocks(
@@ -311,47 +315,84 @@ def _paged_tiles(
     tables = block_tables[tile_seq]  # [N, max_blocks]
     k_scale = jnp.asarray(k_scale, jnp.float32)
     v_scale = jnp.asarray(v_scale, jnp.float32)
-
     flat_k = key_cache.reshape(-1, num_kv_heads, head_size)  # [NB*BS, Hkv, D]: slot-major
     flat_v = value_cache.reshape(-1, num_kv_heads, head_size)
-    # Keys outside a sequence are read from its first slot instead: finite data (when the
-    # sequence has any key) whose weight is exactly 0, so no pass over the values is needed
-    # to scrub NaN from unused memory.
-    safe_slot = tables[:, 0] * block_size  # [N]
 
-    def fetch(it):
-        pos = (
-            (first_block * block_size)[:, None]
-            + it * chunk
-            + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        )  # [N, K]
-        valid = (pos >= 0) & (pos < kv_len[:, None])
-        logical = jnp.clip(pos // block_size, 0, max_blocks - 1)
-        physical = jnp.take_along_axis(tables, logical, axis=1)  # [N, K]
-        slot = jnp.where(valid, physical * block_size + pos % block_size, safe_slot[:, None])
-        return _blockwise.KeyChunk(
-            key=_gather_rows(flat_k, slot),  # [N, K, Hkv, D] float32
-            value=_gather_rows(flat_v, slot),
-            pos=pos,
-            valid=valid,
+    def attend(tiles: _TileSet):
+        # Keys outside a sequence are read from its first slot instead: finite data (when
+        # the sequence has any key) whose weight is exactly 0, so no pass over the values is
+        # needed to scrub NaN from unused memory.
+        safe_slot = tiles.tables[:, 0] * block_size  # [n]
+        start = tiles.first_block * block_size
+
+        def fetch(it):
+            pos = start[:, None] + it * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+            valid = (pos >= 0) & (pos < tiles.kv_len[:, None])  # [n, K]
+            logical = jnp.clip(pos // block_size, 0, max_blocks - 1)
+            physical = jnp.take_along_axis(tiles.tables, logical, axis=1)  # [n, K]
+            slot = jnp.where(valid, physical * block_size + pos % block_size, safe_slot[:, None])
+            return _blockwise.KeyChunk(
+                key=_gather_rows(flat_k, slot),  # [n, Hkv, K, D] float32
+                value=_gather_rows(flat_v, slot),
+                pos=pos,
+                valid=valid,
+            )
+
+        return _blockwise.attend(
+            tiles.q,
+            tiles.q_pos,
+            tiles.q_valid,
+            fetch,
+            tiles.iters.max(),
+            max_iters=None,
+            num_kv_heads=num_kv_heads,
+            causal=causal,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
     # logit = scale * q.(k * k_scale): fold both scales into the queries once.
-    q = q.astype(jnp.float32) * (scale * k_scale)
-    out = _blockwise.attend(
-        q,
-        q_pos,
-        q_valid,
-        fetch,
-        iters.max(),
-        max_iters=None,
-        num_kv_heads=num_kv_heads,
-        causal=causal,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
+    tiles = _TileSet(
+        q=q.astype(jnp.float32) * (scale * k_scale),
+        q_pos=q_pos,
+        q_valid=q_valid,
+        first_block=first_block,
+        kv_len=kv_len,
+        tables=tables,
+        iters=iters,
     )
-    return out * v_scale
+    groups = TILE_GROUPS if rows >= COMPUTE_BOUND_ROWS else 1
+    groups = min(groups, num_tiles)
+    if groups == 1:
+        return attend(tiles) * v_scale
+    # All tiles of one loop run as many chunks as its longest: causal prefill tiles need from
+    # one chunk (the first queries) to all of them (the last). Sorted by their chunk count and
+    # cut into groups, each with its own loop, the tiles skip most of the masked-out work.
+    order = jnp.argsort(iters)
+    by_work = jax.tree.map(lambda x: x[order], tiles)
+    bounds = [num_tiles * g // groups for g in range(groups + 1)]
+    out = jnp.concatenate(
+        [
+            attend(jax.tree.map(lambda x, a=a, b=b: x[a:b], by_work))
+            for a, b in itertools.pairwise(bounds)
+        ]
+    )
+    return out[jnp.argsort(order)] * v_scale
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _TileSet:
+    """Per-tile inputs of one online-softmax loop (`[n, ...]` each)."""
+
+    q: Array  # [n, tile_q, Hq, D] float32, scales folded in
+    q_pos: Array  # [n, tile_q]
+    q_valid: Array  # [n, tile_q]
+    first_block: Array  # [n] first logical block the tile reads
+    kv_len: Array  # [n]
+    tables: Array  # [n, max_blocks]
+    iters: Array  # [n] chunks the tile needs
 
 
 @functools.partial(
