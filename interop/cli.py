@@ -123,12 +123,14 @@ def dataclasses_asdict(cell) -> dict:
 
 
 def cmd_bench(args) -> int:
+    gpu = getattr(args, "gpu", False)
+    module = "benchmarks.gpu_decode" if gpu else "benchmarks.run"
     try:
-        bench = importlib.import_module("benchmarks.run")
+        bench = importlib.import_module(module)
     except ImportError as e:
         print(f"jax-attn bench: the benchmark suite is not available here ({e})", file=sys.stderr)
         return 2
-    return bench.main(args)
+    return bench.run(args) if gpu else bench.main(args)
 
 
 def main(argv=None) -> int:
@@ -145,6 +147,9 @@ def main(argv=None) -> int:
     bench.add_argument("--reps", type=int, default=None)
     bench.add_argument("--json", help="write the results to this JSON file")
     bench.add_argument("--quick", action="store_true")
+    bench.add_argument(
+        "--gpu", action="store_true", help="the GPU suite (benchmarks/gpu_decode.py) instead"
+    )
     args = parser.parse_args(argv)
     return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)
 
