@@ -151,16 +151,26 @@ class Tiles:
     token: Int[Array, "num_tiles tile_q"]  # its index in the batch; num_tokens if not valid
 
 
-def tile_queries(q_starts: Array, q_lens: Array, num_tokens: int) -> Tiles:
+def tile_queries(
+    q_starts: Array,
+    q_lens: Array,
+    num_tokens: int,
+    *,
+    tile_q: int | None = None,
+    num_tiles: int | None = None,
+) -> Tiles:
     """Cut each sequence's queries into tiles; shapes depend only on `T` and `S`.
 
     Example, tile_q 4, q_lens [7, 4, 1, 1]: tiles per sequence [2, 1, 1, 1], so
     tile_end [2, 3, 4, 5] and tile.seq [0, 0, 1, 2, 3, <padding tiles>...]. A sequence of
-    q_len needs ceil(q_len / tile_q) tiles, so `(T + S * (tile_q - 1)) // tile_q` always suffice.
+    q_len needs ceil(q_len / tile_q) tiles, so `(T + S * (tile_q - 1)) // tile_q` always suffice
+    (the default `num_tiles`; a caller that bounds the tiles better may pass fewer).
+    `tile_q` defaults to `tile_size(T, S)`.
     """
     num_seqs = q_lens.shape[0]
-    tile_q = tile_size(num_tokens, num_seqs)
-    num_tiles = max((num_tokens + num_seqs * (tile_q - 1)) // tile_q, 1)
+    tile_q = tile_size(num_tokens, num_seqs) if tile_q is None else tile_q
+    if num_tiles is None:
+        num_tiles = max((num_tokens + num_seqs * (tile_q - 1)) // tile_q, 1)
     tiles_per_seq = (q_lens + tile_q - 1) // tile_q  # [S]
     tile_end = jnp.cumsum(tiles_per_seq)
     tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)

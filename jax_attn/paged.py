@@ -233,33 +233,48 @@ def _paged_attention_xla(
     k_scale,
     v_scale,
 ):
-    num_tokens = query.shape[0]
-    real = jnp.arange(md.seq_lens.shape[0], dtype=jnp.int32) < md.num_seqs
+    num_tokens, num_seqs = query.shape[0], md.seq_lens.shape[0]
+    real = jnp.arange(num_seqs, dtype=jnp.int32) < md.num_seqs
     q_lens = jnp.where(real, md.query_lens, 0)
     seq_lens = jnp.where(real, md.seq_lens, 0)
-    tiles = _blockwise.tile_queries(md.query_start_loc, q_lens, num_tokens)
-    q_pos = (seq_lens - q_lens)[tiles.seq][:, None] + tiles.row  # [N, Q], bottom-right aligned
-    q = query[jnp.minimum(tiles.token, num_tokens - 1)]  # [N, Q, Hq, D]
-    out = _paged_tiles(
-        q,
-        q_pos,
-        tiles.valid,
-        tiles.seq,
-        seq_lens,
-        md.block_tables,
-        key_cache,
-        value_cache,
-        scale=scale,
-        causal=causal,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    # Every real token sits in exactly one tile; padding rows go to index T and are dropped.
+    tile_q = _blockwise.tile_size(num_tokens, num_seqs)
+    if tile_q == 1:
+        passes = [(q_lens, {})]
+    else:
+        # A tile of `tile_q` rows holding one decode row would compute `tile_q` rows for it:
+        # decode rows get a pass of their own, one row per tile (at most one per sequence).
+        decode = q_lens == 1
+        passes = [
+            (jnp.where(decode, 0, q_lens), {}),
+            (jnp.where(decode, 1, 0), dict(tile_q=1, num_tiles=num_seqs)),
+        ]
+    # Every real token sits in exactly one tile of one pass; padding rows go to index T and
+    # are dropped.
     result = jnp.zeros(query.shape, query.dtype)
-    return result.at[tiles.token].set(out.astype(query.dtype), mode="drop")
+    for pass_q_lens, shape in passes:
+        tiles = _blockwise.tile_queries(md.query_start_loc, pass_q_lens, num_tokens, **shape)
+        # Bottom-right aligned: query j of a sequence sits at seq_len - q_len + j.
+        q_pos = (seq_lens - q_lens)[tiles.seq][:, None] + tiles.row  # [N, Q]
+        q = query[jnp.minimum(tiles.token, num_tokens - 1)]  # [N, Q, Hq, D]
+        out = _paged_tiles(
+            q,
+            q_pos,
+            tiles.valid,
+            tiles.seq,
+            seq_lens,
+            md.block_tables,
+            key_cache,
+            value_cache,
+            scale=scale,
+            causal=causal,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        result = result.at[tiles.token].set(out.astype(query.dtype), mode="drop")
+    return result
 
 
 def _gather_rows(flat_cache: Array, slot: Array) -> Array:
