@@ -10,6 +10,14 @@ their last query's position, sliding-window tiles start at their first query's w
 
 The number of tiles is bounded statically by `(T + S * (tile_q - 1)) // tile_q`, so shapes only
 depend on `T`, `S` and `max_blocks`, and a jitted step never recompiles when lengths change.
+
+Three choices keep the CPU path near its measured best (NOTES.md has the figures):
+- decode rows of a mixed batch get one-row tiles of their own (one pass for them, one for the
+  rest), so a decode never pays for a `tile_q`-row tile;
+- memory-bound (decode-like) steps gather at most `KV_CHUNK_BYTES` of keys and values per step,
+  so the chunk stays in cache; compute-bound ones take `KV_CHUNK_TOKENS` per step;
+- compute-bound steps sort their tiles by how many chunks they need and run `TILE_GROUPS`
+  loops, so the first tiles of a causal prefill stop early instead of masking.
 """
 
 import dataclasses
