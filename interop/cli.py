@@ -24,6 +24,7 @@ def _console():
 
 
 def cmd_info(args) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from interop import crosscheck
@@ -47,12 +48,13 @@ def cmd_info(args) -> int:
     backends.add_column("why not / how")
     for backend in crosscheck.all_backends():
         reason = backend.why_unavailable()
-        backends.add_row(backend.name, "yes" if reason is None else "no", reason or "")
+        backends.add_row(backend.name, "yes" if reason is None else "no", escape(reason or ""))
     console.print(backends)
     return 0
 
 
 def cmd_check(args) -> int:
+    from rich.markup import escape
     from rich.progress import track
     from rich.table import Table
 
@@ -99,7 +101,7 @@ def cmd_check(args) -> int:
         table.add_row(f"{spec.name}\n[dim]{spec.describe()}", f"{spec.tolerance[0]:.0e}", *cells)
     console.print(table)
     for backend, reason in skipped:
-        console.print(f"[yellow]not run[/]: {backend.name}: {reason}")
+        console.print(f"[yellow]not run[/]: {backend.name}: {escape(reason)}")
     for spec in specs:
         for name, cell in results[spec.name].items():
             if not cell.ok:

@@ -52,6 +52,11 @@ class Spec:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     attn_type: AttnType = AttnType.DECODER
+    scale: float | None = None  # softmax scale; None: head_size ** -0.5
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_size**-0.5 if self.scale is None else self.scale
 
     @property
     def causal(self) -> bool:
@@ -138,6 +143,7 @@ def make_problem(spec: Spec, rng: np.random.Generator) -> Problem:
     slopes = alibi_slopes(spec.num_heads) if spec.alibi else None
     expected = dense_reference(
         w,
+        scale=spec.softmax_scale,
         causal=spec.causal,
         alibi_slopes=slopes,
         sliding_window=spec.sliding_window,
@@ -177,6 +183,7 @@ def _jax_paged(impl: str) -> Callable[[Problem], np.ndarray]:
             vc,
             md,
             impl=impl,
+            scale=p.spec.softmax_scale,
             k_scale=w.k_scale,
             v_scale=w.v_scale,
             alibi_slopes=None if slopes is None else jnp.asarray(slopes),
@@ -210,12 +217,17 @@ def _jax_varlen(p: Problem, impl: str) -> np.ndarray:
     )
     if impl == "reference":
         with jax.enable_x64(True):
-            out = jax_attn.reference.varlen_attention(*args, alibi_slopes=slopes, **bias)
+            out = jax_attn.reference.varlen_attention(
+                *args, scale=p.spec.softmax_scale, alibi_slopes=slopes, **bias
+            )
             return np.asarray(out, np.float64)
     if impl == "pallas":
         raise Unsupported("the Pallas kernels are paged; varlen has no Pallas kernel")
     out = jax_attn.varlen_attention(
-        *args, alibi_slopes=None if slopes is None else jnp.asarray(slopes), **bias
+        *args,
+        scale=p.spec.softmax_scale,
+        alibi_slopes=None if slopes is None else jnp.asarray(slopes),
+        **bias,
     )
     return np.asarray(out.astype(jnp.float32), np.float64)
 
@@ -273,7 +285,7 @@ def all_backends() -> list[Backend]:
 
 def default_specs(quick: bool = False) -> list[Spec]:
     specs = [
-        Spec("mixed", (17, 1, 3, 1), (0, 31, 14, 40)),
+        Spec("mixed", (17, 1, 3, 1), (0, 31, 14, 40), scale=0.1),
         Spec("decode-gqa4-alibi", (1, 1, 1), (0, 16, 200), alibi=True, num_heads=8, num_kv_heads=2),
         Spec("chunked-window", (5, 9), (30, 7), sliding_window=12, block_size=8),
         Spec(
@@ -297,12 +309,13 @@ def default_specs(quick: bool = False) -> list[Spec]:
         Spec(
             "fp8-e5m2-mqa", (1, 4), (27, 0), cache_dtype="float8_e5m2", num_heads=8, num_kv_heads=1
         ),
-        Spec("encoder", (7, 3), (0, 0), attn_type=AttnType.ENCODER, alibi=True),
+        Spec("encoder", (7, 3), (0, 0), attn_type=AttnType.ENCODER, alibi=True, scale=0.2),
         Spec(
             "encoder-only",
             (9, 2),
             (0, 0),
             attn_type=AttnType.ENCODER_ONLY,
+            scale=0.09,
             head_size=80,
             num_heads=4,
             num_kv_heads=4,

@@ -53,7 +53,7 @@ def _runner(backend_name: str, layout: str):
         impl = backend.get_impl_cls()(
             spec.num_heads,
             spec.head_size,
-            spec.head_size**-0.5,
+            spec.softmax_scale,
             spec.num_kv_heads,
             alibi_slopes=None if problem.alibi_slopes is None else problem.alibi_slopes.tolist(),
             sliding_window=spec.sliding_window,
@@ -166,7 +166,9 @@ def _available(module: str, needs: str):
         try:
             importlib.import_module(module)
         except ImportError as e:
-            return f"{needs}: {str(e).splitlines()[0][:160]}"
+            # The backends' own ImportErrors say what to install: keep their first line whole.
+            message = str(e).splitlines()[0]
+            return message if needs.split()[0] in message else f"{needs}: {message}"
         return None
 
     return check

@@ -59,6 +59,7 @@ class RaggedMetadata:
         block_size: int,
         *,
         pad_to: int | tuple[int, int] | None = None,
+        max_blocks: int | None = None,
     ) -> "RaggedMetadata":
         """Build the metadata on the host from Python or NumPy values.
 
@@ -70,6 +71,8 @@ class RaggedMetadata:
           pad_to: pad the batch to fixed sizes: an int pads the number of sequences;
             a pair `(num_seqs, num_tokens)` pads both. Padding sequences have no tokens and
             length 0; padding tokens have slot -1.
+          max_blocks: pad the block tables to this many columns (with 0), so a serving loop
+            whose sequences grow keeps one `block_tables` shape, and one compiled step.
 
         Example: query_lens [3, 1], context_lens [0, 17], block size 16, block tables
         [[4], [7, 2]] -> seq_lens [3, 18], query_start_loc [0, 3, 4],
@@ -90,6 +93,13 @@ class RaggedMetadata:
             raise ValueError(f"block_size={block_size!r} must be a positive int")
         num_seqs = q_lens.size
         tables = _pad_block_tables(block_tables, num_seqs)
+        if max_blocks is not None:
+            if tables.shape[1] > max_blocks:
+                raise ValueError(
+                    f"max_blocks={max_blocks} is smaller than the block tables' width "
+                    f"{tables.shape[1]}"
+                )
+            tables = np.pad(tables, ((0, 0), (0, max_blocks - tables.shape[1])))
         seq_lens = q_lens + ctx_lens
         needed = -(-seq_lens // block_size)
         short = np.nonzero(needed > tables.shape[1])[0]

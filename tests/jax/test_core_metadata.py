@@ -55,6 +55,19 @@ def test_build_pad_too_small():
         jax_attn.RaggedMetadata.build([1, 1], [0, 0], [[0], [1]], 4, pad_to=(1, 9))
 
 
+def test_build_max_blocks_fixes_the_table_width():
+    """Sequences grow step by step; with max_blocks the table keeps one shape."""
+    shapes = set()
+    for ctx in (0, 5, 13):
+        md = jax_attn.RaggedMetadata.build([3], [ctx], [list(range(-(-(ctx + 3) // 4)))], 4,
+                                           max_blocks=6)  # fmt: skip
+        shapes.add(md.block_tables.shape)
+        np.testing.assert_array_equal(md.block_tables[0, -(-(ctx + 3) // 4) :], 0)
+    assert shapes == {(1, 6)}
+    with pytest.raises(ValueError, match="max_blocks=1 is smaller than the block tables' width 2"):
+        jax_attn.RaggedMetadata.build([5], [0], [[0, 1]], 4, max_blocks=1)
+
+
 @pytest.mark.parametrize("num_heads", [1, 2, 5, 6, 8, 12, 32, 40])
 def test_alibi_slopes(num_heads):
     slopes = jax_attn.alibi_slopes(num_heads)
