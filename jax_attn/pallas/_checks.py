@@ -4,6 +4,7 @@ Everything here looks only at shapes, dtypes and static configuration, so it run
 tracing and raises `TypeError` / `ValueError` naming the argument and the rule.
 """
 
+import jax
 import jax.numpy as jnp
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -16,6 +17,17 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Triton's `tl.dot` needs at least 16 rows and 16 columns.
 MIN_DOT = 16
 
+# Pallas-Triton lowers a DEFAULT-precision dot of float32 operands to TF32 (a 10-bit mantissa,
+# errors ~1e-3); HIGHEST asks for IEEE float32. It changes nothing for 16-bit operands.
+DOT_PRECISION = jax.lax.Precision.HIGHEST
+
+# Bytes of one K (or V) tile per loop step (in the dot's dtype). Triton's pipeliner may stage
+# the K and V loads through shared memory (num_stages=2: two of each resident) and an H100 has
+# 227 KiB of it per block; 32 KiB tiles leave room for the query tile and the dot operands,
+# where 128 keys of a D=256 bf16 or D=128 float32 head would not. Large heads and float32
+# therefore step over fewer keys (and the ragged kernel takes fewer query rows).
+MAX_KV_TILE_BYTES = 32 * 1024
+
 
 def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
@@ -23,6 +35,13 @@ def is_pow2(n: int) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def max_block_k(head_size: int, dtype) -> int:
+    """The most keys per loop step whose `[block_k, head_size]` tile of `dtype` fits the budget
+    (a power of two, at least 16)."""
+    keys = MAX_KV_TILE_BYTES // (head_size * jnp.dtype(dtype).itemsize)
+    return max(MIN_DOT, 1 << max(0, keys.bit_length() - 1))
 
 
 def compute_dtype(query_dtype, cache_dtype):
@@ -85,14 +104,25 @@ def check_positive(value, name: str) -> None:
         raise ValueError(f"{name}={value!r} must be a positive int or None")
 
 
+def native_shape_problem(block_size: int, head_size: int) -> str | None:
+    """Why the native (Triton) kernels cannot take these cache shapes, or None if they can.
+
+    Triton loads whole power-of-two tiles and has no masked path over the head dimension here,
+    so head sizes such as 80 or 96 need the XLA path (or `interpret=True`). A caller picking an
+    implementation automatically can test this before choosing the Pallas kernels.
+    """
+    if not is_pow2(block_size):
+        return f"{block_size=} must be a power of two for the native GPU kernel"
+    if not is_pow2(head_size) or head_size < MIN_DOT:
+        return f"{head_size=} must be a power of two >= 16 for the native GPU kernel"
+    return None
+
+
 def check_native_shapes(block_size: int, head_size: int, interpret: bool) -> None:
     """Triton loads whole power-of-two tiles; interpret mode has no such limit."""
-    if interpret:
-        return
-    if not is_pow2(block_size):
-        raise ValueError(f"{block_size=} must be a power of two for the native GPU kernel")
-    if not is_pow2(head_size) or head_size < MIN_DOT:
-        raise ValueError(f"{head_size=} must be a power of two >= 16 for the native GPU kernel")
+    problem = None if interpret else native_shape_problem(block_size, head_size)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def scale_array(value, name: str):

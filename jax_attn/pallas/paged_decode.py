@@ -10,9 +10,11 @@ Design (Triton-backed Pallas on GPU; the same code runs on CPU with `interpret=T
   so the kernel sees this head's `[NB, BS, D]` pages (strided, no transposed copy).
 - Keys are visited in compute blocks of `pages_per_compute_block` pages; the block table slice
   of a compute block is read inside the loop and the pages gathered with it.
-- Split-K: a sequence's compute blocks (only those that touch the sliding window) are shared
-  out evenly among the splits, sized by that sequence's own length. Each split writes an
-  unnormalized float32 partial with its running max and sum; `_merge_splits` combines them.
+- Split-K: a sequence's compute blocks are shared out evenly among the splits, sized by that
+  sequence's own length. With a sliding window only the blocks that touch the window are
+  shared out (`_split_block_range`): blocks wholly before it are never loaded, not just
+  masked. Each split writes an unnormalized float32 partial with its running max and sum;
+  `_merge_splits` combines them.
 - Unused memory never reaches the output: keys past `seq_len` (or before the window) get a
   finite mask logit and an exactly zero weight, and their value rows are replaced by zeros
   before the second dot, so `0 * NaN` never happens. Block ids past the sequence's last page
@@ -31,12 +33,30 @@ from jax_attn.pallas import _checks
 from jax_attn.pallas._checks import MASK_VALUE
 
 # Tokens per compute block when the caller does not say: 128 keys keep the K/V tiles of one
-# loop step at 32 KiB each for D=128 bf16, which pipelines well with two stages.
+# loop step at 32 KiB each for D=128 bf16, which pipelines well with two stages. Larger heads
+# and float32 take fewer (`_checks.max_block_k`).
 _TARGET_BLOCK_K = 128
 # Aim for this many programs in flight (an H100 has 132 SMs, several CTAs each) before
 # splitting sequences along the keys.
 _TARGET_PROGRAMS = 512
 _MAX_KV_SPLITS = 16
+
+
+def _split_block_range(seq_len, split, *, block_k: int, num_kv_splits: int, sliding_window):
+    """Compute blocks `[lo, hi)` that split `split` visits for a sequence of `seq_len` keys.
+
+    Only the blocks that touch the keys the query may see, `[seq_len - W, seq_len)` with a
+    sliding window `W`, are shared out, so blocks wholly before the window are never loaded.
+    Example: seq_len 300, W 50, block_k 32, 2 splits: the window [250, 300) touches blocks 7-9;
+    split 0 visits [7, 9), split 1 visits [9, 10).
+    """
+    # The first key the query may see: the window start, else 0.
+    first_key = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    cb_lo = first_key // block_k
+    cb_hi = pl.cdiv(seq_len, block_k)
+    per_split = pl.cdiv(cb_hi - cb_lo, num_kv_splits)
+    lo = cb_lo + split * per_split
+    return lo, jnp.minimum(lo + per_split, cb_hi)
 
 
 def _paged_decode_kernel(
@@ -65,15 +85,16 @@ def _paged_decode_kernel(
     seq_len = seq_len_ref[0]
     logit_scale = logit_scale_ref[0]
     q_pos = seq_len - 1  # the decode token is the sequence's last position
-    # The first key any row may see: the window start, else 0.
+    # The first key the query may see: the window start, else 0.
     first_key = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
     num_pages = pl.cdiv(seq_len, block_size)
-    cb_lo = first_key // block_k
-    cb_hi = pl.cdiv(seq_len, block_k)
-    # This split's share of the compute blocks that touch [first_key, seq_len).
-    per_split = pl.cdiv(cb_hi - cb_lo, num_kv_splits)
-    my_lo = cb_lo + split * per_split
-    my_hi = jnp.minimum(my_lo + per_split, cb_hi)
+    my_lo, my_hi = _split_block_range(
+        seq_len,
+        split,
+        block_k=block_k,
+        num_kv_splits=num_kv_splits,
+        sliding_window=sliding_window,
+    )
 
     q = q_ref[...].astype(compute_dtype)
     slopes = None if slopes_ref is None else slopes_ref[...]
@@ -95,7 +116,11 @@ def _paged_decode_kernel(
 
         # [G_pad, D] x [block_k, D] -> [G_pad, block_k]
         logits = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            q,
+            k,
+            (((1,), (1,)), ((), ())),
+            precision=_checks.DOT_PRECISION,
+            preferred_element_type=jnp.float32,
         )
         logits = logits * logit_scale
         if logits_soft_cap is not None:
@@ -117,6 +142,7 @@ def _paged_decode_kernel(
             p.astype(compute_dtype),
             v,
             (((1,), (0,)), ((), ())),
+            precision=_checks.DOT_PRECISION,
             preferred_element_type=jnp.float32,
         )
         return correction[:, None] * o_prev + pv, m_next, l_next
@@ -147,8 +173,11 @@ def _merge_splits(o, row_max, row_sum, v_scale):
     return out * v_scale
 
 
-def _default_pages_per_compute_block(block_size: int, max_blocks: int) -> int:
-    pages = max(1, _TARGET_BLOCK_K // block_size)
+def _default_pages_per_compute_block(
+    block_size: int, max_blocks: int, head_size: int, dtype
+) -> int:
+    block_k = min(_TARGET_BLOCK_K, _checks.max_block_k(head_size, dtype))
+    pages = max(1, block_k // block_size)
     pages = min(pages, _checks.next_pow2(max_blocks))
     # At least 16 keys per step: Triton's dot needs 16 columns.
     return max(pages, _checks.next_pow2(pl.cdiv(_checks.MIN_DOT, block_size)))
@@ -335,7 +364,12 @@ def paged_decode(
     block_size, num_kv_heads = key_cache.shape[1:3]
     max_blocks = max(block_tables.shape[1], 1)
     if pages_per_compute_block is None:
-        pages_per_compute_block = _default_pages_per_compute_block(block_size, max_blocks)
+        pages_per_compute_block = _default_pages_per_compute_block(
+            block_size,
+            max_blocks,
+            query.shape[2],
+            _checks.compute_dtype(query.dtype, key_cache.dtype),
+        )
     if num_kv_splits is None:
         num_compute_blocks = pl.cdiv(max_blocks, pages_per_compute_block)
         num_kv_splits = _default_num_kv_splits(num_seqs, num_kv_heads, num_compute_blocks)

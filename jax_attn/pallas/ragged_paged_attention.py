@@ -39,14 +39,30 @@ from jax_attn.pallas import _checks
 from jax_attn.pallas._checks import MASK_VALUE
 
 # Rows (query tokens x heads of a group) per program: a 128 x 64 logits tile is the usual
-# Triton flash-attention shape on Hopper/Ampere for D <= 128; D = 256 halves it for registers.
+# Triton flash-attention shape on Hopper/Ampere for bf16 D <= 128. Larger heads and float32
+# take fewer rows and keys, so that every tile stays within `_checks.max_block_k`.
 _TARGET_ROWS = 128
-_TARGET_ROWS_D256 = 64
 _TARGET_BLOCK_K = 64
 
 # Columns of the per-tile table the wrapper hands the kernel (padded to 8, a power of two).
 _SEQ, _Q_START, _NUM_TOKENS, _FIRST_POS, _SEQ_LEN = range(5)
 _TILE_FIELDS = 8
+
+
+def _key_block_range(first_pos, num_tokens, seq_len, *, block_k: int, causal: bool, sliding_window):
+    """Compute blocks `[lo, hi)` holding the keys a tile may see: its queries sit at
+    `first_pos .. first_pos + num_tokens - 1`; an empty tile visits none.
+
+    The range starts at the block holding the first query's window start, so blocks wholly
+    outside the window are never loaded (not just masked), and a causal range ends at the block
+    holding the last query's own key. Example: first_pos 100, 4 tokens, seq_len 120, causal,
+    W 40, block_k 16: keys [61, 104) are visible, blocks [3, 7) are visited.
+    """
+    last_pos = first_pos + num_tokens - 1
+    kv_end = jnp.minimum(last_pos + 1, seq_len) if causal else seq_len
+    kv_start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    lo = kv_start // block_k
+    return lo, jnp.where(num_tokens > 0, pl.cdiv(kv_end, block_k), lo)
 
 
 def _ragged_kernel(
@@ -84,13 +100,15 @@ def _ragged_kernel(
     q_pos = first_pos + token
     row_valid = token < num_tokens
 
-    # Keys this tile may see: [kv_start, kv_end).
-    last_pos = first_pos + num_tokens - 1
-    kv_end = jnp.minimum(last_pos + 1, seq_len) if causal else seq_len
-    kv_start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
     num_pages = pl.cdiv(seq_len, block_size)
-    cb_lo = kv_start // block_k
-    cb_hi = jnp.where(num_tokens > 0, pl.cdiv(kv_end, block_k), cb_lo)
+    cb_lo, cb_hi = _key_block_range(
+        first_pos,
+        num_tokens,
+        seq_len,
+        block_k=block_k,
+        causal=causal,
+        sliding_window=sliding_window,
+    )
 
     # [block_q, G_pad, D] -> [rows, D]
     q = q_ref[pl.ds(q_start, block_q)].reshape(rows, head_size).astype(compute_dtype)
@@ -121,7 +139,11 @@ def _ragged_kernel(
 
         # [rows, D] x [block_k, D] -> [rows, block_k]
         logits = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            q,
+            k,
+            (((1,), (1,)), ((), ())),
+            precision=_checks.DOT_PRECISION,
+            preferred_element_type=jnp.float32,
         )
         logits = logits * logit_scale
         if logits_soft_cap is not None:
@@ -143,6 +165,7 @@ def _ragged_kernel(
             p.astype(compute_dtype),
             v,
             (((1,), (0,)), ((), ())),
+            precision=_checks.DOT_PRECISION,
             preferred_element_type=jnp.float32,
         )
         return correction[:, None] * o_prev + pv, m_next, l_next
@@ -291,14 +314,17 @@ def _ragged_pallas(
     return out[:, :, :group].reshape(num_tokens, num_heads, head_size)
 
 
-def _default_block_q(group_pad: int, head_size: int) -> int:
-    rows = _TARGET_ROWS_D256 if head_size > 128 else _TARGET_ROWS
+def _default_block_q(group_pad: int, head_size: int, dtype) -> int:
+    rows = min(_TARGET_ROWS, _checks.max_block_k(head_size, dtype))
     # At least 16 rows per program: Triton's dot needs them.
     return max(1, rows // group_pad, pl.cdiv(_checks.MIN_DOT, group_pad))
 
 
-def _default_pages_per_compute_block(block_size: int, max_blocks: int) -> int:
-    pages = max(1, _TARGET_BLOCK_K // block_size)
+def _default_pages_per_compute_block(
+    block_size: int, max_blocks: int, head_size: int, dtype
+) -> int:
+    block_k = min(_TARGET_BLOCK_K, _checks.max_block_k(head_size, dtype))
+    pages = max(1, block_k // block_size)
     pages = min(pages, _checks.next_pow2(max_blocks))
     return max(pages, _checks.next_pow2(pl.cdiv(_checks.MIN_DOT, block_size)))
 
@@ -415,11 +441,12 @@ def ragged_paged_attention(
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
     group_pad = _checks.next_pow2(num_heads // num_kv_heads)
+    dtype = _checks.compute_dtype(query.dtype, key_cache.dtype)
     if block_q is None:
-        block_q = _default_block_q(group_pad, head_size)
+        block_q = _default_block_q(group_pad, head_size, dtype)
     if pages_per_compute_block is None:
         pages_per_compute_block = _default_pages_per_compute_block(
-            block_size, max(block_tables.shape[1], 1)
+            block_size, max(block_tables.shape[1], 1), head_size, dtype
         )
     k_scale = _checks.scale_array(k_scale, "k_scale")
     scales = jnp.stack([jnp.float32(scale) * k_scale, _checks.scale_array(v_scale, "v_scale")])

@@ -4,10 +4,13 @@ Each case is a batch mixing decode, prefill and chunked prefill: cache blocks in
 order, NaN in unused blocks, tail slots and padding query tokens, junk ids in unused
 block-table entries, and two padding rows of junk metadata past `num_seqs`. The kernel runs in
 interpret mode everywhere and natively when a GPU is present; its
-`ragged_paged_attention_reference` is checked against the same oracle.
+`ragged_paged_attention_reference` is checked against the same oracle. The kernel is also
+lowered for CUDA (to Triton IR, not compiled), which needs no GPU and catches what the Triton
+lowering refuses (non-power-of-two tiles, unsupported primitives).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ import pytest
 from tolerances import assert_close
 
 from jax_attn.pallas import ragged_paged_attention, ragged_paged_attention_reference
+from jax_attn.pallas.ragged_paged_attention import _key_block_range
 
 pytestmark = pytest.mark.pallas
 
@@ -62,7 +66,8 @@ class Case:
 
 
 # Interpret mode compiles each case for seconds: the grid combines features rather than
-# crossing them, and every feature and size the issue names appears at least once.
+# crossing them, and every feature and size the issue names appears at least once. Every case
+# is also valid natively: power-of-two tiles with >= 16 rows and >= 16 keys per dot.
 CASES = [
     Case(batch="decode", block_size=8),
     Case(batch="prefill", block_size=32),
@@ -83,8 +88,8 @@ CASES = [
     Case(batch="chunked", causal=False, alibi=True, sliding_window=20, soft_cap=5.0),
     Case(batch="decode", alibi=True, sliding_window=7, soft_cap=3.0, dtype="bfloat16"),
     # Small tiles: sequences span several tiles and tiles start mid-block.
-    Case(block_q=1),
-    Case(block_q=4, pages_per_compute_block=1, batch="chunked", block_size=8),
+    Case(block_q=1, num_heads=32, num_kv_heads=2),  # a tile per token; GQA group 16
+    Case(block_q=4, pages_per_compute_block=1, batch="chunked"),
     Case(block_q=2, sliding_window=9, batch="prefill", num_heads=8, num_kv_heads=1),
 ]
 
@@ -223,6 +228,125 @@ def test_ragged_matches_oracle(case: Case, interpret: bool, rng):
     assert_close(ref, expected, *_error_dtypes(case), what=f"reference {case}")
     # Padding tokens give exact zeros.
     assert not np.any(np.asarray(out[-NUM_PAD_TOKENS:], dtype=np.float32))
+
+
+TILES = [
+    # (seq_len, first_pos, num_tokens) of one tile
+    (1, 0, 1),
+    (17, 16, 1),
+    (33, 0, 16),
+    (33, 16, 16),
+    (64, 60, 4),
+    (120, 100, 4),
+    (120, 100, 20),
+    (40, 0, 0),  # a spare tile
+]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ragged_visits_only_visible_blocks(causal):
+    """A tile visits exactly the compute blocks from the first to the last holding a key one of
+    its queries may see: blocks wholly outside the window or past the diagonal are skipped,
+    not just masked."""
+    block_k = 16
+    for seq_len, first_pos, num_tokens in TILES:
+        for window in (None, 1, 7, 16, 40):
+            visible = {
+                k
+                for q in range(first_pos, first_pos + num_tokens)
+                for k in range(seq_len)
+                if (not causal or k <= q) and (window is None or q - k < window)
+            }
+            blocks = sorted({k // block_k for k in visible})
+            lo, hi = _key_block_range(
+                first_pos,
+                num_tokens,
+                seq_len,
+                block_k=block_k,
+                causal=causal,
+                sliding_window=window,
+            )
+            expected = list(range(blocks[0], blocks[-1] + 1)) if blocks else []
+            assert list(range(int(lo), int(hi))) == expected, f"{seq_len=} {first_pos=} {window=}"
+
+
+@functools.cache
+def _lowers_for_cuda() -> bool:
+    """Whether this JAX can lower a Pallas-Triton kernel for CUDA without a GPU."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    def f(x):
+        out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return pl.pallas_call(kernel, out_shape, compiler_params=plgpu.CompilerParams())(x)
+
+    try:
+        text = (
+            jax.jit(f)
+            .trace(jax.ShapeDtypeStruct((16,), jnp.float32))
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+    except Exception:  # any failure means "cannot check here"
+        return False
+    return "triton" in text
+
+
+LOWERING = [
+    ("bfloat16", "bfloat16", 128, 16, 4, False),
+    ("float32", "float32", 64, 8, 1, True),
+    ("bfloat16", "float8_e4m3fn", 256, 32, 8, True),
+    ("float16", "float8_e5m2", 128, 16, 2, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype", "head_size", "block_size", "group", "features"),
+    LOWERING,
+    ids=["-".join(map(str, c)) for c in LOWERING],
+)
+def test_ragged_lowers_for_gpu(dtype, cache_dtype, head_size, block_size, group, features):
+    """The native kernel lowers to Triton IR (checked without a GPU; not compiled to PTX)."""
+    if not _lowers_for_cuda():
+        pytest.skip("this JAX cannot lower Pallas-Triton kernels for CUDA without a GPU")
+    num_tokens, num_seqs, num_kv_heads, num_blocks = 37, 4, 2, 20
+    num_heads = num_kv_heads * group
+    cache = jax.ShapeDtypeStruct((num_blocks, block_size, num_kv_heads, head_size), cache_dtype)
+    args = (
+        jax.ShapeDtypeStruct((num_tokens, num_heads, head_size), dtype),
+        cache,
+        cache,
+        jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs, 7), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((num_heads,), jnp.float32),
+    )
+
+    def run(q, kc, vc, qsl, lens, tables, n, slopes):
+        return ragged_paged_attention(
+            q,
+            kc,
+            vc,
+            qsl,
+            lens,
+            tables,
+            n,
+            scale=0.1,
+            causal=not features,
+            alibi_slopes=slopes if features else None,
+            sliding_window=9 if features else None,
+            logits_soft_cap=5.0 if features else None,
+            k_scale=0.5,
+            v_scale=2.0,
+            interpret=False,
+        )
+
+    lowered = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
 
 
 def _args(num_tokens=5, num_heads=4, num_kv_heads=2, head_size=16, block_size=8):
