@@ -67,12 +67,22 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, query=None, key_cache=None) -> str:
+    """The implementation `impl` names; "auto" is the Pallas kernel on GPU where it takes these
+    shapes and dtypes (power-of-two block and head sizes, 16/32-bit queries), else XLA."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        return "pallas" if _on_gpu() else "xla"
-    return impl
+    if impl != "auto":
+        return impl
+    if not _on_gpu():
+        return "xla"
+    if query is not None and key_cache is not None:
+        from jax_attn.pallas._checks import FLOAT_DTYPES, native_shape_problem
+
+        _, block_size, _, head_size = key_cache.shape
+        if query.dtype not in FLOAT_DTYPES or native_shape_problem(block_size, head_size):
+            return "xla"
+    return "pallas"
 
 
 def check_attention_args(
@@ -202,7 +212,7 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, query, key_cache)
     if impl == "reference":
         from jax_attn import reference
 
@@ -470,7 +480,7 @@ def paged_decode(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, query, key_cache)
     if impl == "reference":
         from jax_attn import reference
 

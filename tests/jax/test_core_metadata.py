@@ -161,3 +161,25 @@ def test_unknown_impl(rng):
     q, cache, md = _problem(rng)
     with pytest.raises(ValueError, match="impl='cuda' is not one of"):
         jax_attn.paged_attention(q, cache, cache, md, impl="cuda")
+
+
+@pytest.mark.parametrize(
+    "on_gpu, head_size, block_size, dtype, expected",
+    [
+        (False, 128, 16, "bfloat16", "xla"),
+        (True, 128, 16, "bfloat16", "pallas"),
+        (True, 80, 16, "bfloat16", "xla"),  # the native kernels take power-of-two heads
+        (True, 128, 12, "float32", "xla"),
+        (True, 64, 8, "float64", "xla"),
+    ],
+)
+def test_auto_impl_falls_back_where_the_kernel_cannot(
+    on_gpu, head_size, block_size, dtype, expected, monkeypatch
+):
+    from jax_attn import paged
+
+    monkeypatch.setattr(paged, "_on_gpu", lambda: on_gpu)
+    query = jax.ShapeDtypeStruct((3, 4, head_size), jnp.dtype(dtype))
+    cache = jax.ShapeDtypeStruct((5, block_size, 2, head_size), jnp.bfloat16)
+    assert paged.resolve_impl("auto", query, cache) == expected
+    assert paged.resolve_impl("xla", query, cache) == "xla"
