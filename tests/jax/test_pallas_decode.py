@@ -9,13 +9,13 @@ catches what the Triton lowering refuses (non-power-of-two tiles, unsupported pr
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from pallas_lowering import lower_for_cuda, lowers_for_cuda
 from tolerances import assert_close
 
 from jax_attn.pallas import paged_decode, paged_decode_reference
@@ -227,31 +227,6 @@ def test_decode_visits_only_window_blocks(num_kv_splits):
             assert visited == expected, f"{seq_len=} {window=}"
 
 
-@functools.cache
-def _lowers_for_cuda() -> bool:
-    """Whether this JAX can lower a Pallas-Triton kernel for CUDA without a GPU."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-
-    def kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + 1.0
-
-    def f(x):
-        out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return pl.pallas_call(kernel, out_shape, compiler_params=plgpu.CompilerParams())(x)
-
-    try:
-        text = (
-            jax.jit(f)
-            .trace(jax.ShapeDtypeStruct((16,), jnp.float32))
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
-    except Exception:  # any failure means "cannot check here"
-        return False
-    return "triton" in text
-
-
 LOWERING = [
     ("bfloat16", "bfloat16", 128, 16, 4, False),
     ("float32", "float32", 64, 8, 1, True),
@@ -267,7 +242,7 @@ LOWERING = [
 )
 def test_decode_lowers_for_gpu(dtype, cache_dtype, head_size, block_size, group, features):
     """The native kernel lowers to Triton IR (checked without a GPU; not compiled to PTX)."""
-    if not _lowers_for_cuda():
+    if not lowers_for_cuda():
         pytest.skip("this JAX cannot lower Pallas-Triton kernels for CUDA without a GPU")
     num_seqs, num_kv_heads, num_blocks = 3, 2, 20
     num_heads = num_kv_heads * group
@@ -297,8 +272,7 @@ def test_decode_lowers_for_gpu(dtype, cache_dtype, head_size, block_size, group,
             interpret=False,
         )
 
-    lowered = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "triton" in lowered.as_text()
+    assert "triton" in lower_for_cuda(run, *args)
 
 
 def _args(num_seqs=2, num_heads=4, num_kv_heads=2, head_size=16, block_size=8, dtype=jnp.float32):
