@@ -821,28 +821,14 @@ def _fmt_rate(value: float) -> str:
 
 
 def render(console, record: dict) -> None:
-    from rich.table import Table
-
     copy, fmt = record["copy"], cpu_bench._fmt
-    table = Table(
-        title=f"jax-attn GPU bench ({record['date']}, {record['device']['jax_device']}"
+    table = cpu_bench.results_table(
+        f"jax-attn GPU bench ({record['date']}, {record['device']['jax_device']}"
         f"{', SMOKE: sizes and times mean nothing' if record['smoke'] else ''}): "
         f"copy floor {copy['gb_s']:.1f} GB/s ({copy['method']})",
-        title_justify="left",
-    )
-    for column, justify in [
-        ("workload", "left"),
-        ("peer", "left"),
-        ("median ms", "right"),
-        ("IQR ms", "right"),
-        ("GB/s", "right"),
-        ("of copy", "right"),
-        ("TFLOP/s", "right"),
-        ("x pallas", "right"),
-        ("max diff vs xla", "right"),
-        ("note", "left"),
-    ]:
-        table.add_column(column, justify=justify)
+        ["workload", "peer", "median ms", "IQR ms", "GB/s", "of copy", "TFLOP/s", "x pallas",
+         "max diff vs xla", "note"],
+    )  # fmt: skip
     for name, result in record["workloads"].items():
         label = (
             f"[bold]{name}[/]\n[dim]{result['spec']['description']}\n"

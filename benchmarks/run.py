@@ -344,28 +344,25 @@ def _fmt(value, spec: str, missing: str = "") -> str:
     return missing if value is None else format(value, spec)
 
 
-def render(console, record: dict) -> None:
+def results_table(title: str, columns: list[str]):
+    """A rich table for bench results: names and notes left-aligned, numbers right-aligned."""
     from rich.table import Table
 
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        justify = "left" if column in ("workload", "peer", "note") else "right"
+        table.add_column(column, justify=justify)
+    return table
+
+
+def render(console, record: dict) -> None:
     copy = record["copy"]
-    table = Table(
-        title=f"jax-attn bench ({record['date']}, {record['machine']['cpu']}, "
+    table = results_table(
+        f"jax-attn bench ({record['date']}, {record['machine']['cpu']}, "
         f"{record['machine']['cores_usable']} cores): copy floor {copy['gb_s']:.1f} GB/s "
         f"({copy['method']})",
-        title_justify="left",
+        ["workload", "peer", "median ms", "IQR ms", "GB/s", "of copy", "x jax", "max err", "note"],
     )
-    for column, justify in [
-        ("workload", "left"),
-        ("peer", "left"),
-        ("median ms", "right"),
-        ("IQR ms", "right"),
-        ("GB/s", "right"),
-        ("of copy", "right"),
-        ("x jax", "right"),
-        ("max err", "right"),
-        ("note", "left"),
-    ]:
-        table.add_column(column, justify=justify)
     for name, result in record["workloads"].items():
         spec = result["spec"]
         label = f"[bold]{name}[/]\n[dim]{spec['description']}\n{result['bytes'] / 1e6:.3g} MB"
