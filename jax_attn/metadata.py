@@ -50,6 +50,21 @@ class RaggedMetadata:
         """Keys already cached before this step: `seq_len - q_len`."""
         return self.seq_lens - self.query_lens
 
+    @property
+    def positions(self) -> Int[Array, " num_tokens"]:
+        """Each new token's position in its sequence (`context_len + i`; 0 for padding
+        tokens), e.g. for rotary embeddings. Computed on device, so it works under `jit`.
+
+        query_start_loc [0, 3, 4], seq_lens [3, 18] -> positions [0, 1, 2, 17].
+        """
+        num_tokens, num_seqs = self.slot_mapping.shape[0], self.seq_lens.shape[0]
+        token = jnp.arange(num_tokens, dtype=jnp.int32)
+        seq = jnp.searchsorted(self.query_start_loc[1:], token, side="right")
+        seq = jnp.minimum(seq, num_seqs - 1).astype(jnp.int32)
+        pos = self.context_lens[seq] + token - self.query_start_loc[seq]
+        real = token < self.query_start_loc[self.num_seqs]
+        return jnp.where(real, pos, 0).astype(jnp.int32)
+
     @classmethod
     def build(
         cls,

@@ -55,6 +55,22 @@ def test_build_pad_too_small():
         jax_attn.RaggedMetadata.build([1, 1], [0, 0], [[0], [1]], 4, pad_to=(1, 9))
 
 
+def test_positions(rng):
+    """Per-token positions, checked against the build's own slot arithmetic, under jit."""
+    q_lens = rng.integers(0, 6, size=5)
+    ctx_lens = rng.integers(0, 40, size=5)
+    tables = [list(range(10 * i, 10 * i + 10)) for i in range(5)]
+    md = jax_attn.RaggedMetadata.build(
+        q_lens, ctx_lens, tables, 8, pad_to=(7, int(q_lens.sum()) + 3)
+    )
+    expected = [c + i for q, c in zip(q_lens, ctx_lens, strict=True) for i in range(q)] + [0] * 3
+    np.testing.assert_array_equal(jax.jit(lambda m: m.positions)(md), expected)
+    # The slot of each real token is block_tables[seq][pos // 8] * 8 + pos % 8.
+    real = np.asarray(md.slot_mapping) >= 0
+    pos = np.asarray(md.positions)[real]
+    np.testing.assert_array_equal(np.asarray(md.slot_mapping)[real] % 8, pos % 8)
+
+
 def test_build_max_blocks_fixes_the_table_width():
     """Sequences grow step by step; with max_blocks the table keeps one shape."""
     shapes = set()
