@@ -237,20 +237,9 @@ def paged_attention(
     return _paged_attention_xla(query, key_cache, value_cache, metadata, scale=scale, **bias)
 
 
-def _paged_attention_xla(
-    query,
-    key_cache,
-    value_cache,
-    md: RaggedMetadata,
-    *,
-    scale,
-    causal,
-    alibi_slopes,
-    sliding_window,
-    logits_soft_cap,
-    k_scale,
-    v_scale,
-):
+def _paged_attention_xla(query, key_cache, value_cache, md: RaggedMetadata, *, scale, **bias):
+    """The XLA path; `bias` holds `paged_attention`'s causal / ALiBi / window / soft cap /
+    k_scale / v_scale keywords, handed on to `_paged_tiles` unchanged."""
     num_tokens, num_seqs = query.shape[0], md.seq_lens.shape[0]
     real = jnp.arange(num_seqs, dtype=jnp.int32) < md.num_seqs
     q_lens = jnp.where(real, md.query_lens, 0)
@@ -284,12 +273,7 @@ def _paged_attention_xla(
             key_cache,
             value_cache,
             scale=scale,
-            causal=causal,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            **bias,
         )
         result = result.at[tiles.token].set(out.astype(query.dtype), mode="drop")
     return result

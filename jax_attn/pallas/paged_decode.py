@@ -42,6 +42,11 @@ _TARGET_PROGRAMS = 512
 _MAX_KV_SPLITS = 16
 
 
+def _first_visible_key(seq_len, sliding_window):
+    """The first key the decode query (at `seq_len - 1`) may see: the window start, else 0."""
+    return 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+
+
 def _split_block_range(seq_len, split, *, block_k: int, num_kv_splits: int, sliding_window):
     """Compute blocks `[lo, hi)` that split `split` visits for a sequence of `seq_len` keys.
 
@@ -50,9 +55,7 @@ def _split_block_range(seq_len, split, *, block_k: int, num_kv_splits: int, slid
     Example: seq_len 300, W 50, block_k 32, 2 splits: the window [250, 300) touches blocks 7-9;
     split 0 visits [7, 9), split 1 visits [9, 10).
     """
-    # The first key the query may see: the window start, else 0.
-    first_key = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
-    cb_lo = first_key // block_k
+    cb_lo = _first_visible_key(seq_len, sliding_window) // block_k
     cb_hi = pl.cdiv(seq_len, block_k)
     per_split = pl.cdiv(cb_hi - cb_lo, num_kv_splits)
     lo = cb_lo + split * per_split
@@ -85,8 +88,7 @@ def _paged_decode_kernel(
     seq_len = seq_len_ref[0]
     logit_scale = logit_scale_ref[0]
     q_pos = seq_len - 1  # the decode token is the sequence's last position
-    # The first key the query may see: the window start, else 0.
-    first_key = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    first_key = _first_visible_key(seq_len, sliding_window)
     num_pages = pl.cdiv(seq_len, block_size)
     my_lo, my_hi = _split_block_range(
         seq_len,
