@@ -45,7 +45,7 @@ from torch_backends.abstract import (
     AttentionType,
     check_attn_type,
 )
-from torch_backends.paged_attn import PagedAttentionMetadata
+from torch_backends.paged_attn import PagedAttentionMetadata, quantize
 from torch_backends.torch_sdpa import TorchSDPABackend
 
 _INSTALL = (
@@ -239,12 +239,11 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
         key, value, slots = key[keep], value[keep], slots[keep]
         k_scale, v_scale = self._scales(k_scale, v_scale)
         if self.fp8:
-            # Round with torch (to nearest even, saturating) and hand IPEX values it can
-            # store exactly: its own float -> e5m2 conversion rounds some ties differently,
-            # and the cache bytes must match the other backends'.
-            finfo = torch.finfo(_E5M2)
-            key = (key.float() / k_scale).clamp(finfo.min, finfo.max).to(_E5M2).float()
-            value = (value.float() / v_scale).clamp(finfo.min, finfo.max).to(_E5M2).float()
+            # Quantize as the other backends do (torch's round-to-nearest-even, saturating)
+            # and hand IPEX values it stores exactly: its own float -> e5m2 conversion rounds
+            # some ties differently, and the cache bytes must match the other backends'.
+            key = quantize(key, "fp8_e5m2", k_scale).view(_E5M2).float()
+            value = quantize(value, "fp8_e5m2", v_scale).view(_E5M2).float()
         IpexPagedAttention.reshape_and_cache(
             key.contiguous(),
             value.contiguous(),
