@@ -22,6 +22,7 @@ from torch_backends.paged_attn import PagedAttention, dequantize, fp8_dtype, qua
 
 def check_impl_args(
     backend: str,
+    supported_head_sizes: list[int],
     num_heads: int,
     head_size: int,
     num_kv_heads: int | None,
@@ -32,11 +33,10 @@ def check_impl_args(
     """The checks every backend's impl makes, with vLLM's messages; returns num_kv_heads."""
     if blocksparse_params is not None:
         raise ValueError(f"{backend} does not support block-sparse attention.")
-    supported = PagedAttention.get_supported_head_sizes()
-    if head_size not in supported:
+    if head_size not in supported_head_sizes:
         raise ValueError(
             f"Head size {head_size} is not supported by PagedAttention. "
-            f"Supported head sizes are: {supported}."
+            f"Supported head sizes are: {supported_head_sizes}."
         )
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % num_kv_heads:
@@ -65,6 +65,7 @@ class PagedImpl:
     ) -> None:
         self.num_kv_heads = check_impl_args(
             self.backend_name,
+            self.get_supported_head_sizes(),
             num_heads,
             head_size,
             num_kv_heads,
@@ -83,6 +84,11 @@ class PagedImpl:
         self.logits_soft_cap = logits_soft_cap
         self.attn_type = check_attn_type(attn_type)
         self.num_queries_per_kv = num_heads // self.num_kv_heads
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        """The head sizes vLLM V0's backend accepted: its paged kernels' list."""
+        return PagedAttention.get_supported_head_sizes()
 
     # -- hooks a backend may override ------------------------------------------------------
 

@@ -37,6 +37,9 @@ from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
 
 PAD_SLOT_ID = -1
 
+# vLLM V0 (v0.8.x) TORCH_SDPA: `PagedAttention.get_supported_head_sizes()` of its CPU paged ops.
+_CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 192, 256]
+
 
 class TorchSDPABackend(AttentionBackend):
     accept_output_buffer: bool = False
@@ -232,6 +235,12 @@ class TorchSDPABackendImpl(PagedImpl, AttentionImpl[TorchSDPAMetadata]):
     """Prefills through `scaled_dot_product_attention`; see the module docstring."""
 
     backend_name = "Torch SPDA"  # vLLM's spelling, kept so its error messages match
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        """vLLM V0's TORCH_SDPA checked against its CPU paged ops
+        (`vllm/attention/ops/ipex_attn.py`), whose list lacks 120."""
+        return list(_CPU_HEAD_SIZES)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -7,6 +7,7 @@ IPEX runs in the IPEX environment (`pytest -m ipex`, torch 2.8); XFORMERS where 
 installed (on CPU through its documented reference execution).
 """
 
+import re
 import warnings
 
 import numpy as np
@@ -217,3 +218,30 @@ def test_missing_metadata_errors(backend):
     with pytest.raises(ValueError, match="decode needs a kv_cache"):
         md = builder.build([5], [1], block_tables=[[0]], block_size=16)
         decoder.forward(AttentionLayer(), x[:1], x[:1], x[:1], torch.empty(0), md)
+
+
+# vLLM V0 (v0.8.0 to v0.8.5) head-size checks, per backend: TORCH_SDPA checked against its CPU
+# paged ops (vllm/attention/ops/ipex_attn.py: no 120); XFORMERS and IPEX against
+# vllm/attention/ops/paged_attn.py. Each impl raises exactly where vLLM's did.
+VLLM_HEAD_SIZES = {
+    "TORCH_SDPA": [32, 64, 80, 96, 112, 128, 192, 256],
+    "XFORMERS": [32, 64, 80, 96, 112, 120, 128, 192, 256],
+    "IPEX": [32, 64, 80, 96, 112, 120, 128, 192, 256],
+}
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+def test_head_sizes_as_vllm_v0(backend):
+    impl_cls = get_attn_backend(backend).get_impl_cls()
+    supported = VLLM_HEAD_SIZES[backend]
+    assert impl_cls.get_supported_head_sizes() == supported
+    for head_size in [16, 32, 48, 64, 72, 80, 96, 112, 120, 128, 160, 192, 256, 512]:
+        if head_size in supported:
+            impl_cls(4, head_size, 0.1, 2)
+            continue
+        message = (
+            f"Head size {head_size} is not supported by PagedAttention. "
+            f"Supported head sizes are: {supported}."
+        )
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            impl_cls(4, head_size, 0.1, 2)
