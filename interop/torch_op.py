@@ -7,24 +7,29 @@ allows), `jax_attn` runs jitted, and the result comes back through DLPack. Each 
 `torch.library.opcheck` passes.
 
 `JaxAttnBackend` ("JAX" in `get_attn_backend`) puts them behind vLLM V0's `AttentionImpl` API.
-Its cache is the core's layout: `kv_cache[2, NB, BS*Hkv*D]` viewed as key and value caches of
-`[NB, BS, Hkv, D]`. The cache write stays in torch (`index_put_`, in place): a JAX write
-returns a new array, which would copy the whole cache every step.
+Its cache is the core's layout (`layouts.NhdLayout`): `kv_cache[2, NB, BS*Hkv*D]` viewed as key
+and value caches of `[NB, BS, Hkv, D]`. The cache write stays in torch (`index_put_`, in
+place): a JAX write returns a new array, which would copy the whole cache every step. A step
+that uses the cache is one call of the ragged op over all its tokens, decodes and prefills
+together, with the batch's own `query_start_loc`:
+
+    |<---- prefill_0 ---->|<- prefill_1 ->|d0|d1|d2|   query_start_loc [0, 5, 8, 9, 10, 11]
+
+Cache-less attention (encoder, encoder-only, vLLM's profiling run) goes through the varlen op.
 """
 
 import jax.numpy as jnp
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 import jax_attn
 from interop.dlpack import to_jax, to_torch
-from torch_backends._step import PagedImpl
-from torch_backends.abstract import AttentionImpl
-from torch_backends.paged_attn import fp8_dtype
-from torch_backends.torch_sdpa import (
-    TorchSDPABackend,
-    TorchSDPAMetadata,
-    TorchSDPAMetadataBuilder,
-)
+from torch_backends.abstract import AttentionType
+from torch_backends.host_batch import cumsum
+from torch_backends.layouts import NhdLayout, PagedCache
+from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
+from torch_backends.torch_sdpa import TorchSDPAMetadata, TorchSDPAMetadataBuilder
 
 # Sentinels for "off" in op schemas (custom ops take no Optional[int] defaults of None well
 # under every torch version): sliding_window <= 0 and logits_soft_cap <= 0 mean none.
@@ -141,8 +146,9 @@ def _(
     return torch.empty_like(query)
 
 
-class JaxAttnBackend(TorchSDPABackend):
-    """The JAX core behind vLLM V0's backend API; cache in the core's `[NB, BS, Hkv, D]`."""
+class JaxAttnBackend(PagedBackend):
+    """The JAX core behind vLLM V0's backend API; cache in the core's `[NB, BS, Hkv, D]`,
+    metadata and builder TORCH_SDPA's."""
 
     @staticmethod
     def get_name() -> str:
@@ -161,112 +167,61 @@ class JaxAttnBackend(TorchSDPABackend):
         return TorchSDPAMetadataBuilder
 
 
-class JaxAttnBackendImpl(PagedImpl, AttentionImpl[TorchSDPAMetadata]):
+class JaxAttnBackendImpl(PagedImpl[TorchSDPAMetadata]):
     backend_name = "JAX"
+    layout_cls = NhdLayout
+
+    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        plan, cache = step.plan, step.cache
+        tables = None if cache is None else plan.block_tables
+        # Bottom-right positions need q_len <= kv_len: cross attention may have longer
+        # decoder prefills than encoders, which only the varlen op takes.
+        if tables is not None and min(plan.ctx_lens, default=0) >= 0:
+            return self._ragged(step.query, cache, plan.query_start_loc, plan.seq_lens, tables)
+        out = torch.empty_like(step.query)
+        if plan.num_prefill_tokens:  # no cache, or prefills without tables
+            key, value = step.prefill_kv()
+            out[plan.prefill_tokens] = varlen_attention_op(
+                step.prefill_query.contiguous(),
+                key.contiguous(),
+                value.contiguous(),
+                plan.prefill_query_start_loc.to(torch.int32),
+                cumsum(plan.kv_lens),
+                self.scale,
+                plan.causal,
+                **self._bias(),
+            )
+        if plan.num_decode_tokens:
+            p = plan.num_prefills
+            decode_loc = plan.query_start_loc[p:] - plan.num_prefill_tokens  # [0, 1, ..., D]
+            out[plan.decode_tokens] = self._ragged(
+                step.decode_query, cache, decode_loc, plan.decode_seq_lens, plan.decode_block_tables
+            )
+        return out
+
+    def _ragged(
+        self, query: Tensor, cache: PagedCache, query_start_loc, seq_lens, block_tables
+    ) -> Tensor:
+        """`query` (the tokens `query_start_loc` describes) over the cache, in one call; causal
+        for decoder self-attention only (cross attention's queries see every encoder key)."""
+        k_scale, v_scale = cache.scales
+        return paged_attention_op(
+            query.contiguous(),
+            cache.key_cache,
+            cache.value_cache,
+            query_start_loc.to(torch.int32),
+            seq_lens.to(torch.int32),
+            block_tables.to(torch.int32),
+            self.scale,
+            self.attn_type == AttentionType.DECODER,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            **self._bias(),
+        )
 
     def _bias(self) -> dict:
         return dict(
             alibi_slopes=self.alibi_slopes,
             sliding_window=self.sliding_window or 0,
             logits_soft_cap=self.logits_soft_cap or 0.0,
-        )
-
-    def _scales(self, k_scale, v_scale) -> tuple[float, float]:
-        if self.kv_cache_dtype == "auto":
-            return 1.0, 1.0
-        return float(k_scale), float(v_scale)
-
-    def split_kv_cache(self, kv_cache):
-        fp8 = fp8_dtype(self.kv_cache_dtype)
-        if fp8 is not None:
-            kv_cache = kv_cache.view(fp8)
-        num_blocks = kv_cache.shape[1]
-        shape = (num_blocks, -1, self.num_kv_heads, self.head_size)
-        return kv_cache[0].view(shape), kv_cache[1].view(shape)
-
-    def write_kv(self, key, value, key_cache, value_cache, slots, k_scale, v_scale) -> None:
-        slots = slots.flatten().long()
-        keep = slots >= 0
-        block_size = key_cache.shape[1]
-        block, offset = slots[keep] // block_size, slots[keep] % block_size
-        k_scale, v_scale = self._scales(k_scale, v_scale)
-        for cache, x, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
-            x = x[keep]
-            if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                info = torch.finfo(cache.dtype)
-                x = (x.float() / scale).clamp(info.min, info.max)
-            cache[block, offset] = x.to(cache.dtype)
-
-    def gather_kv(self, key_cache, value_cache, block_tables, kv_len, k_scale, v_scale):
-        k_scale, v_scale = self._scales(k_scale, v_scale)
-        block_size = key_cache.shape[1]
-        pos = torch.arange(kv_len)
-        logical = (pos // block_size).clamp(max=max(block_tables.shape[1] - 1, 0))
-        block = block_tables.long()[:, logical]  # [S, L]
-        return (
-            key_cache[block, pos % block_size].float() * k_scale,
-            value_cache[block, pos % block_size].float() * v_scale,
-        )
-
-    def _paged(
-        self, query, key_cache, value_cache, q_lens, seq_lens, tables, k_scale, v_scale
-    ) -> torch.Tensor:
-        k_scale, v_scale = self._scales(k_scale, v_scale)
-        query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.as_tensor(q_lens).cumsum(0)
-        return paged_attention_op(
-            query.contiguous(),
-            key_cache,
-            value_cache,
-            query_start_loc,
-            torch.as_tensor(seq_lens, dtype=torch.int32),
-            tables.to(torch.int32),
-            self.scale,
-            True,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            **self._bias(),
-        )
-
-    def decode(
-        self, query, key_cache, value_cache, block_tables, seq_lens, max_len, k_scale, v_scale
-    ) -> torch.Tensor:
-        return self._paged(
-            query,
-            key_cache,
-            value_cache,
-            [1] * query.shape[0],
-            seq_lens,
-            block_tables,
-            k_scale,
-            v_scale,
-        )
-
-    def prefix(
-        self, query, key, value, key_cache, value_cache, md, q_lens, kv_lens, k_scale, v_scale
-    ) -> torch.Tensor:
-        return self._paged(
-            query,
-            key_cache,
-            value_cache,
-            q_lens,
-            kv_lens,
-            md.prefill_block_tables,
-            k_scale,
-            v_scale,
-        )
-
-    def prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
-        cu = [torch.zeros(len(q_lens) + 1, dtype=torch.int32) for _ in range(2)]
-        cu[0][1:] = torch.as_tensor(q_lens).cumsum(0)
-        cu[1][1:] = torch.as_tensor(kv_lens).cumsum(0)
-        return varlen_attention_op(
-            query.contiguous(),
-            key.contiguous(),
-            value.contiguous(),
-            cu[0],
-            cu[1],
-            self.scale,
-            causal,
-            **self._bias(),
         )

@@ -26,27 +26,15 @@ import dataclasses
 from typing import Any
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
-from torch_backends import _math
-from torch_backends._batch import (
-    HostBatch,
-    StepPlan,
-    all_seqs_plan,
-    cumsum,
-    encoder_plan,
-    pad_tables,
-    require,
-)
-from torch_backends._step import PagedImpl
-from torch_backends.abstract import (
-    AttentionImpl,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    AttentionType,
-    check_attn_type,
-)
-from torch_backends.paged_attn import PagedAttentionMetadata, quantize
-from torch_backends.torch_sdpa import TorchSDPABackend
+from torch_backends.abstract import AttentionMetadata, AttentionMetadataBuilder, check_attn_type
+from torch_backends.host_batch import HostBatch, cumsum, pad_tables
+from torch_backends.layouts import IpexLayout
+from torch_backends.paged_attn import PagedAttentionMetadata
+from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
+from torch_backends.plan import StepPlan, per_sequence_plan
 
 _INSTALL = (
     "install it in its own environment: pip install 'jax-attn[ipex]' (torch 2.8.* + "
@@ -65,7 +53,9 @@ except ImportError as e:
     raise ImportError(f"The IPEX backend needs intel_extension_for_pytorch: {_INSTALL}") from e
 
 
-class IpexAttnBackend(TorchSDPABackend):
+class IpexAttnBackend(PagedBackend):
+    """IPEX's layout (`[NB, Hkv, BS, D]` key and value caches) and kernels."""
+
     @staticmethod
     def get_name() -> str:
         return "IPEX"
@@ -83,12 +73,10 @@ class IpexAttnBackend(TorchSDPABackend):
         return IpexAttnMetadataBuilder
 
     @staticmethod
-    def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int):
-        """`[2, NB, BS*Hkv*D]` -> key, value caches `[NB, Hkv, BS, D]`."""
-        num_blocks = kv_cache.shape[1]
-        key_cache = kv_cache[0].view(num_blocks, num_kv_heads, -1, head_size)
-        value_cache = kv_cache[1].view(num_blocks, num_kv_heads, -1, head_size)
-        return key_cache, value_cache
+    def split_kv_cache(kv_cache: Tensor, num_kv_heads: int, head_size: int):
+        """`[2, NB, BS*Hkv*D]` -> key, value caches `[NB, Hkv, BS, D]` (vLLM's
+        `_IPEXPagedAttention.split_kv_cache`)."""
+        return IpexLayout(num_kv_heads, head_size).split(kv_cache)
 
 
 @dataclasses.dataclass
@@ -144,18 +132,7 @@ class IpexAttnMetadata(AttentionMetadata, PagedAttentionMetadata):
         return self if self.num_decode_tokens > 0 else None
 
     def step_plan(self, attn_type: str) -> StepPlan:
-        attn_type = check_attn_type(attn_type)
-        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            return encoder_plan(self, attn_type)
-        p = self.num_prefills
-        q_lens = seq_lens = []
-        if self.num_prefill_tokens:
-            require(self.seq_lens, "seq_lens", attn_type)
-            seq_lens = list(self.seq_lens[:p])
-            q_lens = seq_lens
-            if self.query_start_loc is not None:
-                q_lens = torch.diff(self.query_start_loc[: p + 1]).tolist()
-        return all_seqs_plan(self, attn_type, q_lens, seq_lens)
+        return per_sequence_plan(self, check_attn_type(attn_type))
 
 
 class IpexAttnMetadataBuilder(AttentionMetadataBuilder[IpexAttnMetadata]):
@@ -205,8 +182,24 @@ class IpexAttnMetadataBuilder(AttentionMetadataBuilder[IpexAttnMetadata]):
 _E5M2 = torch.float8_e5m2
 
 
-class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
+class IpexKernelLayout(IpexLayout):
+    """IPEX's layout, written by IPEX's own `reshape_and_cache` kernel (pad slots are dropped
+    before it: IPEX 2.8 would write them into block 0)."""
+
+    def store(self, key_cache, value_cache, slots, key, value) -> None:
+        if self.fp8 is not None:
+            # Quantized as every backend does (torch's round-to-nearest-even, saturating), then
+            # handed to IPEX as values it stores exactly: its own float -> e5m2 conversion
+            # rounds some ties differently, and the cache bytes must match the other backends'.
+            key, value = key.view(_E5M2).float(), value.view(_E5M2).float()
+        IpexPagedAttention.reshape_and_cache(
+            key.contiguous(), value.contiguous(), key_cache, value_cache, slots, self.kv_cache_dtype
+        )
+
+
+class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
     backend_name = "IPEX"
+    layout_cls = IpexKernelLayout
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -220,88 +213,48 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
         self.head_mapping = torch.arange(self.num_kv_heads, dtype=torch.int32)
         self.head_mapping = self.head_mapping.repeat_interleave(self.num_queries_per_kv)
 
-    # -- cache hooks ------------------------------------------------------------------------
-
-    def split_kv_cache(self, kv_cache):
-        if self.fp8:
-            kv_cache = kv_cache.view(_E5M2)
-        return IpexAttnBackend.split_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
-
-    def _scales(self, k_scale, v_scale) -> tuple[float, float]:
-        """(key, value) scales the kernels must not see: 1.0 unless the cache is fp8."""
-        if not self.fp8:
-            return 1.0, 1.0
-        return float(k_scale), float(v_scale)
-
-    def write_kv(self, key, value, key_cache, value_cache, slots, k_scale, v_scale) -> None:
-        slots = slots.flatten().long()
-        keep = slots >= 0  # IPEX writes pad slots into block 0: drop them here
-        key, value, slots = key[keep], value[keep], slots[keep]
-        k_scale, v_scale = self._scales(k_scale, v_scale)
-        if self.fp8:
-            # Quantize as the other backends do (torch's round-to-nearest-even, saturating)
-            # and hand IPEX values it stores exactly: its own float -> e5m2 conversion rounds
-            # some ties differently, and the cache bytes must match the other backends'.
-            key = quantize(key, "fp8_e5m2", k_scale).view(_E5M2).float()
-            value = quantize(value, "fp8_e5m2", v_scale).view(_E5M2).float()
-        IpexPagedAttention.reshape_and_cache(
-            key.contiguous(),
-            value.contiguous(),
-            key_cache,
-            value_cache,
-            slots,
-            self.kv_cache_dtype,
-        )
-
-    def gather_kv(self, key_cache, value_cache, block_tables, kv_len, k_scale, v_scale):
-        """`[S, kv_len, Hkv, D]` float32 keys/values through the block tables."""
-        k_scale, v_scale = self._scales(k_scale, v_scale)
-        block_size = key_cache.shape[2]
-        pos = torch.arange(kv_len)
-        logical = (pos // block_size).clamp(max=max(block_tables.shape[1] - 1, 0))
-        block = block_tables.long()[:, logical]  # [S, L]
-        k = _index(key_cache, (block, slice(None), pos % block_size))  # [S, L, Hkv, D]
-        v = _index(value_cache, (block, slice(None), pos % block_size))
-        return k.float() * k_scale, v.float() * v_scale
-
-    def decode(
-        self, query, key_cache, value_cache, block_tables, seq_lens, max_len, k_scale, v_scale
-    ) -> torch.Tensor:
-        k_scale, v_scale = self._scales(k_scale, v_scale)
-        out = torch.empty_like(query)
-        if self.fp8 and self.alibi_slopes is not None:
-            # The only kernel with ALiBi (single_query_cached_kv_attention) reads caches in the
-            # query's dtype: give it the blocks this step reads, dequantized.
-            key_cache, value_cache, block_tables = _dequantized_blocks(
-                key_cache, value_cache, block_tables, query.dtype, k_scale, v_scale
+    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        """Prefills through `varlen_attention` (or `flash_attn_varlen_func` over a scratch
+        cache where they need ALiBi-free masks), chunked prefill and decodes over the cache."""
+        plan = step.plan
+        out = torch.empty_like(step.query)
+        if plan.num_prefill_tokens and plan.has_cached_prefix:
+            out[plan.prefill_tokens] = self._prefix(step)
+        elif plan.num_prefill_tokens:
+            key, value = step.prefill_kv()
+            out[plan.prefill_tokens] = self.prefill(
+                step.prefill_query, key, value, plan.q_lens, plan.kv_lens, plan.causal
             )
-            k_scale = v_scale = 1.0
-        elif self.fp8:
+        if plan.num_decode_tokens:
+            out[plan.decode_tokens] = self._decode(step)
+        return out
+
+    def _decode(self, step: Step) -> Tensor:
+        """One query per decode sequence over the cache; the scales kept out of the kernels
+        (`k_scale` folded into the softmax scale, `v_scale` into the output)."""
+        plan, cache, query = step.plan, step.cache, step.decode_query
+        key_cache, value_cache, tables = (
+            cache.key_cache,
+            cache.value_cache,
+            plan.decode_block_tables,
+        )
+        seq_lens, max_len = plan.decode_seq_lens, int(plan.max_decode_seq_len)
+        k_scale, v_scale = cache.scales
+        out = torch.empty_like(query)
+        if self.fp8 and self.alibi_slopes is None:
             # single_query_cached_kv_attention needs the cache in the query's dtype; the
             # chunked-prefill kernel reads e5m2 and serves one query per sequence as well.
             num_seqs = query.shape[0]
-            left, right = self._window(causal=True)
-            IpexPagedAttention.flash_attn_varlen_func(
-                out,
-                query.contiguous(),
-                key_cache,
-                value_cache,
-                torch.arange(num_seqs + 1, dtype=torch.int32),
-                cumsum(seq_lens.tolist()),
-                1,
-                int(max_len),
-                self.scale * k_scale,
-                True,
-                block_tables.int(),
-                None,
-                left,
-                right,
-                self.kv_cache_dtype,
-                1.0,
-                1.0,
-                self.logits_soft_cap if self.logits_soft_cap is not None else -1.0,
-            )
-            return (out.float() * v_scale).to(query.dtype)
+            self._flash_varlen(
+                out, query, key_cache, value_cache, torch.arange(num_seqs + 1, dtype=torch.int32),
+                cumsum(seq_lens.tolist()), 1, max_len, k_scale, True, tables, self.kv_cache_dtype,
+            )  # fmt: skip
+            return _times(out, v_scale)
+        if self.fp8:
+            # The only kernel with ALiBi (single_query_cached_kv_attention) reads caches in the
+            # query's dtype: give it the blocks this step reads, dequantized.
+            key_cache, value_cache, tables = self._dequantized_blocks(cache, tables, query.dtype)
+            k_scale = v_scale = 1.0
         IpexPagedAttention.single_query_cached_kv_attention(
             out,
             query.contiguous(),
@@ -309,76 +262,57 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
             value_cache,
             self.head_mapping,
             self.scale * k_scale,
-            block_tables.int(),
+            tables.int(),
             seq_lens.int(),
             key_cache.shape[2],
-            int(max_len),
+            max_len,
             self.alibi_slopes,
             self.sliding_window if self.sliding_window is not None else -1,
             1.0,
             1.0,
-            self.logits_soft_cap if self.logits_soft_cap is not None else -1.0,
+            self._soft_cap,
         )
-        return out if v_scale == 1.0 else (out.float() * v_scale).to(query.dtype)
+        return _times(out, v_scale)
 
-    def prefix(
-        self, query, key, value, key_cache, value_cache, md, q_lens, kv_lens, k_scale, v_scale
-    ) -> torch.Tensor:
+    def _prefix(self, step: Step) -> Tensor:
         """Chunked prefill: the new tokens' K/V are already in the cache (written first)."""
-        k_scale, v_scale = self._scales(k_scale, v_scale)
+        plan, cache = step.plan, step.cache
         if self.alibi_slopes is not None:  # no IPEX kernel: the same math in torch
-            ctx_lens = [k - q for q, k in zip(q_lens, kv_lens, strict=True)]
-            ctx_k, ctx_v = self.gather_kv(
-                key_cache, value_cache, md.prefill_block_tables, max(ctx_lens), 1.0, 1.0
+            key, value = step.prefill_kv(torch.float32)
+            return self.masked_prefill(
+                step.prefill_query, key, value, plan.q_lens, plan.kv_lens, causal=True
             )
-            keys, values, q0 = [], [], 0
-            for i, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
-                keys += [ctx_k[i, :ctx] * k_scale, key[q0 : q0 + q_len].float()]
-                values += [ctx_v[i, :ctx] * v_scale, value[q0 : q0 + q_len].float()]
-                q0 += q_len
-            return _reference_prefill(
-                self, query, torch.cat(keys), torch.cat(values), q_lens, kv_lens, causal=True
-            )
-        out = torch.empty_like(query)
-        left, right = self._window(causal=True)
-        IpexPagedAttention.flash_attn_varlen_func(
-            out,
-            query.contiguous(),
-            key_cache,
-            value_cache,
-            md.prefill_query_start_loc.int(),
-            cumsum(kv_lens),
-            max(q_lens),
-            max(kv_lens),
-            self.scale * k_scale,
-            True,
-            md.prefill_block_tables.int(),
-            None,  # ALiBi took the torch path above
-            left,
-            right,
-            self.kv_cache_dtype,
-            1.0,
-            1.0,
-            self.logits_soft_cap if self.logits_soft_cap is not None else -1.0,
-        )
-        return out if v_scale == 1.0 else (out.float() * v_scale).to(query.dtype)
+        k_scale, v_scale = cache.scales
+        out = torch.empty_like(step.prefill_query)
+        self._flash_varlen(
+            out, step.prefill_query, cache.key_cache, cache.value_cache,
+            plan.prefill_query_start_loc.int(), cumsum(plan.kv_lens), max(plan.q_lens),
+            max(plan.kv_lens), k_scale, True, plan.prefill_block_tables, self.kv_cache_dtype,
+        )  # fmt: skip
+        return _times(out, v_scale)
 
-    def prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
+    def prefill(
+        self,
+        query: Float[Tensor, "num_tokens num_heads head_size"],
+        key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
+        value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
+        q_lens: list[int],
+        kv_lens: list[int],
+        causal: bool,
+    ) -> Float[Tensor, "num_tokens num_heads head_size"]:
         """Prefill without a cached prefix.
 
         IPEX's `varlen_attention` has no ALiBi, window or soft cap on CPU (it asserts), which
         is why vLLM V0's IPEX prefill ignored them. Plain prefills use it; the others put the
         given K/V in a scratch paged cache and run `flash_attn_varlen_func`, which has all
-        three.
+        three but ALiBi (no IPEX CPU kernel takes ALiBi in prefill: the same math in torch).
         """
         if sum(kv_lens) == 0:
             return torch.zeros_like(query)
+        if self.alibi_slopes is not None:
+            return self.masked_prefill(query, key, value, q_lens, kv_lens, causal)
         out = torch.empty_like(query)
-        if (
-            self.alibi_slopes is None
-            and self.sliding_window is None
-            and (self.logits_soft_cap is None)
-        ):
+        if self.sliding_window is None and self.logits_soft_cap is None:
             # varlen_attention takes one kv head per query head (as vLLM V0 fed it), and on
             # CPU it ignores `softmax_scale` and uses 1/sqrt(head_size): the queries carry
             # the ratio instead.
@@ -401,32 +335,12 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
                 False,
                 None,
             )
-        elif self.alibi_slopes is not None:
-            # No IPEX CPU kernel takes ALiBi in prefill: the same math in torch.
-            return _reference_prefill(self, query, key, value, q_lens, kv_lens, causal)
         else:
             key_cache, value_cache, tables = self._scratch_cache(key, value, kv_lens)
-            left, right = self._window(causal)
-            IpexPagedAttention.flash_attn_varlen_func(
-                out,
-                query.contiguous(),
-                key_cache,
-                value_cache,
-                cumsum(q_lens),
-                cumsum(kv_lens),
-                max(q_lens),
-                max(kv_lens),
-                self.scale,
-                causal,
-                tables,
-                None,  # ALiBi took the torch path above
-                left,
-                right,
-                "auto",
-                1.0,
-                1.0,
-                self.logits_soft_cap if self.logits_soft_cap is not None else -1.0,
-            )
+            self._flash_varlen(
+                out, query, key_cache, value_cache, cumsum(q_lens), cumsum(kv_lens),
+                max(q_lens), max(kv_lens), 1.0, causal, tables, "auto",
+            )  # fmt: skip
         # Sequences without keys (cross attention to an empty encoder) give zeros.
         q0 = 0
         for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
@@ -434,6 +348,40 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
                 out[q0 : q0 + q_len] = 0
             q0 += q_len
         return out
+
+    @property
+    def _soft_cap(self) -> float:
+        return self.logits_soft_cap if self.logits_soft_cap is not None else -1.0
+
+    def _flash_varlen(
+        self, out, query, key_cache, value_cache, cu_q, cu_k, max_q, max_k, k_scale, causal,
+        block_tables, kv_cache_dtype,
+    ) -> None:  # fmt: skip
+        """`flash_attn_varlen_func` into `out`, with this impl's window, soft cap and scale
+        (times `k_scale`; the kernel's own k/v scales stay 1: IPEX 2.8 applies them
+        inconsistently). ALiBi never reaches it (those paths run in torch)."""
+        # IPEX's (window_size_left, window_size_right): keys `p_q - left .. p_q + right`.
+        left = -1 if self.sliding_window is None else self.sliding_window - 1
+        IpexPagedAttention.flash_attn_varlen_func(
+            out,
+            query.contiguous(),
+            key_cache,
+            value_cache,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            self.scale * k_scale,
+            causal,
+            block_tables.int(),
+            None,
+            left,
+            0 if causal else -1,
+            kv_cache_dtype,
+            1.0,
+            1.0,
+            self._soft_cap,
+        )
 
     def _scratch_cache(self, key, value, kv_lens, block_size: int = 16):
         """K/V `[Tk, Hkv, D]` laid out in a fresh `[NB, Hkv, BS, D]` cache, sequence after
@@ -448,59 +396,24 @@ class IpexAttnBackendImpl(PagedImpl, AttentionImpl[IpexAttnMetadata]):
         for i, (n, first) in enumerate(zip(kv_lens, starts, strict=False)):
             tables[i, : blocks[i]] = torch.arange(first, first + blocks[i])
             slots += range(first * block_size, first * block_size + n)
-        IpexPagedAttention.reshape_and_cache(
-            key.contiguous(),
-            value.contiguous(),
-            key_cache,
-            value_cache,
-            torch.tensor(slots),
-            "auto",
-        )
+        scratch = IpexKernelLayout(self.num_kv_heads, self.head_size)
+        scratch.store(key_cache, value_cache, torch.tensor(slots), key, value)
         return key_cache, value_cache, tables
 
-    def _window(self, causal: bool) -> tuple[int, int]:
-        """IPEX's (window_size_left, window_size_right): keys `p_q - left .. p_q + right`."""
-        left = -1 if self.sliding_window is None else self.sliding_window - 1
-        return left, 0 if causal else -1
+    def _dequantized_blocks(self, cache, block_tables, dtype):
+        """The blocks `block_tables` reads, as `dtype` values (`stored * scale`), in a compact
+        cache, with the tables renumbered into it.
+
+        block_tables [[7, 2], [2, 0]] -> blocks [0, 2, 7] copied, tables [[2, 1], [1, 0]].
+        """
+        layout = cache.layout
+        used, tables = torch.unique(block_tables.long(), return_inverse=True)
+        k_scale, v_scale = cache.scales
+        keys = layout.dequantize(layout.raw(cache.key_cache)[used], k_scale).to(dtype)
+        values = layout.dequantize(layout.raw(cache.value_cache)[used], v_scale).to(dtype)
+        return keys, values, tables.to(torch.int32)
 
 
-def _index(cache: torch.Tensor, index) -> torch.Tensor:
-    """`cache[index]`; torch 2.8 has no CPU indexing for float8, so fp8 goes through bytes."""
-    if cache.dtype == _E5M2:
-        return cache.view(torch.uint8)[index].view(_E5M2)
-    return cache[index]
-
-
-def _dequantized_blocks(key_cache, value_cache, block_tables, dtype, k_scale, v_scale):
-    """The blocks `block_tables` reads, as `dtype` values (`stored * scale`), in a compact
-    cache, with the tables renumbered into it.
-
-    block_tables [[7, 2], [2, 0]] -> blocks [0, 2, 7] copied, tables [[2, 1], [1, 0]].
-    """
-    used, tables = torch.unique(block_tables.long(), return_inverse=True)
-    keys = (_index(key_cache, used).float() * k_scale).to(dtype)  # [U, Hkv, BS, D]
-    values = (_index(value_cache, used).float() * v_scale).to(dtype)
-    return keys, values, tables.to(torch.int32)
-
-
-def _reference_prefill(impl, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
-    """Prefill in float32 torch (`torch_backends._math`), for what IPEX has no kernel for."""
-    out = torch.empty_like(query)
-    q0 = k0 = 0
-    for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
-        k_pos = torch.arange(kv_len)[None]
-        out[q0 : q0 + q_len] = _math.attend(
-            query[None, q0 : q0 + q_len].float(),
-            key[None, k0 : k0 + kv_len].float(),
-            value[None, k0 : k0 + kv_len].float(),
-            q_pos=torch.arange(kv_len - q_len, kv_len)[None],
-            k_pos=k_pos,
-            k_valid=torch.ones_like(k_pos, dtype=torch.bool),
-            scale=impl.scale,
-            causal=causal,
-            alibi_slopes=impl.alibi_slopes,
-            sliding_window=impl.sliding_window,
-            logits_soft_cap=impl.logits_soft_cap,
-        )[0].to(query.dtype)
-        q0, k0 = q0 + q_len, k0 + kv_len
-    return out
+def _times(out: Tensor, v_scale: float) -> Tensor:
+    """The kernels' output times the value scale they did not apply."""
+    return out if v_scale == 1.0 else (out.float() * v_scale).to(out.dtype)

@@ -21,19 +21,20 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor
 
-from torch_backends import _math
-from torch_backends._batch import HostBatch, StepPlan, cumsum, encoder_plan, pad_tables, require
-from torch_backends._step import PagedImpl
 from torch_backends.abstract import (
-    AttentionBackend,
-    AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
     check_attn_type,
 )
+from torch_backends.host_batch import HostBatch, cumsum, pad_tables
+from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
+from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
+from torch_backends.plan import StepPlan, cross_plan, encoder_plan, query_start_loc, require
 
 PAD_SLOT_ID = -1
 
@@ -41,8 +42,8 @@ PAD_SLOT_ID = -1
 _CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 192, 256]
 
 
-class TorchSDPABackend(AttentionBackend):
-    accept_output_buffer: bool = False
+class TorchSDPABackend(PagedBackend):
+    """vLLM's paged split layout; prefills through SDPA."""
 
     @staticmethod
     def get_name() -> str:
@@ -60,22 +61,6 @@ class TorchSDPABackend(AttentionBackend):
     def get_builder_cls() -> type["TorchSDPAMetadataBuilder"]:
         return TorchSDPAMetadataBuilder
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return PagedAttention.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def swap_blocks(
-        src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor
-    ) -> None:
-        PagedAttention.swap_blocks(src_kv_cache, dst_kv_cache, src_to_dst)
-
-    @staticmethod
-    def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None:
-        PagedAttention.copy_blocks(kv_caches, src_to_dists)
-
 
 @dataclasses.dataclass
 class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
@@ -90,19 +75,19 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
     # Chunked prefill only:
     max_query_len: int | None = None
     max_kv_len: int | None = None
-    prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1]
-    kv_start_loc: torch.Tensor | None = None  # [num_prefills + 1]
-    prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks]
-    query_start_loc: torch.Tensor | None = None
+    prefill_query_start_loc: Tensor | None = None  # [num_prefills + 1]
+    kv_start_loc: Tensor | None = None  # [num_prefills + 1]
+    prefill_block_tables: Tensor | None = None  # [num_prefills, max_blocks]
+    query_start_loc: Tensor | None = None
     # Encoder and encoder/decoder cross attention:
     encoder_seq_lens: list[int] | None = None
-    encoder_seq_lens_tensor: torch.Tensor | None = None
+    encoder_seq_lens_tensor: Tensor | None = None
     max_encoder_seq_len: int | None = None
     num_encoder_tokens: int | None = None
     # Where the encoder's keys/values go in the cache, and where each decoder sequence's
     # encoder keys live (one table row per decoder sequence, all sequences).
-    cross_slot_mapping: torch.Tensor | None = None
-    cross_block_tables: torch.Tensor | None = None
+    cross_slot_mapping: Tensor | None = None
+    cross_block_tables: Tensor | None = None
 
     @property
     def is_all_encoder_attn_metadata_set(self) -> bool:
@@ -140,7 +125,7 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
         return q_lens, self.seq_lens
 
     def step_plan(self, attn_type: str) -> StepPlan:
-        """This step in the shared vocabulary (`_batch.StepPlan`): decode fields describe the
+        """This step in the shared vocabulary (`plan.StepPlan`): decode fields describe the
         decode sequences only; prefills read a cached prefix through `prefill_block_tables`
         when `chunked_prefill` is set."""
         attn_type = check_attn_type(attn_type)
@@ -148,31 +133,17 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
             return encoder_plan(self, attn_type)
         q_lens, kv_lens = self.get_seq_lens(attn_type) if self.num_prefill_tokens else ([], [])
         if attn_type == AttentionType.ENCODER_DECODER:
-            cross, enc = self.cross_block_tables, self.encoder_seq_lens_tensor
-            if enc is None:
-                enc = torch.tensor(self.encoder_seq_lens, dtype=torch.int32)
-            decode_lens = enc[self.num_prefills :]
-            return StepPlan(
-                num_prefills=self.num_prefills,
-                num_prefill_tokens=self.num_prefill_tokens,
-                num_decode_tokens=self.num_decode_tokens,
-                slot_mapping=self.cross_slot_mapping,
-                q_lens=q_lens,
-                kv_lens=kv_lens,
-                prefill_block_tables=None if cross is None else cross[: self.num_prefills],
-                decode_block_tables=None if cross is None else cross[self.num_prefills :],
-                decode_seq_lens=decode_lens,
-                max_decode_seq_len=int(decode_lens.max()) if decode_lens.numel() else 0,
-            )
-        prefill_tables = self.prefill_block_tables if self.chunked_prefill else None
+            return cross_plan(self, attn_type, q_lens)
         return StepPlan(
+            attn_type=attn_type,
             num_prefills=self.num_prefills,
             num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens,
             slot_mapping=self.slot_mapping,
             q_lens=q_lens,
             kv_lens=kv_lens,
-            prefill_block_tables=prefill_tables,
+            query_start_loc=query_start_loc(self.query_start_loc, q_lens, self.num_decode_tokens),
+            prefill_block_tables=self.prefill_block_tables if self.chunked_prefill else None,
             decode_block_tables=self.block_tables,
             decode_seq_lens=self.seq_lens_tensor,
             max_decode_seq_len=self.max_decode_seq_len,
@@ -231,10 +202,12 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         )
 
 
-class TorchSDPABackendImpl(PagedImpl, AttentionImpl[TorchSDPAMetadata]):
-    """Prefills through `scaled_dot_product_attention`; see the module docstring."""
+class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
+    """Prefills through `scaled_dot_product_attention`, chunked prefill through
+    `PagedAttention.forward_prefix`, decodes through `PagedAttention.forward_decode`."""
 
     backend_name = "Torch SPDA"  # vLLM's spelling, kept so its error messages match
+    layout_cls = SplitLayout
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -246,12 +219,55 @@ class TorchSDPABackendImpl(PagedImpl, AttentionImpl[TorchSDPAMetadata]):
         super().__init__(*args, **kwargs)
         self.need_mask = self.alibi_slopes is not None or self.sliding_window is not None
 
-    def prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
-        """Per-sequence SDPA over new keys (no prefix): `[Tq, Hq, D]`."""
+    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        plan = step.plan
+        out = torch.empty_like(step.query)
+        if plan.num_prefill_tokens and plan.has_cached_prefix:
+            cache, pre = step.cache, plan.prefill_tokens
+            out[pre] = PagedAttention.forward_prefix(
+                step.prefill_query,
+                step.key[pre],
+                step.value[pre],
+                self.kv_cache_dtype,
+                cache.key_cache,
+                cache.value_cache,
+                plan.prefill_block_tables,
+                plan.prefill_query_start_loc,
+                torch.tensor(plan.kv_lens),
+                plan.max_query_len,
+                self.alibi_slopes,
+                self.sliding_window,
+                cache.k_scale,
+                cache.v_scale,
+                scale=self.scale,
+                logits_soft_cap=self.logits_soft_cap,
+            )
+        elif plan.num_prefill_tokens:
+            key, value = step.prefill_kv()
+            out[plan.prefill_tokens] = self.prefill(
+                step.prefill_query, key, value, plan.q_lens, plan.kv_lens, plan.causal
+            )
+        if plan.num_decode_tokens:
+            out[plan.decode_tokens] = forward_decode(self, step)
+        return out
+
+    def prefill(
+        self,
+        query: Float[Tensor, "num_tokens num_heads head_size"],
+        key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
+        value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
+        q_lens: list[int],
+        kv_lens: list[int],
+        causal: bool,
+    ) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        """Per-sequence SDPA over the given keys (no cached prefix)."""
+        if self.logits_soft_cap is not None or (self.need_mask and not causal):
+            # SDPA takes no soft cap, and its masks here are causal: the same math without it.
+            return self.masked_prefill(query, key, value, q_lens, kv_lens, causal)
         output = torch.empty_like(query)
         q0 = k0 = 0
         masks = None
-        if self.need_mask and causal:
+        if self.need_mask:  # causal here
             masks = (
                 _make_alibi_bias(self.alibi_slopes, query.dtype, q_lens)
                 if self.alibi_slopes is not None
@@ -264,9 +280,7 @@ class TorchSDPABackendImpl(PagedImpl, AttentionImpl[TorchSDPAMetadata]):
             q = query[q0 : q0 + q_len].movedim(0, 1)  # [Hq, q_len, D]
             k = key[k0 : k0 + kv_len].movedim(0, 1)  # [Hkv, kv_len, D]
             v = value[k0 : k0 + kv_len].movedim(0, 1)
-            if self.logits_soft_cap is not None or (self.need_mask and not causal):
-                out = _dense(self, q, k, v, causal)
-            elif kv_len == 0:
+            if kv_len == 0:
                 out = torch.zeros_like(q)
             else:
                 out = F.scaled_dot_product_attention(
@@ -283,28 +297,7 @@ class TorchSDPABackendImpl(PagedImpl, AttentionImpl[TorchSDPAMetadata]):
         return output
 
 
-def _dense(impl, q, k, v, causal) -> torch.Tensor:
-    """The same attention without SDPA (soft cap, or masks SDPA's API can't take)."""
-    q_len, kv_len = q.shape[1], k.shape[1]
-    out = _math.attend(
-        q.movedim(0, 1)[None].float(),
-        k.movedim(0, 1)[None].float(),
-        v.movedim(0, 1)[None].float(),
-        q_pos=torch.arange(kv_len - q_len, kv_len)[None],
-        k_pos=torch.arange(kv_len)[None],
-        k_valid=torch.ones(1, kv_len, dtype=torch.bool),
-        scale=impl.scale,
-        causal=causal,
-        alibi_slopes=impl.alibi_slopes,
-        sliding_window=impl.sliding_window,
-        logits_soft_cap=impl.logits_soft_cap,
-    )
-    return out[0].movedim(1, 0).to(q.dtype)  # [Hq, q_len, D]
-
-
-def _make_alibi_bias(
-    alibi_slopes: torch.Tensor, dtype: torch.dtype, seq_lens: list[int]
-) -> list[torch.Tensor]:
+def _make_alibi_bias(alibi_slopes: Tensor, dtype: torch.dtype, seq_lens: list[int]) -> list[Tensor]:
     """Per prefill sequence: `[Hq, L, L]` ALiBi bias `slope * (p_k - p_q)`, -inf above the
     diagonal (causal)."""
     biases = []
@@ -319,7 +312,7 @@ def _make_alibi_bias(
 
 def _make_sliding_window_bias(
     seq_lens: list[int], window_size: int | None, dtype: torch.dtype
-) -> list[torch.Tensor]:
+) -> list[Tensor]:
     """Per prefill sequence: `[1, L, L]` of 0 where a query may attend (causal, within the
     window) and -inf elsewhere."""
     biases = []

@@ -22,26 +22,15 @@ import warnings
 from typing import Any
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
-from torch_backends._batch import (
-    HostBatch,
-    StepPlan,
-    all_seqs_plan,
-    cumsum,
-    encoder_plan,
-    pad_tables,
-    require,
-)
-from torch_backends._step import PagedImpl
-from torch_backends.abstract import (
-    AttentionImpl,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    AttentionType,
-    check_attn_type,
-)
+from torch_backends.abstract import AttentionMetadata, AttentionMetadataBuilder, check_attn_type
+from torch_backends.host_batch import HostBatch, cumsum, pad_tables
+from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttentionMetadata
-from torch_backends.torch_sdpa import TorchSDPABackend
+from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
+from torch_backends.plan import StepPlan, per_sequence_plan
 
 try:
     from xformers.ops import fmha, memory_efficient_attention_forward
@@ -67,8 +56,8 @@ def _warn_cpu_once() -> None:
         )
 
 
-class XFormersBackend(TorchSDPABackend):
-    """Same cache layout and block ops as TORCH_SDPA (vLLM's paged split layout)."""
+class XFormersBackend(PagedBackend):
+    """vLLM's paged split layout (as TORCH_SDPA); prefills through xformers."""
 
     @staticmethod
     def get_name() -> str:
@@ -107,19 +96,19 @@ class XFormersMetadata(AttentionMetadata, PagedAttentionMetadata):
     # seq_lens [5, 17, 9] with query_lens [5, 3, 1]: a plain prefill, a chunked prefill with
     # 14 cached tokens, a decode with 8.
     seq_lens: list[int] | None = None
-    seq_start_loc: torch.Tensor | None = None  # [S + 1], cumulative seq_lens
-    context_lens_tensor: torch.Tensor | None = None  # [S], seq_len - query_len
+    seq_start_loc: Tensor | None = None  # [S + 1], cumulative seq_lens
+    context_lens_tensor: Tensor | None = None  # [S], seq_len - query_len
     max_query_len: int | None = None
     max_decode_query_len: int | None = None
-    query_start_loc: torch.Tensor | None = None  # [S + 1], cumulative query_lens
+    query_start_loc: Tensor | None = None  # [S + 1], cumulative query_lens
     # Encoder and encoder/decoder cross attention:
     encoder_seq_lens: list[int] | None = None
-    encoder_seq_lens_tensor: torch.Tensor | None = None
-    encoder_seq_start_loc: torch.Tensor | None = None
+    encoder_seq_lens_tensor: Tensor | None = None
+    encoder_seq_start_loc: Tensor | None = None
     max_encoder_seq_len: int | None = None
     num_encoder_tokens: int | None = None
-    cross_slot_mapping: torch.Tensor | None = None
-    cross_block_tables: torch.Tensor | None = None
+    cross_slot_mapping: Tensor | None = None
+    cross_block_tables: Tensor | None = None
 
     @property
     def is_all_encoder_attn_metadata_set(self) -> bool:
@@ -176,18 +165,7 @@ class XFormersMetadata(AttentionMetadata, PagedAttentionMetadata):
         )
 
     def step_plan(self, attn_type: str) -> StepPlan:
-        attn_type = check_attn_type(attn_type)
-        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            return encoder_plan(self, attn_type)
-        p = self.num_prefills
-        q_lens = seq_lens = []
-        if self.num_prefill_tokens:
-            require(self.seq_lens, "seq_lens", attn_type)
-            seq_lens = list(self.seq_lens[:p])
-            q_lens = seq_lens
-            if self.query_start_loc is not None:
-                q_lens = torch.diff(self.query_start_loc[: p + 1]).tolist()
-        return all_seqs_plan(self, attn_type, q_lens, seq_lens)
+        return per_sequence_plan(self, check_attn_type(attn_type))
 
 
 def _cut(x, start=None, stop=None):
@@ -248,10 +226,11 @@ class XFormersMetadataBuilder(AttentionMetadataBuilder[XFormersMetadata]):
         )
 
 
-class XFormersImpl(PagedImpl, AttentionImpl[XFormersMetadata]):
+class XFormersImpl(PagedImpl[XFormersMetadata]):
     """vLLM V0's `XFormersImpl`: `forward(layer, query, key, value, kv_cache, metadata)`."""
 
     backend_name = "XFormers"
+    layout_cls = SplitLayout
 
     # -- masks ---------------------------------------------------------------------------
 
@@ -282,7 +261,29 @@ class XFormersImpl(PagedImpl, AttentionImpl[XFormersMetadata]):
 
     # -- execution -----------------------------------------------------------------------
 
-    def prefill(self, query, key, value, q_lens, kv_lens, causal) -> torch.Tensor:
+    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        """Prefills under their xformers bias over their whole K/V (a cached prefix gathered
+        first, under a bottom-right mask); decodes through `PagedAttention.forward_decode`."""
+        plan = step.plan
+        out = torch.empty_like(step.query)
+        if plan.num_prefill_tokens:
+            key, value = step.prefill_kv()
+            out[plan.prefill_tokens] = self.prefill(
+                step.prefill_query, key, value, plan.q_lens, plan.kv_lens, plan.causal
+            )
+        if plan.num_decode_tokens:
+            out[plan.decode_tokens] = forward_decode(self, step)
+        return out
+
+    def prefill(
+        self,
+        query: Float[Tensor, "num_tokens num_heads head_size"],
+        key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
+        value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
+        q_lens: list[int],
+        kv_lens: list[int],
+        causal: bool,
+    ) -> Float[Tensor, "num_tokens num_heads head_size"]:
         bias = self.make_attn_bias(q_lens, kv_lens, causal)
         if not isinstance(bias, list):
             return self._run(query, key, value, bias)
@@ -295,22 +296,7 @@ class XFormersImpl(PagedImpl, AttentionImpl[XFormersMetadata]):
             q0, k0 = q0 + q_len, k0 + kv_len
         return output
 
-    def prefix(
-        self, query, key, value, key_cache, value_cache, md, q_lens, kv_lens, k_scale, v_scale
-    ) -> torch.Tensor:
-        """Chunked prefill: the cached prefix gathered, then a bottom-right causal mask."""
-        ctx_lens = [k - q for q, k in zip(q_lens, kv_lens, strict=True)]
-        ctx_k, ctx_v = self.gather_kv(
-            key_cache, value_cache, md.prefill_block_tables, max(ctx_lens), k_scale, v_scale
-        )
-        keys, values, q0 = [], [], 0
-        for i, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
-            keys += [ctx_k[i, :ctx].to(query.dtype), key[q0 : q0 + q_len]]
-            values += [ctx_v[i, :ctx].to(query.dtype), value[q0 : q0 + q_len]]
-            q0 += q_len
-        return self.prefill(query, torch.cat(keys), torch.cat(values), q_lens, kv_lens, True)
-
-    def _run(self, query, key, value, bias) -> torch.Tensor:
+    def _run(self, query, key, value, bias) -> Tensor:
         """Attention of `[Tq, Hq, D]` over `[Tk, Hkv, D]` under an xformers bias."""
         if query.is_cuda and self.logits_soft_cap is None:
             # BMHK layout with the kv heads repeated for GQA (vLLM V0 did the same).
@@ -357,7 +343,7 @@ def execute_reference(query, key, value, bias, *, scale, logits_soft_cap=None):
     return torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
 
 
-def _window_tensor_bias(q_len: int, kv_len: int, window: int) -> torch.Tensor:
+def _window_tensor_bias(q_len: int, kv_len: int, window: int) -> Tensor:
     """Non-causal window (encoders): keys within `window` of the query, on either side."""
     p_q = torch.arange(kv_len - q_len, kv_len)[:, None]
     p_k = torch.arange(kv_len)[None, :]
@@ -366,7 +352,7 @@ def _window_tensor_bias(q_len: int, kv_len: int, window: int) -> torch.Tensor:
 
 
 def _make_alibi_bias(
-    alibi_slopes: torch.Tensor,
+    alibi_slopes: Tensor,
     num_kv_heads: int,
     q_lens: list[int],
     kv_lens: list[int] | None = None,

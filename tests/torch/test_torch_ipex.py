@@ -36,10 +36,10 @@ from torch_backends.ipex_attn import (  # noqa: E402
 def test_pad_slots_write_nothing(rng):
     impl = IpexAttnBackendImpl(2, 64, 0.125, 2)
     kv_cache = torch.full((2, 3, 8 * 2 * 64), float("nan"))
-    key_cache, value_cache = impl.split_kv_cache(kv_cache)
+    key_cache, value_cache = impl.layout.split(kv_cache)
     before = kv_cache.clone()
     x = torch.randn(2, 2, 64)
-    impl.write_kv(x, x, key_cache, value_cache, torch.tensor([-1, 9]), 1.0, 1.0)
+    impl.layout.write(x, x, key_cache, value_cache, torch.tensor([-1, 9]))
     changed = ~((kv_cache == before) | (kv_cache.isnan() & before.isnan()))
     assert int(changed.sum()) == 2 * 2 * 64  # slot 9 in both caches, nothing for -1
     assert torch.equal(key_cache[1, :, 1], x[1])

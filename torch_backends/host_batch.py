@@ -1,0 +1,135 @@
+"""`HostBatch`: one step described by per-sequence Python lists, what the builders start from,
+and the small host-side helpers that turn such lists into tensors.
+
+Sequences come prefills first, then decodes; a decode is a sequence with one new token after
+a cached prefix:
+
+    |<---- prefill_0 ---->|<- prefill_1 ->|d0|d1|d2|
+    |<------- num_prefill_tokens ------->|<-- num_decode_tokens -->|
+"""
+
+import dataclasses
+import itertools
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+
+def cumsum(lens) -> Int[Tensor, " n_plus_1"]:
+    """`[0, l0, l0+l1, ...]` as int32: lens [4, 6] -> [0, 4, 10]."""
+    return torch.tensor([0, *itertools.accumulate(int(n) for n in lens)], dtype=torch.int32)
+
+
+def pad_tables(tables: list[list[int]]) -> Int[Tensor, "num_seqs max_blocks"]:
+    """Ragged per-sequence block lists -> `[S, max_blocks]` int32, padded with 0."""
+    width = max((len(t) for t in tables), default=0)
+    rows = [list(t) + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width)
+
+
+def slots_of(table: list[int], positions, block_size: int) -> list[int]:
+    """Cache slots of token positions through one block table.
+
+    table [3, 7], block size 16, positions 14..17 -> [62, 63, 112, 113] (block 3 offsets
+    14-15, then block 7 offsets 0-1).
+    """
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBatch:
+    """One step described by per-sequence Python lists, validated; what builders start from.
+
+    Sequences come prefills first, then decodes; a decode is a sequence with one new token
+    after a cached prefix.
+    """
+
+    num_prefills: int
+    seq_lens: list[int]
+    query_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    encoder_seq_lens: list[int] | None
+    cross_block_tables: list[list[int]] | None
+    cross_slot_mapping: list[int] | None
+
+    @classmethod
+    def from_lists(
+        cls,
+        seq_lens,
+        query_lens,
+        block_tables,
+        block_size: int,
+        encoder_seq_lens=None,
+        cross_block_tables=None,
+    ) -> "HostBatch":
+        seq_lens, query_lens = [int(s) for s in seq_lens], [int(q) for q in query_lens]
+        block_tables = [list(map(int, t)) for t in block_tables]
+        if len(seq_lens) != len(query_lens) or len(block_tables) != len(seq_lens):
+            raise ValueError(
+                f"seq_lens ({len(seq_lens)}), query_lens ({len(query_lens)}) and "
+                f"block_tables ({len(block_tables)}) need one entry per sequence"
+            )
+        for i, (s, q, table) in enumerate(zip(seq_lens, query_lens, block_tables, strict=True)):
+            if q > s:
+                raise ValueError(f"query_lens[{i}]={q} must be <= seq_lens[{i}]={s}")
+            if len(table) * block_size < s:
+                raise ValueError(
+                    f"block_tables[{i}] has {len(table)} blocks of {block_size} for "
+                    f"seq_lens[{i}]={s} tokens"
+                )
+        is_decode = [q == 1 and s > 1 for q, s in zip(query_lens, seq_lens, strict=True)]
+        num_prefills = is_decode.index(True) if any(is_decode) else len(seq_lens)
+        if not all(is_decode[num_prefills:]):
+            raise ValueError(
+                f"sequences must come prefills first, then decodes (query_lens={query_lens})"
+            )
+        slots = [
+            slot
+            for s, q, table in zip(seq_lens, query_lens, block_tables, strict=True)
+            for slot in slots_of(table, range(s - q, s), block_size)
+        ]
+        cross_slots = None
+        if cross_block_tables is not None:
+            if encoder_seq_lens is None:
+                raise ValueError("cross_block_tables needs encoder_seq_lens")
+            cross_slots = [
+                slot
+                for n, table in zip(encoder_seq_lens, cross_block_tables, strict=True)
+                for slot in slots_of(table, range(n), block_size)
+            ]
+            cross_block_tables = [list(map(int, t)) for t in cross_block_tables]
+        return cls(
+            num_prefills=num_prefills,
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            block_tables=block_tables,
+            slot_mapping=slots,
+            encoder_seq_lens=None if encoder_seq_lens is None else list(encoder_seq_lens),
+            cross_block_tables=cross_block_tables,
+            cross_slot_mapping=cross_slots,
+        )
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.query_lens[: self.num_prefills])
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.seq_lens) - self.num_prefills
+
+    def encoder_fields(self) -> dict:
+        """The encoder / cross-attention fields every metadata class shares."""
+        if self.encoder_seq_lens is None:
+            return {}
+        fields = dict(
+            encoder_seq_lens=self.encoder_seq_lens,
+            encoder_seq_lens_tensor=torch.tensor(self.encoder_seq_lens, dtype=torch.int32),
+            max_encoder_seq_len=max(self.encoder_seq_lens, default=0),
+            num_encoder_tokens=sum(self.encoder_seq_lens),
+        )
+        if self.cross_block_tables is not None:
+            fields["cross_slot_mapping"] = torch.tensor(self.cross_slot_mapping, dtype=torch.long)
+            fields["cross_block_tables"] = pad_tables(self.cross_block_tables)
+        return fields

@@ -1,0 +1,316 @@
+"""`PagedBackend` and `PagedImpl`: the abstract base of every torch backend here.
+
+A backend names its layout (`torch_backends.layouts`) and implements one method,
+`attend(step)`, over the whole step. `PagedImpl.forward` (vLLM's `AttentionImpl.forward`)
+does what is the same everywhere:
+
+    check the metadata -> plan the step (`StepPlan`) -> write the new K/V into the cache
+    -> attend(step) -> [T, Hq * D]
+
+for every attention type:
+
+    DECODER          causal self-attention; prefills (plain or over a cached prefix), decodes
+    ENCODER(_ONLY)   no cache: bidirectional attention over the given K/V
+    ENCODER_DECODER  the encoder K/V written once (cross_slot_mapping), then decoder queries
+                     over them, from the cache when key/value are None
+
+No backend inherits from another: each is `PagedBackend` + its metadata, builder and impl.
+"""
+
+import dataclasses
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from torch_backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionType,
+    T,
+    check_attn_type,
+)
+from torch_backends.layouts import CacheLayout, PagedCache, fp8_dtype
+from torch_backends.masked_attention import ragged_masked_attention
+from torch_backends.paged_attn import PagedAttention
+from torch_backends.plan import StepPlan
+
+
+class PagedBackend(AttentionBackend):
+    """The packed cache `kv_cache[2, NB, BS*Hkv*D]` every backend here allocates (each views
+    it in its own layout) and the block ops on it, which do not depend on the layout."""
+
+    accept_output_buffer: bool = False
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return PagedAttention.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def swap_blocks(src_kv_cache: Tensor, dst_kv_cache: Tensor, src_to_dst: Tensor) -> None:
+        PagedAttention.swap_blocks(src_kv_cache, dst_kv_cache, src_to_dst)
+
+    @staticmethod
+    def copy_blocks(kv_caches: list[Tensor], src_to_dists: Tensor) -> None:
+        PagedAttention.copy_blocks(kv_caches, src_to_dists)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One `forward`'s inputs, per head, after the cache write: what `attend` reads.
+
+    `key` / `value` are the new K/V as the cache returns them (rounded through fp8 with an fp8
+    cache, so every path and every backend sees the same keys), or None when they are already
+    cached (cross attention after its first step). `cache` is None when no cache is used
+    (encoder attention, or vLLM's profiling run with an empty `kv_cache`).
+    """
+
+    plan: StepPlan
+    query: Float[Tensor, "num_tokens num_heads head_size"]
+    key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"] | None
+    value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"] | None
+    cache: PagedCache | None
+
+    @property
+    def prefill_query(self) -> Float[Tensor, "num_prefill_tokens num_heads head_size"]:
+        return self.query[self.plan.prefill_tokens]
+
+    @property
+    def decode_query(self) -> Float[Tensor, "num_decode_tokens num_heads head_size"]:
+        return self.query[self.plan.decode_tokens]
+
+    def prefill_kv(
+        self, dtype: torch.dtype | None = None
+    ) -> tuple[
+        Float[Tensor, "num_prefill_kv_tokens num_kv_heads head_size"],
+        Float[Tensor, "num_prefill_kv_tokens num_kv_heads head_size"],
+    ]:
+        """Each prefill's whole K/V, sequence after sequence (`sum(kv_lens)` rows), in `dtype`
+        (the query's by default): the new K/V; with a cached prefix, the prefix gathered from
+        the cache before them; with no new K/V, everything from the cache.
+
+            kv_lens [7, 3], q_lens [2, 3]: |<- prefix_0 (5) ->|new_0 (2)|new_1 (3)|
+        """
+        plan = self.plan
+        dtype = self.query.dtype if dtype is None else dtype
+        if self.key is not None and not plan.has_cached_prefix:
+            kv = slice(0, sum(plan.kv_lens))  # the prefills' keys lead; decode tokens' follow
+            return self.key[kv].to(dtype), self.value[kv].to(dtype)
+        cached = plan.ctx_lens if self.key is not None else plan.kv_lens
+        k, v = self.cache.gather(plan.prefill_block_tables, max(cached, default=0))
+        keys, values, q0 = [], [], 0
+        for i, (q_len, n) in enumerate(zip(plan.q_lens, cached, strict=True)):
+            keys.append(k[i, :n].to(dtype))
+            values.append(v[i, :n].to(dtype))
+            if self.key is not None:
+                keys.append(self.key[q0 : q0 + q_len].to(dtype))
+                values.append(self.value[q0 : q0 + q_len].to(dtype))
+            q0 += q_len
+        return torch.cat(keys), torch.cat(values)
+
+
+def check_impl_args(
+    backend: str,
+    supported_head_sizes: list[int],
+    num_heads: int,
+    head_size: int,
+    num_kv_heads: int | None,
+    alibi_slopes,
+    blocksparse_params,
+    kv_cache_dtype: str,
+) -> int:
+    """The checks every backend's impl makes, with vLLM's messages; returns num_kv_heads."""
+    if blocksparse_params is not None:
+        raise ValueError(f"{backend} does not support block-sparse attention.")
+    if head_size not in supported_head_sizes:
+        raise ValueError(
+            f"Head size {head_size} is not supported by PagedAttention. "
+            f"Supported head sizes are: {supported_head_sizes}."
+        )
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be divisible by {num_kv_heads=}")
+    if alibi_slopes is not None and len(alibi_slopes) != num_heads:
+        raise ValueError(f"{len(alibi_slopes)} alibi_slopes for num_heads={num_heads}")
+    fp8_dtype(kv_cache_dtype)  # raises on an unknown cache dtype
+    return num_kv_heads
+
+
+class PagedImpl(AttentionImpl[T]):
+    """vLLM's `AttentionImpl` over a paged cache; a backend sets `backend_name` (as vLLM spelled
+    it in its messages) and `layout_cls`, and implements `attend`."""
+
+    backend_name: ClassVar[str]
+    layout_cls: ClassVar[type[CacheLayout]]
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        blocksparse_params: dict[str, Any] | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+    ) -> None:
+        self.num_kv_heads = check_impl_args(
+            self.backend_name,
+            self.get_supported_head_sizes(),
+            num_heads,
+            head_size,
+            num_kv_heads,
+            alibi_slopes,
+            blocksparse_params,
+            kv_cache_dtype,
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.alibi_slopes = (
+            None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32)
+        )
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = check_attn_type(attn_type)
+        self.num_queries_per_kv = num_heads // self.num_kv_heads
+        self.layout = self.layout_cls(self.num_kv_heads, head_size, kv_cache_dtype)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        """The head sizes vLLM V0's backend accepted: its paged kernels' list."""
+        return PagedAttention.get_supported_head_sizes()
+
+    def masked_prefill(
+        self,
+        query: Float[Tensor, "num_tokens num_heads head_size"],
+        key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
+        value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
+        q_lens: list[int],
+        kv_lens: list[int],
+        causal: bool,
+    ) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        """This impl's attention (scale, ALiBi, window, soft cap) in float32 torch, for what a
+        backend's kernel cannot express."""
+        return ragged_masked_attention(
+            query,
+            key,
+            value,
+            q_lens,
+            kv_lens,
+            scale=self.scale,
+            causal=causal,
+            alibi_slopes=self.alibi_slopes,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )
+
+    @abstractmethod
+    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        """The step's attention output, prefill tokens first, then one per decode sequence."""
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: Float[Tensor, "num_tokens num_heads_x_head_size"],
+        key: Float[Tensor, "num_kv_tokens num_kv_heads_x_head_size"] | None,
+        value: Float[Tensor, "num_kv_tokens num_kv_heads_x_head_size"] | None,
+        kv_cache: Tensor,
+        attn_metadata: T,
+        output: Float[Tensor, "num_tokens num_heads_x_head_size"] | None = None,
+    ) -> Float[Tensor, "num_tokens num_heads_x_head_size"]:
+        """query `[T, Hq*D]`; key/value `[T or encoder tokens, Hkv*D]`, or None when their K/V
+        are already cached (cross attention after the first step, or decodes); kv_cache
+        `[2, NB, BS*Hkv*D]` (empty: write nothing, as in vLLM's profiling run). Returns
+        `[T, Hq*D]`: prefill tokens first, then one per decode sequence."""
+        attn_type = self.attn_type
+        num_heads, head_size, num_kv_heads = self.num_heads, self.head_size, self.num_kv_heads
+        if attn_metadata is None:
+            raise ValueError("attn_metadata is required")
+        encoder = attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+        # vLLM's messages (and exception type) for missing encoder / cross metadata.
+        if (
+            attn_type == AttentionType.ENCODER_DECODER
+            and not attn_metadata.is_all_cross_attn_metadata_set
+        ):
+            raise AttributeError(
+                "Encoder/decoder cross-attention requires setting "
+                "cross-attention metadata attributes."
+            )
+        if encoder and not attn_metadata.is_all_encoder_attn_metadata_set:
+            raise AttributeError("Encoder attention requires setting encoder metadata attributes.")
+        plan: StepPlan = attn_metadata.step_plan(attn_type)
+        query = query.view(-1, num_heads, head_size)
+        if (key is None) != (value is None):
+            raise ValueError("key and value must both be given or both be None")
+        if key is not None:
+            key = key.view(-1, num_kv_heads, head_size)
+            value = value.view(-1, num_kv_heads, head_size)
+        num_tokens = plan.num_prefill_tokens + plan.num_decode_tokens
+        if query.shape[0] != num_tokens:
+            raise ValueError(
+                f"query has {query.shape[0]} tokens but the metadata describes "
+                f"{plan.num_prefill_tokens} prefill + {plan.num_decode_tokens} decode tokens"
+            )
+        cache = None
+        if kv_cache.numel() > 0 and not encoder:
+            k_scale = getattr(layer, "_k_scale", 1.0)
+            v_scale = getattr(layer, "_v_scale", 1.0)
+            cache = PagedCache.of(self.layout, kv_cache, k_scale, v_scale)
+            if key is not None:
+                cache.write(key, value, plan.slot_mapping)
+                # Attention reads what the cache holds: with an fp8 cache the new tokens'
+                # K/V are rounded the same way, so prefill, chunked prefill and decode (and
+                # every backend) see identical keys. vLLM V0 used the unrounded new K/V.
+                key, value = cache.read_back(key, value)
+        _check_step(plan, cache, key)
+        out = self.attend(Step(plan, query, key, value, cache))
+        if output is not None:
+            out = output.view(-1, num_heads, head_size).copy_(out)
+        return out.view(-1, num_heads * head_size)
+
+
+def _check_step(plan: StepPlan, cache: PagedCache | None, key: Tensor | None) -> None:
+    """What `attend` may rely on: every K/V it needs is either given or cached."""
+    if any(c < 0 for c in plan.ctx_lens) and plan.attn_type != AttentionType.ENCODER_DECODER:
+        raise ValueError(f"prefill query lengths {plan.q_lens} exceed kv lengths {plan.kv_lens}")
+    if plan.num_prefill_tokens and plan.has_cached_prefix:
+        if cache is None or plan.prefill_block_tables is None or key is None:
+            raise ValueError(
+                "prefill with a cached prefix (query_len < seq_len) needs a kv_cache, "
+                "the new key/value and block tables for the prefill sequences"
+            )
+    elif plan.num_prefill_tokens and key is None:
+        if cache is None or plan.prefill_block_tables is None:
+            raise ValueError("prefill without key/value needs a kv_cache and block tables")
+    if plan.num_decode_tokens and cache is None:
+        raise ValueError("decode needs a kv_cache")
+
+
+def forward_decode(impl: PagedImpl, step: Step) -> Float[Tensor, "num_decodes num_heads head_size"]:
+    """The step's decode tokens through vLLM's `PagedAttention.forward_decode` (split layout)."""
+    plan, cache = step.plan, step.cache
+    return PagedAttention.forward_decode(
+        step.decode_query,
+        cache.key_cache,
+        cache.value_cache,
+        plan.decode_block_tables,
+        plan.decode_seq_lens,
+        plan.max_decode_seq_len,
+        impl.kv_cache_dtype,
+        impl.num_kv_heads,
+        impl.scale,
+        impl.alibi_slopes,
+        cache.k_scale,
+        cache.v_scale,
+        sliding_window=impl.sliding_window,
+        logits_soft_cap=impl.logits_soft_cap,
+    )
