@@ -20,7 +20,6 @@ Cache-less attention (encoder, encoder-only, vLLM's profiling run) goes through 
 
 import jax.numpy as jnp
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
 import jax_attn
@@ -29,6 +28,7 @@ from torch_backends.abstract import AttentionType
 from torch_backends.host_batch import cumsum
 from torch_backends.layouts import NhdLayout, PagedCache
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
+from torch_backends.shapes import Queries
 from torch_backends.torch_sdpa import TorchSDPAMetadata, TorchSDPAMetadataBuilder
 
 # Sentinels for "off" in op schemas (custom ops take no Optional[int] defaults of None well
@@ -146,32 +146,11 @@ def _(
     return torch.empty_like(query)
 
 
-class JaxAttnBackend(PagedBackend):
-    """The JAX core behind vLLM V0's backend API; cache in the core's `[NB, BS, Hkv, D]`,
-    metadata and builder TORCH_SDPA's."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "JAX"
-
-    @staticmethod
-    def get_impl_cls() -> type["JaxAttnBackendImpl"]:
-        return JaxAttnBackendImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[TorchSDPAMetadata]:
-        return TorchSDPAMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
-        return TorchSDPAMetadataBuilder
-
-
 class JaxAttnBackendImpl(PagedImpl[TorchSDPAMetadata]):
     backend_name = "JAX"
     layout_cls = NhdLayout
 
-    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+    def attend(self, step: Step) -> Queries:
         plan, cache = step.plan, step.cache
         tables = None if cache is None else plan.block_tables
         # Bottom-right positions need q_len <= kv_len: cross attention may have longer
@@ -225,3 +204,13 @@ class JaxAttnBackendImpl(PagedImpl[TorchSDPAMetadata]):
             sliding_window=self.sliding_window or 0,
             logits_soft_cap=self.logits_soft_cap or 0.0,
         )
+
+
+class JaxAttnBackend(PagedBackend):
+    """The JAX core behind vLLM V0's backend API; cache in the core's `[NB, BS, Hkv, D]`,
+    metadata and builder TORCH_SDPA's."""
+
+    name = "JAX"
+    impl_cls = JaxAttnBackendImpl
+    metadata_cls = TorchSDPAMetadata
+    builder_cls = TorchSDPAMetadataBuilder

@@ -10,10 +10,15 @@ a cached prefix:
 
 import dataclasses
 import itertools
+from abc import abstractmethod
+from typing import Any
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
+
+from torch_backends.abstract import AttentionMetadataBuilder, T
+from torch_backends.shapes import BlockTables
 
 
 def cumsum(lens) -> Int[Tensor, " n_plus_1"]:
@@ -21,7 +26,7 @@ def cumsum(lens) -> Int[Tensor, " n_plus_1"]:
     return torch.tensor([0, *itertools.accumulate(int(n) for n in lens)], dtype=torch.int32)
 
 
-def pad_tables(tables: list[list[int]]) -> Int[Tensor, "num_seqs max_blocks"]:
+def pad_tables(tables: list[list[int]]) -> BlockTables:
     """Ragged per-sequence block lists -> `[S, max_blocks]` int32, padded with 0."""
     width = max((len(t) for t in tables), default=0)
     rows = [list(t) + [0] * (width - len(t)) for t in tables]
@@ -119,6 +124,17 @@ class HostBatch:
     def num_decode_tokens(self) -> int:
         return len(self.seq_lens) - self.num_prefills
 
+    def common_fields(self) -> dict:
+        """The fields of `AttentionMetadata` itself, which every metadata class has."""
+        return dict(
+            num_prefills=self.num_prefills,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens,
+            slot_mapping=torch.tensor(self.slot_mapping, dtype=torch.long),
+            multi_modal_placeholder_index_maps=None,
+            enable_kv_scales_calculation=False,
+        )
+
     def encoder_fields(self) -> dict:
         """The encoder / cross-attention fields every metadata class shares."""
         if self.encoder_seq_lens is None:
@@ -133,3 +149,36 @@ class HostBatch:
             fields["cross_slot_mapping"] = torch.tensor(self.cross_slot_mapping, dtype=torch.long)
             fields["cross_block_tables"] = pad_tables(self.cross_block_tables)
         return fields
+
+
+class HostBatchBuilder(AttentionMetadataBuilder[T]):
+    """A metadata builder fed per-sequence lengths and block tables.
+
+    vLLM's builders read their inputs from the model runner (`input_builder`); standalone,
+    the block tables and block size are given to `build` as keywords. Sequences must come
+    prefills first, then decodes (a decode is a sequence with one new token and a prefix).
+    """
+
+    def __init__(self, input_builder: Any = None) -> None:
+        self.input_builder = input_builder
+
+    def build(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        cuda_graph_pad_size: int = -1,
+        batch_size: int = -1,
+        *,
+        block_tables: list[list[int]],
+        block_size: int,
+        encoder_seq_lens: list[int] | None = None,
+        cross_block_tables: list[list[int]] | None = None,
+    ) -> T:
+        batch = HostBatch.from_lists(
+            seq_lens, query_lens, block_tables, block_size, encoder_seq_lens, cross_block_tables
+        )
+        return self.metadata(batch)
+
+    @abstractmethod
+    def metadata(self, batch: HostBatch) -> T:
+        """This backend's metadata of a validated batch."""

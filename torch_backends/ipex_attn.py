@@ -23,18 +23,17 @@ get a working environment.
 """
 
 import dataclasses
-from typing import Any
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
-from torch_backends.abstract import AttentionMetadata, AttentionMetadataBuilder, check_attn_type
-from torch_backends.host_batch import HostBatch, cumsum, pad_tables
+from torch_backends.abstract import AttentionMetadata, check_attn_type
+from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_tables
 from torch_backends.layouts import IpexLayout
 from torch_backends.paged_attn import PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
 from torch_backends.plan import StepPlan, per_sequence_plan
+from torch_backends.shapes import KeysValues, Queries
 
 _INSTALL = (
     "install it in its own environment: pip install 'jax-attn[ipex]' (torch 2.8.* + "
@@ -51,32 +50,6 @@ try:
     from intel_extension_for_pytorch.llm.modules import PagedAttention as IpexPagedAttention
 except ImportError as e:
     raise ImportError(f"The IPEX backend needs intel_extension_for_pytorch: {_INSTALL}") from e
-
-
-class IpexAttnBackend(PagedBackend):
-    """IPEX's layout (`[NB, Hkv, BS, D]` key and value caches) and kernels."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "IPEX"
-
-    @staticmethod
-    def get_impl_cls() -> type["IpexAttnBackendImpl"]:
-        return IpexAttnBackendImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type["IpexAttnMetadata"]:
-        return IpexAttnMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type["IpexAttnMetadataBuilder"]:
-        return IpexAttnMetadataBuilder
-
-    @staticmethod
-    def split_kv_cache(kv_cache: Tensor, num_kv_heads: int, head_size: int):
-        """`[2, NB, BS*Hkv*D]` -> key, value caches `[NB, Hkv, BS, D]` (vLLM's
-        `_IPEXPagedAttention.split_kv_cache`)."""
-        return IpexLayout(num_kv_heads, head_size).split(kv_cache)
 
 
 @dataclasses.dataclass
@@ -135,38 +108,16 @@ class IpexAttnMetadata(AttentionMetadata, PagedAttentionMetadata):
         return per_sequence_plan(self, check_attn_type(attn_type))
 
 
-class IpexAttnMetadataBuilder(AttentionMetadataBuilder[IpexAttnMetadata]):
+class IpexAttnMetadataBuilder(HostBatchBuilder[IpexAttnMetadata]):
     """Builds `IpexAttnMetadata` (vLLM V0 had no IPEX builder: its XPU runner filled the
     fields). Same `build` keywords as TORCH_SDPA's builder. A step of plain prompts gets
     empty `block_tables`, as in vLLM."""
 
-    def __init__(self, input_builder: Any = None) -> None:
-        self.input_builder = input_builder
-
-    def build(
-        self,
-        seq_lens: list[int],
-        query_lens: list[int],
-        cuda_graph_pad_size: int = -1,
-        batch_size: int = -1,
-        *,
-        block_tables: list[list[int]],
-        block_size: int,
-        encoder_seq_lens: list[int] | None = None,
-        cross_block_tables: list[list[int]] | None = None,
-    ) -> IpexAttnMetadata:
-        batch = HostBatch.from_lists(
-            seq_lens, query_lens, block_tables, block_size, encoder_seq_lens, cross_block_tables
-        )
+    def metadata(self, batch: HostBatch) -> IpexAttnMetadata:
         p = batch.num_prefills
         plain_prompts = batch.num_decode_tokens == 0 and batch.seq_lens == batch.query_lens
         return IpexAttnMetadata(
-            num_prefills=p,
-            num_prefill_tokens=batch.num_prefill_tokens,
-            num_decode_tokens=batch.num_decode_tokens,
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long),
-            multi_modal_placeholder_index_maps=None,
-            enable_kv_scales_calculation=False,
+            **batch.common_fields(),
             seq_lens_tensor=torch.tensor(batch.seq_lens, dtype=torch.int32),
             max_decode_seq_len=max(batch.seq_lens[p:], default=0),
             block_tables=pad_tables([] if plain_prompts else batch.block_tables),
@@ -213,7 +164,7 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         self.head_mapping = torch.arange(self.num_kv_heads, dtype=torch.int32)
         self.head_mapping = self.head_mapping.repeat_interleave(self.num_queries_per_kv)
 
-    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+    def attend(self, step: Step) -> Queries:
         """Prefills through `varlen_attention` (or `flash_attn_varlen_func` over a scratch
         cache where they need ALiBi-free masks), chunked prefill and decodes over the cache."""
         plan = step.plan
@@ -222,9 +173,7 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
             out[plan.prefill_tokens] = self._prefix(step)
         elif plan.num_prefill_tokens:
             key, value = step.prefill_kv()
-            out[plan.prefill_tokens] = self.prefill(
-                step.prefill_query, key, value, plan.q_lens, plan.kv_lens, plan.causal
-            )
+            out[plan.prefill_tokens] = self.prefill(step.prefill_query, key, value, plan)
         if plan.num_decode_tokens:
             out[plan.decode_tokens] = self._decode(step)
         return out
@@ -279,9 +228,7 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         plan, cache = step.plan, step.cache
         if self.alibi_slopes is not None:  # no IPEX kernel: the same math in torch
             key, value = step.prefill_kv(torch.float32)
-            return self.masked_prefill(
-                step.prefill_query, key, value, plan.q_lens, plan.kv_lens, causal=True
-            )
+            return self.masked_prefill(step.prefill_query, key, value, plan)
         k_scale, v_scale = cache.scales
         out = torch.empty_like(step.prefill_query)
         self._flash_varlen(
@@ -292,14 +239,8 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         return _times(out, v_scale)
 
     def prefill(
-        self,
-        query: Float[Tensor, "num_tokens num_heads head_size"],
-        key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
-        value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
-        q_lens: list[int],
-        kv_lens: list[int],
-        causal: bool,
-    ) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        self, query: Queries, key: KeysValues, value: KeysValues, plan: StepPlan
+    ) -> Queries:
         """Prefill without a cached prefix.
 
         IPEX's `varlen_attention` has no ALiBi, window or soft cap on CPU (it asserts), which
@@ -307,10 +248,11 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         given K/V in a scratch paged cache and run `flash_attn_varlen_func`, which has all
         three but ALiBi (no IPEX CPU kernel takes ALiBi in prefill: the same math in torch).
         """
+        q_lens, kv_lens, causal = plan.q_lens, plan.kv_lens, plan.causal
         if sum(kv_lens) == 0:
             return torch.zeros_like(query)
         if self.alibi_slopes is not None:
-            return self.masked_prefill(query, key, value, q_lens, kv_lens, causal)
+            return self.masked_prefill(query, key, value, plan)
         out = torch.empty_like(query)
         if self.sliding_window is None and self.logits_soft_cap is None:
             # varlen_attention takes one kv head per query head (as vLLM V0 fed it), and on
@@ -417,3 +359,18 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
 def _times(out: Tensor, v_scale: float) -> Tensor:
     """The kernels' output times the value scale they did not apply."""
     return out if v_scale == 1.0 else (out.float() * v_scale).to(out.dtype)
+
+
+class IpexAttnBackend(PagedBackend):
+    """IPEX's layout (`[NB, Hkv, BS, D]` key and value caches) and kernels."""
+
+    name = "IPEX"
+    impl_cls = IpexAttnBackendImpl
+    metadata_cls = IpexAttnMetadata
+    builder_cls = IpexAttnMetadataBuilder
+
+    @staticmethod
+    def split_kv_cache(kv_cache: Tensor, num_kv_heads: int, head_size: int):
+        """`[2, NB, BS*Hkv*D]` -> key, value caches `[NB, Hkv, BS, D]` (vLLM's
+        `_IPEXPagedAttention.split_kv_cache`)."""
+        return IpexLayout(num_kv_heads, head_size).split(kv_cache)

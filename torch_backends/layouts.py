@@ -22,8 +22,10 @@ import dataclasses
 from abc import ABC, abstractmethod
 
 import torch
-from jaxtyping import Float, Int, Shaped
+from jaxtyping import Float, Shaped
 from torch import Tensor
+
+from torch_backends.shapes import BlockTables, KeysValues, SlotMapping
 
 # The fp8 cache dtypes by vLLM's `kv_cache_dtype` strings ("fp8" is e4m3, as in vLLM).
 FP8_DTYPES = {
@@ -140,11 +142,11 @@ class CacheLayout(ABC):
 
     def write(
         self,
-        key: Float[Tensor, "num_tokens num_kv_heads head_size"],
-        value: Float[Tensor, "num_tokens num_kv_heads head_size"],
+        key: KeysValues,
+        value: KeysValues,
         key_cache: Tensor,
         value_cache: Tensor,
-        slot_mapping: Int[Tensor, " num_tokens"],
+        slot_mapping: SlotMapping,
         k_scale: Scale = 1.0,
         v_scale: Scale = 1.0,
     ) -> None:
@@ -187,7 +189,7 @@ class CacheLayout(ABC):
         self,
         key_cache: Tensor,
         value_cache: Tensor,
-        block_tables: Int[Tensor, "num_seqs max_blocks"],
+        block_tables: BlockTables,
         kv_len: int,
         k_scale: Scale = 1.0,
         v_scale: Scale = 1.0,

@@ -10,6 +10,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from torch_backends.shapes import KeysValues, Queries
+
 
 def masked_attention(
     q: Float[Tensor, "batch num_q num_heads head_size"],
@@ -55,9 +57,9 @@ def masked_attention(
 
 
 def ragged_masked_attention(
-    query: Float[Tensor, "num_tokens num_heads head_size"],
-    key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
-    value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
+    query: Queries,
+    key: KeysValues,
+    value: KeysValues,
     q_lens: list[int],
     kv_lens: list[int],
     *,
@@ -66,7 +68,7 @@ def ragged_masked_attention(
     alibi_slopes: Float[Tensor, " num_heads"] | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
-) -> Float[Tensor, "num_tokens num_heads head_size"]:
+) -> Queries:
     """`masked_attention` per sequence of a ragged batch, in `query`'s dtype.
 
     Sequence i's `q_lens[i]` queries sit bottom-right over its `kv_lens[i]` keys: query j at

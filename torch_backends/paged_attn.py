@@ -24,6 +24,7 @@ from torch import Tensor
 
 from torch_backends.layouts import Scale, SplitLayout
 from torch_backends.masked_attention import masked_attention, ragged_masked_attention
+from torch_backends.shapes import BlockTables, KeysValues, Queries, SlotMapping
 
 # Supported head sizes, as vLLM's paged attention kernels list them
 # (vllm/attention/ops/paged_attn.py, v0.8.x).
@@ -73,11 +74,11 @@ class PagedAttention:
 
     @staticmethod
     def write_to_paged_cache(
-        key: Float[Tensor, "num_tokens num_kv_heads head_size"],
-        value: Float[Tensor, "num_tokens num_kv_heads head_size"],
+        key: KeysValues,
+        value: KeysValues,
         key_cache: Tensor,
         value_cache: Tensor,
-        slot_mapping: Int[Tensor, " num_tokens"],
+        slot_mapping: SlotMapping,
         kv_cache_dtype: str,
         k_scale: Scale = 1.0,
         v_scale: Scale = 1.0,
@@ -95,7 +96,7 @@ class PagedAttention:
         query: Float[Tensor, "num_seqs num_heads head_size"],
         key_cache: Tensor,
         value_cache: Tensor,
-        block_tables: Int[Tensor, "num_seqs max_blocks"],
+        block_tables: BlockTables,
         seq_lens: Int[Tensor, " num_seqs"],
         max_seq_len: int,
         kv_cache_dtype: str,
@@ -142,13 +143,13 @@ class PagedAttention:
 
     @staticmethod
     def forward_prefix(
-        query: Float[Tensor, "num_tokens num_heads head_size"],
-        key: Float[Tensor, "num_tokens num_kv_heads head_size"],
-        value: Float[Tensor, "num_tokens num_kv_heads head_size"],
+        query: Queries,
+        key: KeysValues,
+        value: KeysValues,
         kv_cache_dtype: str,
         key_cache: Tensor,
         value_cache: Tensor,
-        block_tables: Int[Tensor, "num_seqs max_blocks"],
+        block_tables: BlockTables,
         query_start_loc: Int[Tensor, " num_seqs_plus_1"],
         seq_lens_tensor: Int[Tensor, " num_seqs"],
         max_query_len: int,
@@ -159,7 +160,7 @@ class PagedAttention:
         *,
         scale: float | None = None,
         logits_soft_cap: float | None = None,
-    ) -> Float[Tensor, "num_tokens num_heads head_size"]:
+    ) -> Queries:
         """Chunked prefill: new tokens over their cached prefix plus themselves, causally.
 
         vLLM's prefix kernel always used `head_size ** -0.5`; `scale=` overrides it.

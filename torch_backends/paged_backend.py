@@ -29,6 +29,8 @@ from torch_backends.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayer,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
     AttentionType,
     T,
     check_attn_type,
@@ -37,13 +39,38 @@ from torch_backends.layouts import CacheLayout, PagedCache, fp8_dtype
 from torch_backends.masked_attention import ragged_masked_attention
 from torch_backends.paged_attn import PagedAttention
 from torch_backends.plan import StepPlan
+from torch_backends.shapes import FlatKeysValues, FlatQueries, KeysValues, Queries
 
 
 class PagedBackend(AttentionBackend):
     """The packed cache `kv_cache[2, NB, BS*Hkv*D]` every backend here allocates (each views
-    it in its own layout) and the block ops on it, which do not depend on the layout."""
+    it in its own layout) and the block ops on it, which do not depend on the layout.
+
+    A backend names itself and its classes (`name`, `impl_cls`, `metadata_cls`,
+    `builder_cls`); vLLM's `get_name()` / `get_impl_cls()` / ... return them.
+    """
 
     accept_output_buffer: bool = False
+    name: ClassVar[str]
+    impl_cls: ClassVar[type["PagedImpl"]]
+    metadata_cls: ClassVar[type[AttentionMetadata]]
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]]
+
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.name
+
+    @classmethod
+    def get_impl_cls(cls) -> type["PagedImpl"]:
+        return cls.impl_cls
+
+    @classmethod
+    def get_metadata_cls(cls) -> type[AttentionMetadata]:
+        return cls.metadata_cls
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        return cls.builder_cls
 
     @staticmethod
     def get_kv_cache_shape(
@@ -71,9 +98,9 @@ class Step:
     """
 
     plan: StepPlan
-    query: Float[Tensor, "num_tokens num_heads head_size"]
-    key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"] | None
-    value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"] | None
+    query: Queries
+    key: KeysValues | None
+    value: KeysValues | None
     cache: PagedCache | None
 
     @property
@@ -190,43 +217,37 @@ class PagedImpl(AttentionImpl[T]):
         return PagedAttention.get_supported_head_sizes()
 
     def masked_prefill(
-        self,
-        query: Float[Tensor, "num_tokens num_heads head_size"],
-        key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
-        value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
-        q_lens: list[int],
-        kv_lens: list[int],
-        causal: bool,
-    ) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        self, query: Queries, key: KeysValues, value: KeysValues, plan: StepPlan
+    ) -> Queries:
         """This impl's attention (scale, ALiBi, window, soft cap) in float32 torch, for what a
         backend's kernel cannot express."""
         return ragged_masked_attention(
             query,
             key,
             value,
-            q_lens,
-            kv_lens,
+            plan.q_lens,
+            plan.kv_lens,
             scale=self.scale,
-            causal=causal,
+            causal=plan.causal,
             alibi_slopes=self.alibi_slopes,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
         )
 
     @abstractmethod
-    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+    def attend(self, step: Step) -> Queries:
         """The step's attention output, prefill tokens first, then one per decode sequence."""
 
     def forward(
         self,
         layer: AttentionLayer,
-        query: Float[Tensor, "num_tokens num_heads_x_head_size"],
-        key: Float[Tensor, "num_kv_tokens num_kv_heads_x_head_size"] | None,
-        value: Float[Tensor, "num_kv_tokens num_kv_heads_x_head_size"] | None,
+        query: FlatQueries,
+        key: FlatKeysValues | None,
+        value: FlatKeysValues | None,
         kv_cache: Tensor,
         attn_metadata: T,
-        output: Float[Tensor, "num_tokens num_heads_x_head_size"] | None = None,
-    ) -> Float[Tensor, "num_tokens num_heads_x_head_size"]:
+        output: FlatQueries | None = None,
+    ) -> FlatQueries:
         """query `[T, Hq*D]`; key/value `[T or encoder tokens, Hkv*D]`, or None when their K/V
         are already cached (cross attention after the first step, or decodes); kv_cache
         `[2, NB, BS*Hkv*D]` (empty: write nothing, as in vLLM's profiling run). Returns

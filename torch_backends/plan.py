@@ -19,6 +19,7 @@ from torch import Tensor
 
 from torch_backends.abstract import AttentionType
 from torch_backends.host_batch import cumsum
+from torch_backends.shapes import BlockTables, SlotMapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class StepPlan:
     num_prefill_tokens: int
     num_decode_tokens: int
     # Cache slot of each new K/V row (cross_slot_mapping for cross attention); None: no cache.
-    slot_mapping: Int[Tensor, " num_kv_tokens"] | None
+    slot_mapping: SlotMapping | None
     # Prefill sequences: new query tokens and total kv length (cached prefix + new).
     # q_lens [3, 5], kv_lens [3, 12]: sequence 1 has 7 cached tokens before its 5 new ones.
     q_lens: list[int]
@@ -95,7 +96,7 @@ class StepPlan:
         return torch.cat(parts)
 
     @property
-    def block_tables(self) -> Int[Tensor, "num_seqs max_blocks"] | None:
+    def block_tables(self) -> BlockTables | None:
         """Every sequence's table row, prefills then decodes (padded with 0 to one width), or
         None when the prefills have no tables."""
         parts = []

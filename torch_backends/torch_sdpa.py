@@ -21,45 +21,24 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float
 from torch import Tensor
 
 from torch_backends.abstract import (
     AttentionMetadata,
-    AttentionMetadataBuilder,
     AttentionType,
     check_attn_type,
 )
-from torch_backends.host_batch import HostBatch, cumsum, pad_tables
+from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_tables
 from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
 from torch_backends.plan import StepPlan, cross_plan, encoder_plan, query_start_loc, require
+from torch_backends.shapes import KeysValues, Queries
 
 PAD_SLOT_ID = -1
 
 # vLLM V0 (v0.8.x) TORCH_SDPA: `PagedAttention.get_supported_head_sizes()` of its CPU paged ops.
 _CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 192, 256]
-
-
-class TorchSDPABackend(PagedBackend):
-    """vLLM's paged split layout; prefills through SDPA."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "TORCH_SDPA"
-
-    @staticmethod
-    def get_impl_cls() -> type["TorchSDPABackendImpl"]:
-        return TorchSDPABackendImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type["TorchSDPAMetadata"]:
-        return TorchSDPAMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type["TorchSDPAMetadataBuilder"]:
-        return TorchSDPAMetadataBuilder
 
 
 @dataclasses.dataclass
@@ -150,43 +129,22 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
         )
 
 
-class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
-    """Builds `TorchSDPAMetadata` from per-sequence lengths and block tables.
-
-    vLLM's builder read its inputs from the model runner (`input_builder`); standalone, the
-    block tables and block size are given to `build` as keywords. Sequences must come
-    prefills first, then decodes (a decode is a sequence with one new token and a prefix).
-    """
+class TorchSDPAMetadataBuilder(HostBatchBuilder[TorchSDPAMetadata]):
+    """Builds `TorchSDPAMetadata` from per-sequence lengths and block tables (`build`'s
+    keywords: see `HostBatchBuilder`). Decode fields describe only the decodes, prefill
+    fields only the prefills; `chunked_prefill` (vLLM's runner setting) lets prefills read a
+    cached prefix."""
 
     def __init__(self, input_builder: Any = None, *, chunked_prefill: bool = True) -> None:
-        self.input_builder = input_builder
+        super().__init__(input_builder)
         self.chunked_prefill = chunked_prefill
 
-    def build(
-        self,
-        seq_lens: list[int],
-        query_lens: list[int],
-        cuda_graph_pad_size: int = -1,
-        batch_size: int = -1,
-        *,
-        block_tables: list[list[int]],
-        block_size: int,
-        encoder_seq_lens: list[int] | None = None,
-        cross_block_tables: list[list[int]] | None = None,
-    ) -> TorchSDPAMetadata:
-        batch = HostBatch.from_lists(
-            seq_lens, query_lens, block_tables, block_size, encoder_seq_lens, cross_block_tables
-        )
+    def metadata(self, batch: HostBatch) -> TorchSDPAMetadata:
         num_prefills = batch.num_prefills
         prefill_q, prefill_s = batch.query_lens[:num_prefills], batch.seq_lens[:num_prefills]
         decode_s = batch.seq_lens[num_prefills:]
         return TorchSDPAMetadata(
-            num_prefills=num_prefills,
-            num_prefill_tokens=sum(prefill_q),
-            num_decode_tokens=len(decode_s),
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long),
-            multi_modal_placeholder_index_maps=None,
-            enable_kv_scales_calculation=False,
+            **batch.common_fields(),
             seq_lens_tensor=torch.tensor(decode_s, dtype=torch.int32),
             max_decode_seq_len=max(decode_s, default=0),
             block_tables=pad_tables(batch.block_tables[num_prefills:]),
@@ -219,7 +177,7 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         super().__init__(*args, **kwargs)
         self.need_mask = self.alibi_slopes is not None or self.sliding_window is not None
 
-    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+    def attend(self, step: Step) -> Queries:
         plan = step.plan
         out = torch.empty_like(step.query)
         if plan.num_prefill_tokens and plan.has_cached_prefix:
@@ -244,26 +202,19 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
             )
         elif plan.num_prefill_tokens:
             key, value = step.prefill_kv()
-            out[plan.prefill_tokens] = self.prefill(
-                step.prefill_query, key, value, plan.q_lens, plan.kv_lens, plan.causal
-            )
+            out[plan.prefill_tokens] = self.prefill(step.prefill_query, key, value, plan)
         if plan.num_decode_tokens:
             out[plan.decode_tokens] = forward_decode(self, step)
         return out
 
     def prefill(
-        self,
-        query: Float[Tensor, "num_tokens num_heads head_size"],
-        key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
-        value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
-        q_lens: list[int],
-        kv_lens: list[int],
-        causal: bool,
-    ) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        self, query: Queries, key: KeysValues, value: KeysValues, plan: StepPlan
+    ) -> Queries:
         """Per-sequence SDPA over the given keys (no cached prefix)."""
+        q_lens, kv_lens, causal = plan.q_lens, plan.kv_lens, plan.causal
         if self.logits_soft_cap is not None or (self.need_mask and not causal):
             # SDPA takes no soft cap, and its masks here are causal: the same math without it.
-            return self.masked_prefill(query, key, value, q_lens, kv_lens, causal)
+            return self.masked_prefill(query, key, value, plan)
         output = torch.empty_like(query)
         q0 = k0 = 0
         masks = None
@@ -325,3 +276,12 @@ def _make_sliding_window_bias(
         bias = torch.zeros(1, seq_len, seq_len, dtype=torch.float32)
         biases.append(bias.masked_fill(~keep[None], float("-inf")).to(dtype))
     return biases
+
+
+class TorchSDPABackend(PagedBackend):
+    """vLLM's paged split layout; prefills through SDPA."""
+
+    name = "TORCH_SDPA"
+    impl_cls = TorchSDPABackendImpl
+    metadata_cls = TorchSDPAMetadata
+    builder_cls = TorchSDPAMetadataBuilder

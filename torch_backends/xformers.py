@@ -19,18 +19,17 @@ path runs on every device (vLLM V0 ignored the cap).
 
 import dataclasses
 import warnings
-from typing import Any
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
-from torch_backends.abstract import AttentionMetadata, AttentionMetadataBuilder, check_attn_type
-from torch_backends.host_batch import HostBatch, cumsum, pad_tables
+from torch_backends.abstract import AttentionMetadata, check_attn_type
+from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_tables
 from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
 from torch_backends.plan import StepPlan, per_sequence_plan
+from torch_backends.shapes import KeysValues, Queries
 
 try:
     from xformers.ops import fmha, memory_efficient_attention_forward
@@ -54,26 +53,6 @@ def _warn_cpu_once() -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-class XFormersBackend(PagedBackend):
-    """vLLM's paged split layout (as TORCH_SDPA); prefills through xformers."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "XFORMERS"
-
-    @staticmethod
-    def get_impl_cls() -> type["XFormersImpl"]:
-        return XFormersImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type["XFormersMetadata"]:
-        return XFormersMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type["XFormersMetadataBuilder"]:
-        return XFormersMetadataBuilder
 
 
 @dataclasses.dataclass
@@ -172,42 +151,20 @@ def _cut(x, start=None, stop=None):
     return None if x is None else x[start:stop]
 
 
-class XFormersMetadataBuilder(AttentionMetadataBuilder[XFormersMetadata]):
+class XFormersMetadataBuilder(HostBatchBuilder[XFormersMetadata]):
     """Builds `XFormersMetadata` from per-sequence lengths and block tables.
 
     vLLM's builder read its inputs from the model runner (`input_builder`); standalone, the
     block tables and block size are given to `build` as keywords, as for TORCH_SDPA.
     """
 
-    def __init__(self, input_builder: Any = None) -> None:
-        self.input_builder = input_builder
-
-    def build(
-        self,
-        seq_lens: list[int],
-        query_lens: list[int],
-        cuda_graph_pad_size: int = -1,
-        batch_size: int = -1,
-        *,
-        block_tables: list[list[int]],
-        block_size: int,
-        encoder_seq_lens: list[int] | None = None,
-        cross_block_tables: list[list[int]] | None = None,
-    ) -> XFormersMetadata:
-        batch = HostBatch.from_lists(
-            seq_lens, query_lens, block_tables, block_size, encoder_seq_lens, cross_block_tables
-        )
+    def metadata(self, batch: HostBatch) -> XFormersMetadata:
         p = batch.num_prefills
         enc = batch.encoder_fields()
-        if encoder_seq_lens is not None:
-            enc["encoder_seq_start_loc"] = cumsum(encoder_seq_lens)
+        if batch.encoder_seq_lens is not None:
+            enc["encoder_seq_start_loc"] = cumsum(batch.encoder_seq_lens)
         return XFormersMetadata(
-            num_prefills=p,
-            num_prefill_tokens=batch.num_prefill_tokens,
-            num_decode_tokens=batch.num_decode_tokens,
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long),
-            multi_modal_placeholder_index_maps=None,
-            enable_kv_scales_calculation=False,
+            **batch.common_fields(),
             seq_lens_tensor=torch.tensor(batch.seq_lens, dtype=torch.int32),
             max_prefill_seq_len=max(batch.seq_lens[:p], default=0),
             max_decode_seq_len=max(batch.seq_lens[p:], default=0),
@@ -261,29 +218,22 @@ class XFormersImpl(PagedImpl[XFormersMetadata]):
 
     # -- execution -----------------------------------------------------------------------
 
-    def attend(self, step: Step) -> Float[Tensor, "num_tokens num_heads head_size"]:
+    def attend(self, step: Step) -> Queries:
         """Prefills under their xformers bias over their whole K/V (a cached prefix gathered
         first, under a bottom-right mask); decodes through `PagedAttention.forward_decode`."""
         plan = step.plan
         out = torch.empty_like(step.query)
         if plan.num_prefill_tokens:
             key, value = step.prefill_kv()
-            out[plan.prefill_tokens] = self.prefill(
-                step.prefill_query, key, value, plan.q_lens, plan.kv_lens, plan.causal
-            )
+            out[plan.prefill_tokens] = self.prefill(step.prefill_query, key, value, plan)
         if plan.num_decode_tokens:
             out[plan.decode_tokens] = forward_decode(self, step)
         return out
 
     def prefill(
-        self,
-        query: Float[Tensor, "num_tokens num_heads head_size"],
-        key: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
-        value: Float[Tensor, "num_kv_tokens num_kv_heads head_size"],
-        q_lens: list[int],
-        kv_lens: list[int],
-        causal: bool,
-    ) -> Float[Tensor, "num_tokens num_heads head_size"]:
+        self, query: Queries, key: KeysValues, value: KeysValues, plan: StepPlan
+    ) -> Queries:
+        q_lens, kv_lens, causal = plan.q_lens, plan.kv_lens, plan.causal
         bias = self.make_attn_bias(q_lens, kv_lens, causal)
         if not isinstance(bias, list):
             return self._run(query, key, value, bias)
@@ -379,3 +329,12 @@ def _make_alibi_bias(
         else:
             biases.append(bias)
     return biases
+
+
+class XFormersBackend(PagedBackend):
+    """vLLM's paged split layout (as TORCH_SDPA); prefills through xformers."""
+
+    name = "XFORMERS"
+    impl_cls = XFormersImpl
+    metadata_cls = XFormersMetadata
+    builder_cls = XFormersMetadataBuilder
