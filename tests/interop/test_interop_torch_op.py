@@ -1,5 +1,6 @@
 """The JAX core as torch ops and the "JAX" backend: float64 agreement, opcheck, compile."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -130,3 +131,53 @@ def test_torch_compile_fullgraph(rng):
     compiled = torch.compile(step, fullgraph=True)  # inductor, the default backend
     eager = step(*args[:6])
     torch.testing.assert_close(compiled(*args[:6]), eager)
+
+
+@pytest.mark.parametrize("case", [c for c in JAX_CASES if c[1] and c[2]], ids=lambda c: c[0])
+def test_jax_backend_one_ragged_call_per_step(case, rng, monkeypatch):
+    """Prefills (plain and chunked) and decodes of a step go to the ragged op together, once,
+    with the batch's own `query_start_loc`; the varlen op is not called."""
+    import interop.torch_op as torch_op
+
+    calls = {"paged": [], "varlen": 0}
+    paged, varlen = torch_op.paged_attention_op, torch_op.varlen_attention_op
+
+    def count_paged(*args, **kwargs):
+        calls["paged"].append(args)
+        return paged(*args, **kwargs)
+
+    def count_varlen(*args, **kwargs):
+        calls["varlen"] += 1
+        return varlen(*args, **kwargs)
+
+    monkeypatch.setattr(torch_op, "paged_attention_op", count_paged)
+    monkeypatch.setattr(torch_op, "varlen_attention_op", count_varlen)
+    step, _, layer, dtypes = _run(case, rng, layout="nhd")
+    out = _impl(case).forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)
+    assert len(calls["paged"]) == 1 and calls["varlen"] == 0
+    (args,) = calls["paged"]
+    assert args[3] is step.metadata.query_start_loc  # reused, not rebuilt
+    assert args[4].tolist() == step.seq_lens
+    assert_close(out.view(-1, case[3], case[5]).float(), step.expected, *dtypes)
+
+
+def test_jax_backend_prefills_without_tables_use_varlen(rng, monkeypatch):
+    """TORCH_SDPA metadata without chunked prefill gives prefills no block tables: they run
+    through the varlen op over the given K/V, the decodes through the ragged op."""
+    import interop.torch_op as torch_op
+
+    case = next(c for c in JAX_CASES if c[0] == "mixed-gqa4")
+    counts = {"paged": 0, "varlen": 0}
+    for name in counts:
+        op = getattr(torch_op, f"{name}_attention_op")
+
+        def counted(*args, _op=op, _name=name, **kwargs):
+            counts[_name] += 1
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(torch_op, f"{name}_attention_op", counted)
+    step, _, layer, dtypes = _run(case, rng, layout="nhd")
+    md = dataclasses.replace(step.metadata, chunked_prefill=False)
+    out = _impl(case).forward(layer, step.query, step.key, step.value, step.kv_cache, md)
+    assert counts == {"paged": 1, "varlen": 1}
+    assert_close(out.view(-1, case[3], case[5]).float(), step.expected, *dtypes)
