@@ -32,7 +32,7 @@ from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_t
 from torch_backends.layouts import IpexLayout
 from torch_backends.paged_attn import PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
-from torch_backends.plan import StepPlan, per_sequence_plan
+from torch_backends.plan import CrossAttentionMetadata, StepPlan, per_sequence_plan
 from torch_backends.shapes import KeysValues, Queries
 
 _INSTALL = (
@@ -53,7 +53,7 @@ except ImportError as e:
 
 
 @dataclasses.dataclass
-class IpexAttnMetadata(AttentionMetadata, PagedAttentionMetadata):
+class IpexAttnMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttentionMetadata):
     """vLLM V0's `IpexAttnMetadata` fields (`is_prompt`, `seq_lens`, `seqlen_q`,
     `max_seqlen`), plus optional fields vLLM's IPEX backend did not have, for what it did not
     support: chunked prefill, mixed prefill/decode steps, encoder and cross attention.
@@ -87,14 +87,6 @@ class IpexAttnMetadata(AttentionMetadata, PagedAttentionMetadata):
     @property
     def is_all_encoder_attn_metadata_set(self) -> bool:
         return self.encoder_seq_lens is not None
-
-    @property
-    def is_all_cross_attn_metadata_set(self) -> bool:
-        return (
-            self.is_all_encoder_attn_metadata_set
-            and self.cross_slot_mapping is not None
-            and self.cross_block_tables is not None
-        )
 
     @property
     def prefill_metadata(self) -> "IpexAttnMetadata | None":
@@ -167,13 +159,11 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
     def attend(self, step: Step) -> Queries:
         """Prefills through `varlen_attention` (or `flash_attn_varlen_func` over a scratch
         cache where they need ALiBi-free masks), chunked prefill and decodes over the cache."""
-        plan = step.plan
-        out = torch.empty_like(step.query)
-        if plan.num_prefill_tokens and plan.has_cached_prefix:
+        plan, out = step.plan, torch.empty_like(step.query)
+        if plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
         elif plan.num_prefill_tokens:
-            key, value = step.prefill_kv()
-            out[plan.prefill_tokens] = self.prefill(step.prefill_query, key, value, plan)
+            out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)
         if plan.num_decode_tokens:
             out[plan.decode_tokens] = self._decode(step)
         return out

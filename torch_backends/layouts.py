@@ -1,7 +1,9 @@
 """Cache layouts: how one layer's `kv_cache[2, NB, BS*Hkv*D]` holds keys and values.
 
 One small object per layout owns everything that depends on it: the views (`split`), the slot
-scatter (`write`), the read through block tables (`gather`), fp8 quantization and the scales.
+scatter (`store`), the read at (block, offset) (`take`), fp8 quantization and the scales.
+`PagedCache` binds a layer's two caches to their layout and the step's scales: the checked
+`write` through a slot mapping and the `gather` through block tables, written once for all.
 
     SplitLayout  vLLM's paged layout (TORCH_SDPA, XFORMERS):
                  key [NB, Hkv, D // x, BS, x] with x = 16 // element_size, value [NB, Hkv, D, BS]
@@ -103,11 +105,11 @@ class CacheLayout(ABC):
     def block_size(self, key_cache: Tensor) -> int: ...
 
     @abstractmethod
-    def _put(self, cache: Tensor, block: Tensor, offset: Tensor, x: Tensor, is_key: bool):
+    def put(self, cache: Tensor, block: Tensor, offset: Tensor, x: Tensor, is_key: bool):
         """`cache[block[t], offset[t]] = x[t]` (`x [T, Hkv, D]`) in this layout, in place."""
 
     @abstractmethod
-    def _take(self, cache: Tensor, block: Tensor, offset: Tensor, is_key: bool) -> Tensor:
+    def take(self, cache: Tensor, block: Tensor, offset: Tensor, is_key: bool) -> Tensor:
         """`cache[block[s, l], offset[l]]` -> `[S, L, Hkv, D]`."""
 
     # -- shared by every layout ------------------------------------------------------------
@@ -140,77 +142,16 @@ class CacheLayout(ABC):
         """`cache` as its element type for indexing: uint8 bits when fp8."""
         return cache.view(torch.uint8) if self.fp8 is not None else cache
 
-    def write(
-        self,
-        key: KeysValues,
-        value: KeysValues,
-        key_cache: Tensor,
-        value_cache: Tensor,
-        slot_mapping: SlotMapping,
-        k_scale: Scale = 1.0,
-        v_scale: Scale = 1.0,
-    ) -> None:
-        """Scatter `key[t]`, `value[t]` to slot `slot_mapping[t]`, in place (quantized for
-        fp8). Slots < 0 are skipped; nothing else in the caches changes."""
-        num_blocks, block_size = key_cache.shape[0], self.block_size(key_cache)
-        if key.shape[1:] != (self.num_kv_heads, self.head_size):
-            raise ValueError(
-                f"key has shape {tuple(key.shape)}, expected [num_tokens, {self.num_kv_heads}, "
-                f"{self.head_size}] to match the cache"
-            )
-        slots = slot_mapping.flatten().long()
-        if slots.numel() != key.shape[0]:
-            raise ValueError(f"slot_mapping has {slots.numel()} entries for {key.shape[0]} tokens")
-        if slots.numel() and int(slots.max()) >= num_blocks * block_size:
-            raise ValueError(
-                f"slot_mapping value {int(slots.max())} is out of range: the cache has "
-                f"{num_blocks * block_size} slots"
-            )
-        keep = slots >= 0
-        self.store(
-            key_cache,
-            value_cache,
-            slots[keep],
-            self.quantize(key[keep], k_scale),
-            self.quantize(value[keep], v_scale),
-        )
-
     def store(
         self, key_cache: Tensor, value_cache: Tensor, slots: Tensor, key: Tensor, value: Tensor
     ) -> None:
-        """Put already-quantized rows at valid slots (the scatter `write` ends in)."""
+        """Put already-quantized rows `[T, Hkv, D]` at valid slots (`PagedCache.write`'s
+        scatter)."""
         block_size = self.block_size(key_cache)
         block, offset = slots // block_size, slots % block_size
         for cache, x, is_key in ((key_cache, key, True), (value_cache, value, False)):
             raw = self.raw(cache)
-            self._put(raw, block, offset, x.to(raw.dtype), is_key)
-
-    def gather(
-        self,
-        key_cache: Tensor,
-        value_cache: Tensor,
-        block_tables: BlockTables,
-        kv_len: int,
-        k_scale: Scale = 1.0,
-        v_scale: Scale = 1.0,
-    ) -> tuple[
-        Float[Tensor, "num_seqs kv_len num_kv_heads head_size"],
-        Float[Tensor, "num_seqs kv_len num_kv_heads head_size"],
-    ]:
-        """Keys and values of positions `0..kv_len-1` of every sequence, float32.
-
-        Positions past a sequence's end hold whatever the cache holds there (possibly NaN):
-        callers mask them. block_tables [[3, 7]], block size 16, kv_len 20: positions 0-15
-        from block 3, 16-19 from block 7 offsets 0-3.
-        """
-        block_size = self.block_size(key_cache)
-        pos = torch.arange(kv_len, device=block_tables.device)
-        logical = (pos // block_size).clamp(max=max(block_tables.shape[1] - 1, 0))
-        block = block_tables.long()[:, logical]  # [S, L]
-        offset = pos % block_size  # [L]
-        k = self._take(self.raw(key_cache), block, offset, is_key=True)
-        v = self._take(self.raw(value_cache), block, offset, is_key=False)
-        return self.dequantize(k, k_scale), self.dequantize(v, v_scale)
+            self.put(raw, block, offset, x.to(raw.dtype), is_key)
 
 
 class SplitLayout(CacheLayout):
@@ -230,13 +171,13 @@ class SplitLayout(CacheLayout):
     def block_size(self, key_cache):
         return key_cache.shape[3]
 
-    def _put(self, cache, block, offset, x, is_key):
+    def put(self, cache, block, offset, x, is_key):
         if is_key:  # cache[b, :, :, o, :] is [T, Hkv, D // x, x] under advanced indexing
             cache[block, :, :, offset, :] = x.reshape(*x.shape[:2], -1, cache.shape[-1])
         else:
             cache[block, :, :, offset] = x  # [T, Hkv, D]
 
-    def _take(self, cache, block, offset, is_key):
+    def take(self, cache, block, offset, is_key):
         if is_key:  # [S, L, Hkv, D // x, x] -> [S, L, Hkv, D]
             k = cache[block, :, :, offset[None, :], :]
             return k.reshape(*block.shape, self.num_kv_heads, self.head_size)
@@ -253,10 +194,10 @@ class IpexLayout(CacheLayout):
     def block_size(self, key_cache):
         return key_cache.shape[2]
 
-    def _put(self, cache, block, offset, x, is_key):
+    def put(self, cache, block, offset, x, is_key):
         cache[block, :, offset] = x  # [T, Hkv, D]
 
-    def _take(self, cache, block, offset, is_key):
+    def take(self, cache, block, offset, is_key):
         return cache[block, :, offset]  # advanced indices first: [S, L, Hkv, D]
 
 
@@ -270,10 +211,10 @@ class NhdLayout(CacheLayout):
     def block_size(self, key_cache):
         return key_cache.shape[1]
 
-    def _put(self, cache, block, offset, x, is_key):
+    def put(self, cache, block, offset, x, is_key):
         cache[block, offset] = x  # [T, Hkv, D]
 
-    def _take(self, cache, block, offset, is_key):
+    def take(self, cache, block, offset, is_key):
         return cache[block, offset]  # [S, L, Hkv, D]
 
 
@@ -288,7 +229,7 @@ class PagedCache:
     v_scale: Scale = 1.0
 
     @classmethod
-    def of(cls, layout: CacheLayout, kv_cache: Tensor, k_scale: Scale, v_scale: Scale):
+    def of(cls, layout: CacheLayout, kv_cache: Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0):
         key_cache, value_cache = layout.split(kv_cache)
         return cls(layout, key_cache, value_cache, k_scale, v_scale)
 
@@ -301,17 +242,49 @@ class PagedCache:
         """(k_scale, v_scale) as floats; (1.0, 1.0) for a cache that is not fp8."""
         return self.layout.scales(self.k_scale, self.v_scale)
 
-    def write(self, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
-        self.layout.write(
-            key, value, self.key_cache, self.value_cache, slot_mapping, self.k_scale, self.v_scale
-        )
+    def write(self, key: KeysValues, value: KeysValues, slot_mapping: SlotMapping) -> None:
+        """Scatter `key[t]`, `value[t]` to slot `slot_mapping[t]`, in place (quantized for
+        fp8). Slots < 0 are skipped; nothing else in the caches changes."""
+        layout, num_blocks, block_size = self.layout, self.key_cache.shape[0], self.block_size
+        if key.shape[1:] != (layout.num_kv_heads, layout.head_size):
+            raise ValueError(
+                f"key has shape {tuple(key.shape)}, expected [num_tokens, "
+                f"{layout.num_kv_heads}, {layout.head_size}] to match the cache"
+            )
+        slots = slot_mapping.flatten().long()
+        if slots.numel() != key.shape[0]:
+            raise ValueError(f"slot_mapping has {slots.numel()} entries for {key.shape[0]} tokens")
+        if slots.numel() and int(slots.max()) >= num_blocks * block_size:
+            raise ValueError(
+                f"slot_mapping value {int(slots.max())} is out of range: the cache has "
+                f"{num_blocks * block_size} slots"
+            )
+        keep = slots >= 0
+        key = layout.quantize(key[keep], self.k_scale)
+        value = layout.quantize(value[keep], self.v_scale)
+        layout.store(self.key_cache, self.value_cache, slots[keep], key, value)
 
-    def read_back(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    def read_back(self, key: KeysValues, value: KeysValues) -> tuple[KeysValues, KeysValues]:
         """The new K/V as this cache returns them (rounded through fp8 when fp8)."""
         return self.layout.read_back(key, self.k_scale), self.layout.read_back(value, self.v_scale)
 
-    def gather(self, block_tables: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        """`[S, kv_len, Hkv, D]` float32 keys and values through `block_tables`."""
-        return self.layout.gather(
-            self.key_cache, self.value_cache, block_tables, kv_len, self.k_scale, self.v_scale
-        )
+    def gather(
+        self, block_tables: BlockTables, kv_len: int
+    ) -> tuple[
+        Float[Tensor, "num_seqs kv_len num_kv_heads head_size"],
+        Float[Tensor, "num_seqs kv_len num_kv_heads head_size"],
+    ]:
+        """Keys and values of positions `0..kv_len-1` of every sequence, float32.
+
+        Positions past a sequence's end hold whatever the cache holds there (possibly NaN):
+        callers mask them. block_tables [[3, 7]], block size 16, kv_len 20: positions 0-15
+        from block 3, 16-19 from block 7 offsets 0-3.
+        """
+        layout, block_size = self.layout, self.block_size
+        pos = torch.arange(kv_len, device=block_tables.device)
+        logical = (pos // block_size).clamp(max=max(block_tables.shape[1] - 1, 0))
+        block = block_tables.long()[:, logical]  # [S, L]
+        offset = pos % block_size  # [L]
+        k = layout.take(layout.raw(self.key_cache), block, offset, is_key=True)
+        v = layout.take(layout.raw(self.value_cache), block, offset, is_key=False)
+        return layout.dequantize(k, self.k_scale), layout.dequantize(v, self.v_scale)

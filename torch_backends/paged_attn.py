@@ -22,7 +22,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from torch_backends.layouts import Scale, SplitLayout
+from torch_backends.layouts import PagedCache, Scale, SplitLayout
 from torch_backends.masked_attention import masked_attention, ragged_masked_attention
 from torch_backends.shapes import BlockTables, KeysValues, Queries, SlotMapping
 
@@ -31,9 +31,10 @@ from torch_backends.shapes import BlockTables, KeysValues, Queries, SlotMapping
 _SUPPORTED_HEAD_SIZES = [32, 64, 80, 96, 112, 120, 128, 192, 256]
 
 
-def _layout(key_cache: Tensor, value_cache: Tensor, kv_cache_dtype: str = "auto") -> SplitLayout:
-    """The split layout of caches `[NB, Hkv, D // x, BS, x]` / `[NB, Hkv, D, BS]`."""
-    return SplitLayout(key_cache.shape[1], value_cache.shape[2], kv_cache_dtype)
+def _cache(key_cache: Tensor, value_cache: Tensor, kv_cache_dtype: str, k_scale, v_scale):
+    """Caches `[NB, Hkv, D // x, BS, x]` / `[NB, Hkv, D, BS]` in the split layout."""
+    layout = SplitLayout(key_cache.shape[1], value_cache.shape[2], kv_cache_dtype)
+    return PagedCache(layout, key_cache, value_cache, k_scale, v_scale)
 
 
 @dataclasses.dataclass
@@ -87,8 +88,8 @@ class PagedAttention:
 
         Slots < 0 (PAD_SLOT_ID) are skipped; nothing else in the caches changes.
         """
-        _layout(key_cache, value_cache, kv_cache_dtype).write(
-            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+        _cache(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale).write(
+            key, value, slot_mapping
         )
 
     @staticmethod
@@ -122,9 +123,8 @@ class PagedAttention:
         if num_seqs == 0 or max_seq_len == 0:
             return torch.zeros_like(query)
         seq_lens = seq_lens.to(torch.long)
-        k, v = _layout(key_cache, value_cache, kv_cache_dtype).gather(
-            key_cache, value_cache, block_tables, max_seq_len, k_scale, v_scale
-        )
+        cache = _cache(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
+        k, v = cache.gather(block_tables, max_seq_len)
         k_pos = torch.arange(max_seq_len, device=query.device)
         out = masked_attention(
             query[:, None].float(),  # [S, 1, Hq, D]
@@ -178,9 +178,8 @@ class PagedAttention:
                     f"sequence {i} has {q_lens[i]} new tokens but "
                     f"seq_lens_tensor[{i}]={seq_lens[i]}"
                 )
-        ctx_k, ctx_v = _layout(key_cache, value_cache, kv_cache_dtype).gather(
-            key_cache, value_cache, block_tables, max(ctx_lens, default=0), k_scale, v_scale
-        )
+        cache = _cache(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
+        ctx_k, ctx_v = cache.gather(block_tables, max(ctx_lens, default=0))
         starts = query_start_loc.long().tolist()
         keys, values = [], []
         for i, ctx_len in enumerate(ctx_lens):  # [prefix_i (cache) | new_i] per sequence

@@ -114,6 +114,19 @@ class StepPlan:
         )
 
 
+class CrossAttentionMetadata:
+    """Cross attention needs every encoder field (each metadata class says which in its
+    `is_all_encoder_attn_metadata_set`, as vLLM's did) plus the cross slots and tables."""
+
+    @property
+    def is_all_cross_attn_metadata_set(self) -> bool:
+        return (
+            self.is_all_encoder_attn_metadata_set
+            and self.cross_slot_mapping is not None
+            and self.cross_block_tables is not None
+        )
+
+
 def require(value, name: str, attn_type: AttentionType) -> None:
     if value is None:
         raise ValueError(f"attn_metadata.{name} is required for {attn_type.value} attention")

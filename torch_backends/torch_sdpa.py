@@ -32,7 +32,14 @@ from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_t
 from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
-from torch_backends.plan import StepPlan, cross_plan, encoder_plan, query_start_loc, require
+from torch_backends.plan import (
+    CrossAttentionMetadata,
+    StepPlan,
+    cross_plan,
+    encoder_plan,
+    query_start_loc,
+    require,
+)
 from torch_backends.shapes import KeysValues, Queries
 
 PAD_SLOT_ID = -1
@@ -42,7 +49,7 @@ _CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 192, 256]
 
 
 @dataclasses.dataclass
-class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
+class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttentionMetadata):
     """Metadata of one step. Decode fields (`seq_lens_tensor`, `max_decode_seq_len`,
     `block_tables`) describe only the decode sequences; prefill fields only the prefills."""
 
@@ -71,14 +78,6 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
     @property
     def is_all_encoder_attn_metadata_set(self) -> bool:
         return self.encoder_seq_lens is not None and self.num_encoder_tokens is not None
-
-    @property
-    def is_all_cross_attn_metadata_set(self) -> bool:
-        return (
-            self.is_all_encoder_attn_metadata_set
-            and self.cross_slot_mapping is not None
-            and self.cross_block_tables is not None
-        )
 
     @property
     def prefill_metadata(self) -> "TorchSDPAMetadata | None":
@@ -178,34 +177,36 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         self.need_mask = self.alibi_slopes is not None or self.sliding_window is not None
 
     def attend(self, step: Step) -> Queries:
-        plan = step.plan
-        out = torch.empty_like(step.query)
-        if plan.num_prefill_tokens and plan.has_cached_prefix:
-            cache, pre = step.cache, plan.prefill_tokens
-            out[pre] = PagedAttention.forward_prefix(
-                step.prefill_query,
-                step.key[pre],
-                step.value[pre],
-                self.kv_cache_dtype,
-                cache.key_cache,
-                cache.value_cache,
-                plan.prefill_block_tables,
-                plan.prefill_query_start_loc,
-                torch.tensor(plan.kv_lens),
-                plan.max_query_len,
-                self.alibi_slopes,
-                self.sliding_window,
-                cache.k_scale,
-                cache.v_scale,
-                scale=self.scale,
-                logits_soft_cap=self.logits_soft_cap,
-            )
+        plan, out = step.plan, torch.empty_like(step.query)
+        if plan.has_cached_prefix:
+            out[plan.prefill_tokens] = self._prefix(step)
         elif plan.num_prefill_tokens:
-            key, value = step.prefill_kv()
-            out[plan.prefill_tokens] = self.prefill(step.prefill_query, key, value, plan)
+            out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)
         if plan.num_decode_tokens:
             out[plan.decode_tokens] = forward_decode(self, step)
         return out
+
+    def _prefix(self, step: Step) -> Queries:
+        """Chunked prefill: the step's prefills over their cached prefix and themselves."""
+        plan, cache, pre = step.plan, step.cache, step.plan.prefill_tokens
+        return PagedAttention.forward_prefix(
+            step.prefill_query,
+            step.key[pre],
+            step.value[pre],
+            self.kv_cache_dtype,
+            cache.key_cache,
+            cache.value_cache,
+            plan.prefill_block_tables,
+            plan.prefill_query_start_loc,
+            torch.tensor(plan.kv_lens),
+            plan.max_query_len,
+            self.alibi_slopes,
+            self.sliding_window,
+            cache.k_scale,
+            cache.v_scale,
+            scale=self.scale,
+            logits_soft_cap=self.logits_soft_cap,
+        )
 
     def prefill(
         self, query: Queries, key: KeysValues, value: KeysValues, plan: StepPlan

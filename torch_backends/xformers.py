@@ -28,7 +28,7 @@ from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_t
 from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
-from torch_backends.plan import StepPlan, per_sequence_plan
+from torch_backends.plan import CrossAttentionMetadata, StepPlan, per_sequence_plan
 from torch_backends.shapes import KeysValues, Queries
 
 try:
@@ -56,7 +56,7 @@ def _warn_cpu_once() -> None:
 
 
 @dataclasses.dataclass
-class XFormersMetadata(AttentionMetadata, PagedAttentionMetadata):
+class XFormersMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttentionMetadata):
     """vLLM V0's `XFormersMetadata` fields. Unlike TORCH_SDPA's, `block_tables`,
     `seq_lens_tensor`, `seq_lens` and `context_lens_tensor` have one entry per sequence,
     prefills first; `prefill_metadata` / `decode_metadata` slice them.
@@ -95,14 +95,6 @@ class XFormersMetadata(AttentionMetadata, PagedAttentionMetadata):
             self.encoder_seq_lens is not None
             and self.encoder_seq_lens_tensor is not None
             and self.max_encoder_seq_len is not None
-        )
-
-    @property
-    def is_all_cross_attn_metadata_set(self) -> bool:
-        return (
-            self.is_all_encoder_attn_metadata_set
-            and self.cross_slot_mapping is not None
-            and self.cross_block_tables is not None
         )
 
     @property
@@ -221,11 +213,9 @@ class XFormersImpl(PagedImpl[XFormersMetadata]):
     def attend(self, step: Step) -> Queries:
         """Prefills under their xformers bias over their whole K/V (a cached prefix gathered
         first, under a bottom-right mask); decodes through `PagedAttention.forward_decode`."""
-        plan = step.plan
-        out = torch.empty_like(step.query)
+        plan, out = step.plan, torch.empty_like(step.query)
         if plan.num_prefill_tokens:
-            key, value = step.prefill_kv()
-            out[plan.prefill_tokens] = self.prefill(step.prefill_query, key, value, plan)
+            out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)
         if plan.num_decode_tokens:
             out[plan.decode_tokens] = forward_decode(self, step)
         return out

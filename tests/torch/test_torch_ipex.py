@@ -31,6 +31,7 @@ from torch_backends.ipex_attn import (  # noqa: E402
     IpexAttnBackendImpl,
     IpexAttnMetadataBuilder,
 )
+from torch_backends.layouts import PagedCache  # noqa: E402
 
 
 def test_pad_slots_write_nothing(rng):
@@ -39,7 +40,7 @@ def test_pad_slots_write_nothing(rng):
     key_cache, value_cache = impl.layout.split(kv_cache)
     before = kv_cache.clone()
     x = torch.randn(2, 2, 64)
-    impl.layout.write(x, x, key_cache, value_cache, torch.tensor([-1, 9]))
+    PagedCache(impl.layout, key_cache, value_cache).write(x, x, torch.tensor([-1, 9]))
     changed = ~((kv_cache == before) | (kv_cache.isnan() & before.isnan()))
     assert int(changed.sum()) == 2 * 2 * 64  # slot 9 in both caches, nothing for -1
     assert torch.equal(key_cache[1, :, 1], x[1])
