@@ -55,9 +55,12 @@ def paged_attention_op(
     k_scale: float,
     v_scale: float,
 ) -> torch.Tensor:
-    """`jax_attn.paged_attention` over torch tensors (caches `[NB, BS, Hkv, D]`)."""
+    """`jax_attn.paged_attention` over torch tensors: query `[T, Hq, D]`, caches
+    `[NB, BS, Hkv, D]`, query_start_loc i32 `[S + 1]`, seq_lens i32 `[S]`, block_tables i32
+    `[S, max_blocks]`, alibi_slopes f32 `[Hq]`; returns `[T, Hq, D]`. (torch.library infers
+    the op's schema from plain `torch.Tensor` annotations: the shapes live here.)"""
     num_seqs = seq_lens.shape[0]
-    md = jax_attn.RaggedMetadata(
+    metadata = jax_attn.RaggedMetadata(
         query_start_loc=to_jax(query_start_loc.to(torch.int32)),
         seq_lens=to_jax(seq_lens.to(torch.int32)),
         block_tables=to_jax(block_tables.to(torch.int32)),
@@ -68,7 +71,7 @@ def paged_attention_op(
         to_jax(query),
         to_jax(key_cache),
         to_jax(value_cache),
-        md,
+        metadata,
         scale=scale,
         causal=causal,
         alibi_slopes=None if alibi_slopes is None else to_jax(alibi_slopes.float()),
@@ -114,7 +117,8 @@ def varlen_attention_op(
     sliding_window: int,
     logits_soft_cap: float,
 ) -> torch.Tensor:
-    """`jax_attn.varlen_attention` over torch tensors."""
+    """`jax_attn.varlen_attention` over torch tensors: query `[Tq, Hq, D]`, key/value
+    `[Tk, Hkv, D]`, cu_seqlens_q / cu_seqlens_k i32 `[S + 1]`; returns `[Tq, Hq, D]`."""
     out = jax_attn.varlen_attention(
         to_jax(query),
         to_jax(key),

@@ -140,10 +140,10 @@ def query_start_loc(given: Tensor | None, q_lens: list[int], num_decodes: int) -
     return cumsum([*q_lens, *[1] * num_decodes])
 
 
-def encoder_plan(md, attn_type: AttentionType) -> StepPlan:
+def encoder_plan(attn_metadata, attn_type: AttentionType) -> StepPlan:
     """ENCODER / ENCODER_ONLY: every token is a bidirectional prefill token, no cache."""
-    require(md.encoder_seq_lens, "encoder_seq_lens", attn_type)
-    lens = list(md.encoder_seq_lens)
+    require(attn_metadata.encoder_seq_lens, "encoder_seq_lens", attn_type)
+    lens = list(attn_metadata.encoder_seq_lens)
     return StepPlan(
         attn_type=attn_type,
         num_prefills=len(lens),
@@ -160,32 +160,34 @@ def encoder_plan(md, attn_type: AttentionType) -> StepPlan:
     )
 
 
-def cross_plan(md, attn_type: AttentionType, q_lens: list[int]) -> StepPlan:
+def cross_plan(attn_metadata, attn_type: AttentionType, q_lens: list[int]) -> StepPlan:
     """ENCODER_DECODER: decoder queries over the cached encoder K/V; `cross_block_tables` has
     one row per decoder sequence, prefills first. `q_lens`: the decoder prefills'."""
-    require(md.encoder_seq_lens, "encoder_seq_lens", attn_type)
-    num_prefills, cross = md.num_prefills, md.cross_block_tables
-    enc = md.encoder_seq_lens_tensor
+    require(attn_metadata.encoder_seq_lens, "encoder_seq_lens", attn_type)
+    num_prefills, cross = attn_metadata.num_prefills, attn_metadata.cross_block_tables
+    enc = attn_metadata.encoder_seq_lens_tensor
     if enc is None:
-        enc = torch.tensor(md.encoder_seq_lens, dtype=torch.int32)
+        enc = torch.tensor(attn_metadata.encoder_seq_lens, dtype=torch.int32)
     decode_lens = enc[num_prefills:]
     return StepPlan(
         attn_type=attn_type,
         num_prefills=num_prefills,
-        num_prefill_tokens=md.num_prefill_tokens,
-        num_decode_tokens=md.num_decode_tokens,
-        slot_mapping=md.cross_slot_mapping,
+        num_prefill_tokens=attn_metadata.num_prefill_tokens,
+        num_decode_tokens=attn_metadata.num_decode_tokens,
+        slot_mapping=attn_metadata.cross_slot_mapping,
         q_lens=q_lens,
-        kv_lens=list(md.encoder_seq_lens[:num_prefills]),
-        query_start_loc=query_start_loc(md.query_start_loc, q_lens, md.num_decode_tokens),
+        kv_lens=list(attn_metadata.encoder_seq_lens[:num_prefills]),
+        query_start_loc=query_start_loc(
+            attn_metadata.query_start_loc, q_lens, attn_metadata.num_decode_tokens
+        ),
         prefill_block_tables=None if cross is None else cross[:num_prefills],
         decode_block_tables=None if cross is None else cross[num_prefills:],
         decode_seq_lens=decode_lens,
-        max_decode_seq_len=int(decode_lens.max()) if md.num_decode_tokens else 0,
+        max_decode_seq_len=int(decode_lens.max()) if attn_metadata.num_decode_tokens else 0,
     )
 
 
-def per_sequence_plan(md, attn_type: AttentionType) -> StepPlan:
+def per_sequence_plan(attn_metadata, attn_type: AttentionType) -> StepPlan:
     """The plan of metadata whose `block_tables`, `seq_lens_tensor` and `seq_lens` have one
     entry per sequence, prefills first (vLLM's XFORMERS; IPEX here). A prefill's query length
     comes from `query_start_loc` when given, else it equals its `seq_lens` entry. In a
@@ -195,17 +197,17 @@ def per_sequence_plan(md, attn_type: AttentionType) -> StepPlan:
     there (vLLM: `prefill_meta.block_tables.numel() != 0`).
     """
     if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-        return encoder_plan(md, attn_type)
-    num_prefills, num_decodes = md.num_prefills, md.num_decode_tokens
+        return encoder_plan(attn_metadata, attn_type)
+    num_prefills, num_decodes = attn_metadata.num_prefills, attn_metadata.num_decode_tokens
     q_lens = seq_lens = []
-    if md.num_prefill_tokens:
-        require(md.seq_lens, "seq_lens", attn_type)
-        seq_lens = q_lens = list(md.seq_lens[:num_prefills])
-        if md.query_start_loc is not None:
-            q_lens = torch.diff(md.query_start_loc[: num_prefills + 1]).tolist()
+    if attn_metadata.num_prefill_tokens:
+        require(attn_metadata.seq_lens, "seq_lens", attn_type)
+        seq_lens = q_lens = list(attn_metadata.seq_lens[:num_prefills])
+        if attn_metadata.query_start_loc is not None:
+            q_lens = torch.diff(attn_metadata.query_start_loc[: num_prefills + 1]).tolist()
     if attn_type == AttentionType.ENCODER_DECODER:
-        return cross_plan(md, attn_type, q_lens)
-    tables = md.block_tables
+        return cross_plan(attn_metadata, attn_type, q_lens)
+    tables = attn_metadata.block_tables
     has_rows = tables is not None and tables.numel() > 0
     if has_rows and tables.shape[0] != num_prefills + num_decodes:
         raise ValueError(
@@ -215,20 +217,20 @@ def per_sequence_plan(md, attn_type: AttentionType) -> StepPlan:
     decode_tables = decode_lens = None
     if num_decodes:
         require(tables, "block_tables", attn_type)
-        require(md.seq_lens_tensor, "seq_lens_tensor", attn_type)
+        require(attn_metadata.seq_lens_tensor, "seq_lens_tensor", attn_type)
         decode_tables = tables[num_prefills:]
-        decode_lens = md.seq_lens_tensor[num_prefills:]
+        decode_lens = attn_metadata.seq_lens_tensor[num_prefills:]
     return StepPlan(
         attn_type=attn_type,
         num_prefills=num_prefills,
-        num_prefill_tokens=md.num_prefill_tokens,
+        num_prefill_tokens=attn_metadata.num_prefill_tokens,
         num_decode_tokens=num_decodes,
-        slot_mapping=md.slot_mapping,
+        slot_mapping=attn_metadata.slot_mapping,
         q_lens=q_lens,
         kv_lens=seq_lens,
-        query_start_loc=query_start_loc(md.query_start_loc, q_lens, num_decodes),
+        query_start_loc=query_start_loc(attn_metadata.query_start_loc, q_lens, num_decodes),
         prefill_block_tables=tables[:num_prefills] if has_rows and num_prefills else None,
         decode_block_tables=decode_tables,
         decode_seq_lens=decode_lens,
-        max_decode_seq_len=md.max_decode_seq_len,
+        max_decode_seq_len=attn_metadata.max_decode_seq_len,
     )
