@@ -122,9 +122,6 @@ class IpexAttnMetadataBuilder(HostBatchBuilder[IpexAttnMetadata]):
         )
 
 
-_E5M2 = torch.float8_e5m2
-
-
 class IpexKernelLayout(IpexLayout):
     """IPEX's layout, written by IPEX's own `reshape_and_cache` kernel (pad slots are dropped
     before it: IPEX 2.8 would write them into block 0)."""
@@ -134,7 +131,7 @@ class IpexKernelLayout(IpexLayout):
             # Quantized as every backend does (torch's round-to-nearest-even, saturating), then
             # handed to IPEX as values it stores exactly: its own float -> e5m2 conversion
             # rounds some ties differently, and the cache bytes must match the other backends'.
-            key, value = key.view(_E5M2).float(), value.view(_E5M2).float()
+            key, value = key.view(self.fp8).float(), value.view(self.fp8).float()
         IpexPagedAttention.reshape_and_cache(
             key.contiguous(), value.contiguous(), key_cache, value_cache, slots, self.kv_cache_dtype
         )
@@ -157,8 +154,9 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         self.head_mapping = self.head_mapping.repeat_interleave(self.num_queries_per_kv)
 
     def attend(self, step: Step) -> Queries:
-        """Prefills through `varlen_attention` (or `flash_attn_varlen_func` over a scratch
-        cache where they need ALiBi-free masks), chunked prefill and decodes over the cache."""
+        """Prefills through `varlen_attention` (`flash_attn_varlen_func` over a scratch cache
+        with a window or soft cap, torch with ALiBi); chunked prefill and decodes through the
+        paged kernels over the cache."""
         plan, out = step.plan, torch.empty_like(step.query)
         if plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
