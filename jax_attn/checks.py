@@ -134,13 +134,17 @@ def check_attention_args(
     value_cache,
     *,
     query_axis: str,
-    alibi_slopes,
-    sliding_window,
-    logits_soft_cap,
+    alibi_slopes=None,
+    sliding_window=None,
+    logits_soft_cap=None,
+    k_scale=1.0,
+    v_scale=1.0,
 ) -> None:
     """Every check of a paged entry's query, caches and bias keywords."""
     check_query_and_cache(query, key_cache, value_cache, query_axis=query_axis)
     check_bias_args(query.shape[1], alibi_slopes, sliding_window, logits_soft_cap)
+    check_scale(k_scale, "k_scale")
+    check_scale(v_scale, "v_scale")
 
 
 def check_metadata_type(metadata) -> None:
@@ -231,17 +235,35 @@ def check_native_shapes(block_size: int, head_size: int, interpret: bool) -> Non
         raise ValueError(problem)
 
 
-def check_native_tile(value: int | None, name: str, *, width: int, width_text: str) -> None:
+def check_native_tile(
+    value: int | None, name: str, *, width: int, width_name: str = "block_size"
+) -> None:
     """A tile option of a native kernel: a power of two with `value * width >= 16` (tl.dot)."""
     if value is not None and (not is_pow2(value) or value * width < MIN_DOT):
         raise ValueError(
-            f"{name}={value} must be a power of two with {name} * {width_text} >= 16 on GPU"
+            f"{name}={value} must be a power of two with {name} * {width_name}={width} >= 16 on GPU"
         )
+
+
+def check_kernel_args(
+    query, key_cache, value_cache, *, query_axis: str, interpret: bool, **bias
+) -> None:
+    """`check_attention_args` (with the `bias` keywords), and what the Pallas kernels add:
+    their dtypes, and the native shapes unless they run in interpret mode."""
+    check_attention_args(query, key_cache, value_cache, query_axis=query_axis, **bias)
+    check_kernel_dtypes(query.dtype, key_cache.dtype)
+    block_size, head_size = key_cache.shape[1], key_cache.shape[3]
+    check_native_shapes(block_size, head_size, interpret)
+
+
+def check_scale(value, name: str) -> None:
+    """A cache scale: a Python float or an f32 scalar (`()` or `(1,)`), possibly traced."""
+    shape = tuple(jnp.shape(value))
+    if shape not in ((), (1,)):
+        raise ValueError(f"{name} must be a scalar; got shape {shape}")
 
 
 def scale_array(value, name: str):
     """A Python float or an f32 scalar array (possibly traced) as an f32 scalar array."""
-    x = jnp.asarray(value, dtype=jnp.float32)
-    if x.ndim != 0 and x.shape != (1,):
-        raise ValueError(f"{name} must be a scalar; got shape {x.shape}")
-    return x.reshape(())
+    check_scale(value, name)
+    return jnp.asarray(value, dtype=jnp.float32).reshape(())

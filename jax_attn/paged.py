@@ -1,17 +1,16 @@
 """Paged attention: the unified ragged entry (`paged_attention`), the decode fast path
 (`paged_decode`), and the dispatch between their implementations.
 
-    paged_attention(..., impl)          public, not jitted: picks the implementation
+    paged_attention(..., impl="auto")       not jitted: picks the implementation
       resolve_impl(impl, query, key_cache)  -> "xla" | "pallas" | "cpu" | "reference"
-      _paged_attention(..., impl=...)   jitted, `impl` static: checks, then calls one of
+      jitted body, `impl` static: checks (checks.py), then one of
         xla_paged.paged_attention_xla       portable blockwise jnp (xla_paged.py)
         pallas.ragged_paged_attention       Triton-backed Pallas kernel (pallas/)
-        cpu.ragged_paged_attention          native CPU kernel through XLA's FFI (cpu/)
+        jax_attn.cpu.ragged_paged_attention native CPU kernel through XLA's FFI (cpu/)
         reference.paged_attention           the dense oracle (reference.py)
 
-The choice is made outside `jit` because it depends on where the arrays live (a concrete
-array knows its device; inside a caller's `jit` they are tracers, and the default backend
-decides). Shapes and dtypes are checked at trace time (`checks.py`).
+`paged_decode` is laid out the same way. The choice is made outside `jit` because it depends
+on where the arrays live (`_resolves_impl`).
 """
 
 import functools
@@ -117,6 +116,28 @@ def resolve_impl(impl: str, query, key_cache) -> str:
     return "xla"
 
 
+def _resolves_impl(static_argnames: tuple[str, ...]):
+    """Make `body` a public entry that picks `impl` outside `jit` and runs `body` jitted.
+
+    `impl` depends on where the arrays live, which only a concrete array can tell (inside a
+    caller's `jit` they are tracers, and the default backend decides), so it is resolved
+    before the jitted body, which takes it (and `interpret`) as static arguments. The entry
+    keeps the body's signature and docstring; `__wrapped__` is the body, not jitted.
+    """
+
+    def decorate(body):
+        jitted = jax.jit(body, static_argnames=static_argnames)
+
+        @functools.wraps(body)
+        def entry(query, key_cache, *args, impl="auto", interpret=None, **kwargs):
+            impl, interpret = _resolve(impl, interpret, query, key_cache)
+            return jitted(query, key_cache, *args, impl=impl, interpret=interpret, **kwargs)
+
+        return entry
+
+    return decorate
+
+
 def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:
     """(impl, interpret) as the jitted bodies take them (both static)."""
     impl = resolve_impl(impl, query, key_cache)
@@ -125,6 +146,9 @@ def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:
     return impl, array_platform(query) != "gpu" if interpret is None else interpret
 
 
+@_resolves_impl(
+    static_argnames=("scale", "causal", "sliding_window", "logits_soft_cap", "impl", "interpret")
+)
 def paged_attention(
     query: Float[Array, "num_tokens num_heads head_size"],
     key_cache: Float[Array, "num_blocks block_size num_kv_heads head_size"],
@@ -156,64 +180,17 @@ def paged_attention(
     `resolve_impl`). `scale` defaults to `head_size ** -0.5`. Jitted inside (the choice of
     `impl` is made before), and jit-able from outside.
     """
-    impl, interpret = _resolve(impl, interpret, query, key_cache)
-    return _paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        metadata,
-        scale=scale,
-        causal=causal,
+    bias = dict(
         alibi_slopes=alibi_slopes,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
-        impl=impl,
-        interpret=interpret,
     )
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "causal", "sliding_window", "logits_soft_cap", "impl", "interpret"),
-)
-def _paged_attention(
-    query,
-    key_cache,
-    value_cache,
-    metadata,
-    *,
-    scale=None,
-    causal=True,
-    alibi_slopes=None,
-    sliding_window=None,
-    logits_soft_cap=None,
-    k_scale=1.0,
-    v_scale=1.0,
-    impl="xla",
-    interpret=None,
-):
-    """`paged_attention` with `impl` resolved (never "auto")."""
-    checks.check_attention_args(
-        query,
-        key_cache,
-        value_cache,
-        query_axis="num_tokens",
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
+    checks.check_attention_args(query, key_cache, value_cache, query_axis="num_tokens", **bias)
     checks.check_metadata(metadata, query.shape[0])
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    bias = dict(
-        causal=causal,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    bias["causal"] = causal
     md = metadata
     ragged = (md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs)
     if impl == "reference":
@@ -235,6 +212,7 @@ def _paged_attention(
     return paged_attention_xla(query, key_cache, value_cache, md, scale=scale, **bias)
 
 
+@_resolves_impl(static_argnames=("scale", "sliding_window", "logits_soft_cap", "impl", "interpret"))
 def paged_decode(
     query: Float[Array, "num_seqs num_heads head_size"],
     key_cache: Float[Array, "num_blocks block_size num_kv_heads head_size"],
@@ -255,56 +233,6 @@ def paged_decode(
 
     Rows with `seq_lens[i] == 0` (padding) give zeros. Same keywords as `paged_attention`.
     """
-    impl, interpret = _resolve(impl, interpret, query, key_cache)
-    return _paged_decode(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        scale=scale,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        impl=impl,
-        interpret=interpret,
-    )
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "sliding_window", "logits_soft_cap", "impl", "interpret"),
-)
-def _paged_decode(
-    query,
-    key_cache,
-    value_cache,
-    block_tables,
-    seq_lens,
-    *,
-    scale=None,
-    alibi_slopes=None,
-    sliding_window=None,
-    logits_soft_cap=None,
-    k_scale=1.0,
-    v_scale=1.0,
-    impl="xla",
-    interpret=None,
-):
-    """`paged_decode` with `impl` resolved (never "auto")."""
-    checks.check_attention_args(
-        query,
-        key_cache,
-        value_cache,
-        query_axis="num_seqs",
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
-    checks.check_decode_arrays(block_tables, seq_lens, query.shape[0])
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     bias = dict(
         alibi_slopes=alibi_slopes,
         sliding_window=sliding_window,
@@ -312,6 +240,9 @@ def _paged_decode(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    checks.check_attention_args(query, key_cache, value_cache, query_axis="num_seqs", **bias)
+    checks.check_decode_arrays(block_tables, seq_lens, query.shape[0])
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (query, key_cache, value_cache, block_tables, seq_lens)
     if impl == "reference":
         from jax_attn import reference

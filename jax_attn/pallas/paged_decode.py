@@ -232,37 +232,6 @@ def _paged_decode_pallas(
     return out.astype(query.dtype)
 
 
-def _check_decode_args(
-    query,
-    key_cache,
-    value_cache,
-    block_tables,
-    seq_lens,
-    alibi_slopes,
-    sliding_window,
-    logits_soft_cap,
-    pages_per_compute_block,
-    num_kv_splits,
-    interpret,
-):
-    checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_seqs")
-    checks.check_kernel_dtypes(query.dtype, key_cache.dtype)
-    num_seqs, num_heads, head_size = query.shape
-    block_size = key_cache.shape[1]
-    checks.check_decode_arrays(block_tables, seq_lens, num_seqs, int32_only=True)
-    checks.check_bias_args(num_heads, alibi_slopes, sliding_window, logits_soft_cap)
-    checks.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
-    checks.check_positive_int(num_kv_splits, "num_kv_splits")
-    checks.check_native_shapes(block_size, head_size, interpret)
-    if not interpret:
-        checks.check_native_tile(
-            pages_per_compute_block,
-            "pages_per_compute_block",
-            width=block_size,
-            width_text=f"{block_size=}",
-        )
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -303,21 +272,25 @@ def paged_decode(
     sequence and kv head) default to a heuristic. On GPU, `block_size` and `head_size` must be
     powers of two; `interpret=True` runs the same kernel on CPU with no such limit.
     """
-    _check_decode_args(
+    checks.check_kernel_args(
         query,
         key_cache,
         value_cache,
-        block_tables,
-        seq_lens,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-        pages_per_compute_block,
-        num_kv_splits,
-        interpret,
+        query_axis="num_seqs",
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret,
     )
     num_seqs = query.shape[0]
     block_size, num_kv_heads = key_cache.shape[1:3]
+    checks.check_decode_arrays(block_tables, seq_lens, num_seqs, int32_only=True)
+    checks.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
+    checks.check_positive_int(num_kv_splits, "num_kv_splits")
+    if not interpret:
+        checks.check_native_tile(
+            pages_per_compute_block, "pages_per_compute_block", width=block_size
+        )
     max_blocks = max(block_tables.shape[1], 1)
     if pages_per_compute_block is None:
         pages_per_compute_block = softmax.pages_per_compute_block(

@@ -284,41 +284,6 @@ def _default_block_q(group_pad: int, head_size: int, dtype) -> int:
     return max(1, rows // group_pad, pl.cdiv(checks.MIN_DOT, group_pad))
 
 
-def _check_ragged_args(
-    query,
-    key_cache,
-    value_cache,
-    query_start_loc,
-    seq_lens,
-    block_tables,
-    num_seqs,
-    alibi_slopes,
-    sliding_window,
-    logits_soft_cap,
-    block_q,
-    pages_per_compute_block,
-    interpret,
-):
-    checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_tokens")
-    checks.check_kernel_dtypes(query.dtype, key_cache.dtype)
-    num_heads, head_size = query.shape[1:]
-    block_size, num_kv_heads = key_cache.shape[1:3]
-    checks.check_ragged_arrays(query_start_loc, seq_lens, block_tables, num_seqs, int32_only=True)
-    checks.check_bias_args(num_heads, alibi_slopes, sliding_window, logits_soft_cap)
-    checks.check_positive_int(block_q, "block_q")
-    checks.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
-    checks.check_native_shapes(block_size, head_size, interpret)
-    if not interpret:
-        group_pad = softmax.next_pow2(num_heads // num_kv_heads)
-        checks.check_native_tile(block_q, "block_q", width=group_pad, width_text=f"{group_pad=}")
-        checks.check_native_tile(
-            pages_per_compute_block,
-            "pages_per_compute_block",
-            width=block_size,
-            width_text=f"{block_size=}",
-        )
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -364,24 +329,27 @@ def ragged_paged_attention(
     default to a heuristic. On GPU `block_size` and `head_size` must be powers of two;
     `interpret=True` runs the same kernel on CPU with no such limit.
     """
-    _check_ragged_args(
+    checks.check_kernel_args(
         query,
         key_cache,
         value_cache,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        num_seqs,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-        block_q,
-        pages_per_compute_block,
-        interpret,
+        query_axis="num_tokens",
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret,
     )
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
+    checks.check_ragged_arrays(query_start_loc, seq_lens, block_tables, num_seqs, int32_only=True)
+    checks.check_positive_int(block_q, "block_q")
+    checks.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
     group_pad = softmax.next_pow2(num_heads // num_kv_heads)
+    if not interpret:
+        checks.check_native_tile(block_q, "block_q", width=group_pad, width_name="group_pad")
+        checks.check_native_tile(
+            pages_per_compute_block, "pages_per_compute_block", width=block_size
+        )
     dtype = softmax.compute_dtype(query.dtype, key_cache.dtype)
     if block_q is None:
         block_q = _default_block_q(group_pad, head_size, dtype)

@@ -186,7 +186,7 @@ def test_one_block_chunks(case: Case, rng, monkeypatch):
     w, md, query, kc, vc, kwargs, expected = _run(case, rng)
     # A fresh trace of the unjitted entry, so the patched constants apply.
     fresh = jax.jit(
-        paged._paged_attention.__wrapped__,
+        paged.paged_attention.__wrapped__,
         static_argnames=("causal", "sliding_window", "logits_soft_cap", "impl"),
     )
     out = fresh(query, kc, vc, md, impl="xla", **kwargs)
