@@ -205,9 +205,10 @@ def check_decode_arrays(block_tables, seq_lens, num_seqs: int, *, int32_only=Fal
 def check_kernel_dtypes(query_dtype, cache_dtype) -> None:
     """What the Pallas kernels compute with: 16/32-bit float queries; 16/32-bit float or fp8
     caches."""
-    if jnp.dtype(query_dtype) not in FLOAT_DTYPES:
+    query_dtype, cache_dtype = jnp.dtype(query_dtype), jnp.dtype(cache_dtype)
+    if query_dtype not in FLOAT_DTYPES:
         raise TypeError(f"query.dtype={query_dtype} must be float32, bfloat16 or float16")
-    if jnp.dtype(cache_dtype) not in FLOAT_DTYPES + FP8_DTYPES:
+    if cache_dtype not in FLOAT_DTYPES + FP8_DTYPES:
         raise TypeError(
             f"key_cache.dtype={cache_dtype} must be float32, bfloat16, float16 or float8 "
             "(e4m3fn / e5m2) for the Pallas kernels"

@@ -161,3 +161,27 @@ def test_auto_inside_a_callers_jit(monkeypatch, no_cpu_kernels):
     jitted = jax.jit(lambda q, c, m: jax_attn.paged_attention(q, c, c, m))
     expected = jax_attn.paged_attention(query, cache, cache, md, impl="reference")
     np.testing.assert_allclose(jitted(query, cache, md), expected, atol=1e-5)
+
+
+def test_scales_must_be_scalars():
+    query, cache, md = _problem()
+    with pytest.raises(ValueError, match=r"k_scale must be a scalar; got shape \(2,\)"):
+        jax_attn.paged_attention(query, cache, cache, md, impl="xla", k_scale=jnp.ones(2))
+    with pytest.raises(ValueError, match=r"v_scale must be a scalar; got shape \(1, 1\)"):
+        jax_attn.paged_decode(
+            query[:2], cache, cache, md.block_tables[:2], md.seq_lens[:2], v_scale=jnp.ones((1, 1))
+        )
+
+
+def test_kernel_dtypes():
+    from jax_attn import checks
+
+    checks.check_kernel_dtypes(jnp.bfloat16, jnp.float8_e4m3fn)
+    with pytest.raises(
+        TypeError, match=r"query\.dtype=float64 must be float32, bfloat16 or float16"
+    ):
+        checks.check_kernel_dtypes(jnp.float64, jnp.float32)
+    with pytest.raises(
+        TypeError, match=r"key_cache\.dtype=float64 must be float32, bfloat16, float16"
+    ):
+        checks.check_kernel_dtypes(jnp.float32, jnp.float64)
