@@ -15,6 +15,7 @@ on where the arrays live (`_resolves_impl`).
 
 import functools
 import importlib
+import sys
 from typing import Literal
 
 import jax
@@ -42,18 +43,32 @@ def array_platform(x) -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
+# Why `import jax_attn.cpu` failed, once it has: "auto" asks on every eager call, and a failed
+# import searches the path again each time (~65 us).
+_cpu_import_error: str | None = None
+
+
 def cpu_kernels():
     """The `jax_attn.cpu` module when its native kernels are available here.
 
     Raises `RuntimeError` saying why not (the package does not import, or
     `unavailable_reason()`); never falls back silently.
     """
-    try:
-        cpu = importlib.import_module("jax_attn.cpu")
-    except Exception as e:  # not built into this install, or broken: say so
-        raise RuntimeError(
-            f"the native CPU kernels are not available: jax_attn.cpu does not import ({e})"
-        ) from e
+    global _cpu_import_error
+    cpu = sys.modules.get("jax_attn.cpu")
+    if cpu is None:
+        reason = _cpu_import_error
+        if "jax_attn.cpu" in sys.modules:  # blocked on purpose (a None entry)
+            reason = "import of jax_attn.cpu halted; None in sys.modules"
+        elif reason is None:
+            try:
+                cpu = importlib.import_module("jax_attn.cpu")
+            except Exception as e:  # not built into this install, or broken: say so
+                reason = _cpu_import_error = f"{type(e).__name__}: {e}"
+        if cpu is None:
+            raise RuntimeError(
+                f"the native CPU kernels are not available: jax_attn.cpu does not import ({reason})"
+            )
     if not cpu.available():
         raise RuntimeError(f"the native CPU kernels are not available: {cpu.unavailable_reason()}")
     return cpu
