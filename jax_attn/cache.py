@@ -15,13 +15,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+from jax_attn.checks import check_cache_pair, check_index_array, is_fp8
 
 KVCache = Float[Array, "num_blocks block_size num_kv_heads head_size"]
-
-
-def is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype) in FP8_DTYPES
 
 
 def kv_cache_shape(
@@ -39,15 +35,6 @@ def kv_cache_shape(
     return (num_blocks, block_size, num_kv_heads, head_size)
 
 
-def check_cache_dtype(dtype, argname: str = "key_cache") -> None:
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"{argname}.dtype={dtype} is not a supported cache dtype: use a float dtype or "
-            "float8_e4m3fn / float8_e5m2"
-        )
-
-
 def quantize(x: Array, dtype, scale) -> Array:
     """`x` as stored in a cache of `dtype`: `saturate(x / scale)` for fp8, a cast otherwise."""
     dtype = jnp.dtype(dtype)
@@ -62,30 +49,6 @@ def quantize(x: Array, dtype, scale) -> Array:
 def dequantize(x: Array, scale, dtype=jnp.float32) -> Array:
     """Cache contents as `dtype`: `stored * scale` (the scale is 1.0 for non-fp8 caches)."""
     return x.astype(dtype) * jnp.asarray(scale, dtype)
-
-
-def _check_pair(key_cache: Array, value_cache: Array) -> None:
-    if key_cache.ndim != 4:
-        raise ValueError(
-            f"key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_size], "
-            f"got shape {key_cache.shape}"
-        )
-    if key_cache.shape != value_cache.shape:
-        raise ValueError(
-            f"value_cache.shape={value_cache.shape} must equal key_cache.shape={key_cache.shape}"
-        )
-    if key_cache.dtype != value_cache.dtype:
-        raise TypeError(
-            f"value_cache.dtype={value_cache.dtype} must equal key_cache.dtype={key_cache.dtype}"
-        )
-    check_cache_dtype(key_cache.dtype)
-
-
-def _check_index_array(x: Array, name: str, ndim: int) -> None:
-    if x.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name}.dtype={x.dtype} must be an integer dtype (int32)")
 
 
 @jax.jit
@@ -105,14 +68,14 @@ def write_kv(
     (`jax.jit(..., donate_argnums=(0, 1))`) so the update happens in place.
     Slots past the cache (`>= NB * BS`) are dropped too; `validate` reports them eagerly.
     """
-    _check_pair(key_cache, value_cache)
+    check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (num_kv_heads, head_size):
         raise ValueError(
             f"key/value must be [num_tokens, {num_kv_heads}, {head_size}] to match the cache, "
             f"got key.shape={key.shape}, value.shape={value.shape}"
         )
-    _check_index_array(slot_mapping, "slot_mapping", 1)
+    check_index_array(slot_mapping, "slot_mapping", [("num_tokens", None)])
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
@@ -138,10 +101,8 @@ def copy_blocks(
     All sources are read before any destination is written, so chains (a->b, b->c) copy the
     old contents of b. Destinations should be distinct; with duplicates the last pair wins.
     """
-    _check_pair(key_cache, value_cache)
-    _check_index_array(src_to_dst, "src_to_dst", 2)
-    if src_to_dst.shape[1] != 2:
-        raise ValueError(f"src_to_dst must be [num_pairs, 2], got shape {src_to_dst.shape}")
+    check_cache_pair(key_cache, value_cache)
+    check_index_array(src_to_dst, "src_to_dst", [("num_pairs", None), ("2", 2)])
     src, dst = src_to_dst[:, 0], src_to_dst[:, 1]
     return (
         key_cache.at[dst].set(key_cache[src], mode="drop"),
@@ -166,9 +127,7 @@ def swap_blocks(
     if src_cache.dtype != dst_cache.dtype:
         raise TypeError(f"src_cache.dtype={src_cache.dtype} != dst_cache.dtype={dst_cache.dtype}")
     src_to_dst = jnp.asarray(src_to_dst)
-    _check_index_array(src_to_dst, "src_to_dst", 2)
-    if src_to_dst.shape[1] != 2:
-        raise ValueError(f"src_to_dst must be [num_pairs, 2], got shape {src_to_dst.shape}")
+    check_index_array(src_to_dst, "src_to_dst", [("num_pairs", None), ("2", 2)])
     src_ids = jax.device_put(src_to_dst[:, 0], _placement(src_cache))
     blocks = _gather_blocks(src_cache, src_ids)  # [N, BS, Hkv, D] where src lives
     blocks = jax.device_put(blocks, _placement(dst_cache))

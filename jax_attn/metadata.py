@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 
 @jax.tree_util.register_dataclass
@@ -57,12 +57,9 @@ class RaggedMetadata:
 
         query_start_loc [0, 3, 4], seq_lens [3, 18] -> positions [0, 1, 2, 17].
         """
-        num_tokens, num_seqs = self.slot_mapping.shape[0], self.seq_lens.shape[0]
-        token = jnp.arange(num_tokens, dtype=jnp.int32)
-        seq = jnp.searchsorted(self.query_start_loc[1:], token, side="right")
-        seq = jnp.minimum(seq, num_seqs - 1).astype(jnp.int32)
+        token = jnp.arange(self.slot_mapping.shape[0], dtype=jnp.int32)
+        seq, real = sequence_of(self.query_start_loc, token, num_seqs=self.num_seqs)
         pos = self.context_lens[seq] + token - self.query_start_loc[seq]
-        real = token < self.query_start_loc[self.num_seqs]
         return jnp.where(real, pos, 0).astype(jnp.int32)
 
     @classmethod
@@ -141,6 +138,35 @@ class RaggedMetadata:
             slot_mapping=_i32(np.pad(slots, (0, padded_tokens - num_tokens), constant_values=-1)),
             num_seqs=jnp.asarray(num_seqs, jnp.int32),
         )
+
+
+def sequence_of(
+    starts: Int[Array, " num_seqs_plus_1"],
+    index: Int[Array, " n"],
+    *,
+    num_seqs: Int[Array, ""] | None = None,
+) -> tuple[Int[Array, " n"], Bool[Array, " n"]]:
+    """Which sequence owns each index, where sequence `i` owns `[starts[i], starts[i+1])`.
+
+    With `query_start_loc` it maps tokens to their sequence; with cumulative tile counts it maps
+    tiles. Only the first `num_seqs` sequences are real (default: all of them): the rows past
+    it may hold anything, and indices at or past `starts[num_seqs]` belong to none. Returns the
+    sequence, clipped into `[0, S)` so it can always index, and whether the index is owned.
+
+    starts [0, 3, 3, 5], index [0, 1, 2, 3, 4, 5] -> sequence [0, 0, 0, 2, 2, 2],
+    owned [T, T, T, T, T, F] (sequence 1 is empty).
+    """
+    max_seqs = starts.shape[0] - 1
+    starts = starts.astype(jnp.int32)
+    if num_seqs is None:
+        end = starts[max_seqs]
+    else:
+        # Padding rows start at "infinity", so no index lands in them whatever they hold.
+        real = jnp.arange(max_seqs + 1) <= num_seqs
+        starts = jnp.where(real, starts, jnp.iinfo(jnp.int32).max)
+        end = starts[jnp.clip(num_seqs, 0, max_seqs)]
+    seq = jnp.searchsorted(starts, index, side="right").astype(jnp.int32) - 1
+    return jnp.clip(seq, 0, max_seqs - 1), index < end
 
 
 def _i32(x: np.ndarray) -> Array:

@@ -7,6 +7,7 @@ otherwise be clamped silently by JAX's gather and read another sequence's keys.
 
 import numpy as np
 
+from jax_attn.checks import check_metadata_type, check_same_shape
 from jax_attn.metadata import RaggedMetadata
 
 
@@ -22,14 +23,10 @@ def validate(query, key_cache, value_cache, metadata: RaggedMetadata) -> None:
     sequence's block table covers its length with ids in `[0, num_blocks)`; every slot in
     `slot_mapping` is a pad (< 0) or inside the cache.
     """
-    if not isinstance(metadata, RaggedMetadata):
-        raise TypeError(f"metadata must be a RaggedMetadata, got {type(metadata).__name__}")
+    check_metadata_type(metadata)
+    check_same_shape(value_cache, key_cache)
     num_tokens = np.shape(query)[0]
     num_blocks, block_size = np.shape(key_cache)[:2]
-    if np.shape(value_cache) != np.shape(key_cache):
-        raise ValueError(
-            f"value_cache.shape={np.shape(value_cache)} != key_cache.shape={np.shape(key_cache)}"
-        )
     qsl = np.asarray(metadata.query_start_loc, dtype=np.int64)
     seq_lens = np.asarray(metadata.seq_lens, dtype=np.int64)
     tables = np.asarray(metadata.block_tables, dtype=np.int64)

@@ -4,8 +4,9 @@ Sequences are concatenated: sequence `i` has queries `cu_seqlens_q[i]:cu_seqlens
 keys `cu_seqlens_k[i]:cu_seqlens_k[i+1]`. Causal masks are bottom-right aligned as in the
 paged path (query `j` of a sequence sits at `k_len - q_len + j`).
 
-It reuses the blockwise online softmax of the paged path with a contiguous key fetch, as a
-fixed-length loop whose steps past the longest sequence are skipped, so `jax.grad` works.
+It reuses the query tiles of the paged XLA path (`xla_paged`) and the same online softmax with
+a contiguous key fetch, as a fixed-length loop whose steps past the longest sequence are
+skipped (`cond`), so `jax.grad` works.
 """
 
 import functools
@@ -14,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jax_attn import _blockwise
-from jax_attn.paged import check_bias_args
+from jax_attn import _online_softmax as online_softmax
+from jax_attn.checks import check_bias_args
+from jax_attn.xla_paged import key_range, num_chunks, tile_queries
 
 KV_CHUNK_TOKENS = 128
 
@@ -71,25 +73,23 @@ def varlen_attention(
     cu_q = cu_seqlens_q.astype(jnp.int32)
     cu_k = cu_seqlens_k.astype(jnp.int32)
     q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    tiles = _blockwise.tile_queries(cu_q, q_lens, num_tokens)
+    tiles = tile_queries(cu_q, q_lens, num_tokens)
     tile_seq, q_valid = tiles.seq, tiles.valid
     q_pos = (k_lens - q_lens)[tile_seq][:, None] + tiles.row  # [N, Q], bottom-right aligned
 
     kv_len = k_lens[tile_seq]
-    lo, hi = _blockwise.key_range(
-        q_pos, q_valid, kv_len, causal=causal, sliding_window=sliding_window
-    )
+    lo, hi = key_range(q_pos, q_valid, kv_len, causal=causal, sliding_window=sliding_window)
     chunk = max(1, min(KV_CHUNK_TOKENS, kv_tokens))
-    iters = _blockwise.num_chunks(lo, hi, chunk)
+    iters = num_chunks(lo, hi, chunk)
     k_start = cu_k[tile_seq]  # [N]
 
-    def fetch(it):
+    def fetch(it) -> online_softmax.KeyChunk:
         pos = lo[:, None] + it * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [N, K]
         valid = (pos >= 0) & (pos < kv_len[:, None])
         # Outside the sequence, read its first key (finite, weight 0) rather than a neighbour.
         index = jnp.clip(k_start[:, None] + jnp.where(valid, pos, 0), 0, kv_tokens - 1)
         heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
-        return _blockwise.KeyChunk(
+        return online_softmax.KeyChunk(
             key=key[index[:, None, :], heads].astype(jnp.float32),  # [N, Hkv, K, D]
             value=value[index[:, None, :], heads].astype(jnp.float32),
             pos=pos,
@@ -97,18 +97,28 @@ def varlen_attention(
         )
 
     q = query[jnp.minimum(tiles.token, num_tokens - 1)].astype(jnp.float32) * scale  # [N, Q, Hq, D]
-    out = _blockwise.attend(
-        q,
-        q_pos,
-        q_valid,
-        fetch,
-        iters.max(),
-        max_iters=-(-kv_tokens // chunk),
-        num_kv_heads=num_kv_heads,
-        causal=causal,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
+    queries = online_softmax.group_queries(
+        q, q_pos, q_valid, num_kv_heads=num_kv_heads, alibi_slopes=alibi_slopes
     )
+    num_iters = iters.max()
+
+    def step(it, state):
+        def attend_chunk(state):
+            return online_softmax.update(
+                state,
+                queries,
+                fetch(it),
+                causal=causal,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
+
+        return jax.lax.cond(it < num_iters, attend_chunk, lambda state: state, state)
+
+    # A scan of a static number of steps (the most any sequence may need) that skips those
+    # past `num_iters`: unlike a while loop, `jax.grad` differentiates it.
+    max_iters = -(-kv_tokens // chunk)
+    state = jax.lax.fori_loop(0, max_iters, step, online_softmax.initial_state(queries))
+    out = online_softmax.finish(state)
     result = jnp.zeros(query.shape, query.dtype)
     return result.at[tiles.token].set(out.astype(query.dtype), mode="drop")

@@ -29,12 +29,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int32
 
-from jax_attn.pallas import _checks
-from jax_attn.pallas._checks import MASK_VALUE
+from jax_attn import checks
+from jax_attn.pallas import _online_softmax as softmax
 
 # Tokens per compute block when the caller does not say: 128 keys keep the K/V tiles of one
 # loop step at 32 KiB each for D=128 bf16, which pipelines well with two stages. Larger heads
-# and float32 take fewer (`_checks.max_block_k`).
+# and float32 take fewer (`softmax.max_block_k`).
 _TARGET_BLOCK_K = 128
 # Aim for this many programs in flight (an H100 has 132 SMs, several CTAs each) before
 # splitting sequences along the keys.
@@ -81,7 +81,7 @@ def _paged_decode_kernel(
     compute_dtype,
 ):
     split = pl.program_id(2)
-    num_blocks, block_size, head_size = k_ref.shape
+    _, block_size, head_size = k_ref.shape
     group_pad = q_ref.shape[0]
     block_k = pages_per_compute_block * block_size
 
@@ -101,58 +101,30 @@ def _paged_decode_kernel(
     q = q_ref[...].astype(compute_dtype)
     slopes = None if slopes_ref is None else slopes_ref[...]
 
-    def body(cb, carry):
-        o_prev, m_prev, l_prev = carry
+    def body(cb, state):
         page_idx = cb * pages_per_compute_block + jnp.arange(pages_per_compute_block)
         pages = block_table_ref[pl.ds(cb * pages_per_compute_block, pages_per_compute_block)]
-        # Pages past the sequence's end may be stale or junk ids: read block 0 instead, and
-        # clamp the rest so that a bad id can never fault.
-        pages = jnp.where(page_idx < num_pages, pages, 0)
-        pages = jnp.clip(pages, 0, num_blocks - 1)
-        # [P, BS, D] -> [block_k, D]
-        k = k_ref[pages].reshape(block_k, head_size).astype(compute_dtype)
-        v = v_ref[pages].reshape(block_k, head_size).astype(compute_dtype)
-
+        k, v = softmax.load_pages(k_ref, v_ref, pages, page_idx, num_pages, compute_dtype)
         key_pos = cb * block_k + jnp.arange(block_k)
         valid = (key_pos < seq_len) & (key_pos >= first_key)  # [block_k]
-
-        # [G_pad, D] x [block_k, D] -> [G_pad, block_k]
-        logits = jax.lax.dot_general(
-            q,
-            k,
-            (((1,), (1,)), ((), ())),
-            precision=_checks.DOT_PRECISION,
-            preferred_element_type=jnp.float32,
-        )
-        logits = logits * logit_scale
-        if logits_soft_cap is not None:
-            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        bias = None
         if slopes is not None:
             rel = (key_pos - q_pos).astype(jnp.float32)
-            logits = logits + slopes[:, None] * rel[None, :]
-        # `where`, not an additive mask: a NaN key gives a NaN logit that must not survive.
-        logits = jnp.where(valid[None, :], logits, MASK_VALUE)
-
-        m_next = jnp.maximum(m_prev, logits.max(axis=1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.where(valid[None, :], jnp.exp(logits - m_next[:, None]), 0.0)
-        l_next = correction * l_prev + p.sum(axis=1)
-        # A zero weight times a NaN value is NaN: zero the rows of unused slots first.
-        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-        # [G_pad, block_k] x [block_k, D] -> [G_pad, D]
-        pv = jax.lax.dot_general(
-            p.astype(compute_dtype),
+            bias = slopes[:, None] * rel[None, :]  # [G_pad, block_k]
+        return softmax.step(
+            state,
+            q,
+            k,
             v,
-            (((1,), (0,)), ((), ())),
-            precision=_checks.DOT_PRECISION,
-            preferred_element_type=jnp.float32,
+            valid=valid[None, :],
+            value_valid=valid,
+            logit_scale=logit_scale,
+            bias=bias,
+            logits_soft_cap=logits_soft_cap,
         )
-        return correction[:, None] * o_prev + pv, m_next, l_next
 
-    o = jnp.zeros((group_pad, head_size), jnp.float32)
-    row_max = jnp.full((group_pad,), MASK_VALUE, jnp.float32)
-    row_sum = jnp.zeros((group_pad,), jnp.float32)
-    o, row_max, row_sum = jax.lax.fori_loop(my_lo, my_hi, body, (o, row_max, row_sum))
+    state = softmax.initial_state(group_pad, head_size)
+    o, row_max, row_sum = jax.lax.fori_loop(my_lo, my_hi, body, state)
     o_ref[...] = o
     m_ref[...] = row_max
     l_ref[...] = row_sum
@@ -173,16 +145,6 @@ def _merge_splits(o, row_max, row_sum, v_scale):
     out = jnp.where((l_sum > 0)[..., None], o_sum / safe_l[..., None], 0.0)
     # The value scale is linear in the output, so it is applied once here.
     return out * v_scale
-
-
-def _default_pages_per_compute_block(
-    block_size: int, max_blocks: int, head_size: int, dtype
-) -> int:
-    block_k = min(_TARGET_BLOCK_K, _checks.max_block_k(head_size, dtype))
-    pages = max(1, block_k // block_size)
-    pages = min(pages, _checks.next_pow2(max_blocks))
-    # At least 16 keys per step: Triton's dot needs 16 columns.
-    return max(pages, _checks.next_pow2(pl.cdiv(_checks.MIN_DOT, block_size)))
 
 
 def _default_num_kv_splits(num_seqs: int, num_kv_heads: int, num_compute_blocks: int) -> int:
@@ -209,24 +171,20 @@ def _paged_decode_pallas(
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    group_pad = max(_checks.MIN_DOT, _checks.next_pow2(group))
-    dtype = _checks.compute_dtype(query.dtype, key_cache.dtype)
+    group_pad = max(checks.MIN_DOT, softmax.next_pow2(group))
+    dtype = softmax.compute_dtype(query.dtype, key_cache.dtype)
 
     # [S, Hq, D] -> [S, Hkv, G, D] -> [S, Hkv, G_pad, D]
     q = query.astype(dtype).reshape(num_seqs, num_kv_heads, group, head_size)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
 
-    # Pad the block tables to whole compute blocks; padded entries are never used as pages.
-    max_blocks = block_tables.shape[1]
-    max_blocks_pad = pl.cdiv(max_blocks, pages_per_compute_block) * pages_per_compute_block
-    tables = jnp.pad(block_tables, ((0, 0), (0, max_blocks_pad - max_blocks)))
+    tables = softmax.pad_tables(block_tables, pages_per_compute_block)
+    max_blocks_pad = tables.shape[1]
 
     if alibi_slopes is None:
         slopes, slopes_spec = None, None
     else:
-        # [Hq] -> [Hkv, G] -> [Hkv, G_pad]
-        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
-        slopes = jnp.pad(slopes, ((0, 0), (0, group_pad - group)))
+        slopes = softmax.group_slopes(alibi_slopes, num_kv_heads, group_pad)  # [Hkv, G_pad]
         slopes_spec = pl.BlockSpec((None, group_pad), lambda s, h, k: (h, 0))
 
     kernel = functools.partial(
@@ -274,41 +232,6 @@ def _paged_decode_pallas(
     return out.astype(query.dtype)
 
 
-def _check_decode_args(
-    query,
-    key_cache,
-    value_cache,
-    block_tables,
-    seq_lens,
-    alibi_slopes,
-    sliding_window,
-    logits_soft_cap,
-    pages_per_compute_block,
-    num_kv_splits,
-    interpret,
-):
-    _checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_seqs")
-    num_seqs, num_heads, head_size = query.shape
-    block_size = key_cache.shape[1]
-    if block_tables.ndim != 2:
-        raise ValueError(f"block_tables must be [num_seqs, max_blocks]; got {block_tables.shape}")
-    _checks.check_int_array(
-        block_tables, "block_tables", (num_seqs, block_tables.shape[1]), "(num_seqs, max_blocks)"
-    )
-    _checks.check_int_array(seq_lens, "seq_lens", (num_seqs,), "(num_seqs,)")
-    _checks.check_features(alibi_slopes, sliding_window, logits_soft_cap, num_heads)
-    _checks.check_positive(pages_per_compute_block, "pages_per_compute_block")
-    _checks.check_positive(num_kv_splits, "num_kv_splits")
-    _checks.check_native_shapes(block_size, head_size, interpret)
-    if not interpret and pages_per_compute_block is not None:
-        if not _checks.is_pow2(pages_per_compute_block):
-            raise ValueError(f"{pages_per_compute_block=} must be a power of two on GPU")
-        if pages_per_compute_block * block_size < _checks.MIN_DOT:
-            raise ValueError(
-                f"{pages_per_compute_block=} * {block_size=} must be >= 16 on GPU (tl.dot)"
-            )
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -349,33 +272,38 @@ def paged_decode(
     sequence and kv head) default to a heuristic. On GPU, `block_size` and `head_size` must be
     powers of two; `interpret=True` runs the same kernel on CPU with no such limit.
     """
-    _check_decode_args(
+    checks.check_kernel_args(
         query,
         key_cache,
         value_cache,
-        block_tables,
-        seq_lens,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-        pages_per_compute_block,
-        num_kv_splits,
-        interpret,
+        query_axis="num_seqs",
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret,
     )
     num_seqs = query.shape[0]
     block_size, num_kv_heads = key_cache.shape[1:3]
+    checks.check_decode_arrays(block_tables, seq_lens, num_seqs, int32_only=True)
+    checks.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
+    checks.check_positive_int(num_kv_splits, "num_kv_splits")
+    if not interpret:
+        checks.check_native_tile(
+            pages_per_compute_block, "pages_per_compute_block", width=block_size
+        )
     max_blocks = max(block_tables.shape[1], 1)
     if pages_per_compute_block is None:
-        pages_per_compute_block = _default_pages_per_compute_block(
+        pages_per_compute_block = softmax.pages_per_compute_block(
             block_size,
             max_blocks,
             query.shape[2],
-            _checks.compute_dtype(query.dtype, key_cache.dtype),
+            softmax.compute_dtype(query.dtype, key_cache.dtype),
+            target_block_k=_TARGET_BLOCK_K,
         )
     if num_kv_splits is None:
         num_compute_blocks = pl.cdiv(max_blocks, pages_per_compute_block)
         num_kv_splits = _default_num_kv_splits(num_seqs, num_kv_heads, num_compute_blocks)
-    logit_scale = jnp.float32(scale) * _checks.scale_array(k_scale, "k_scale")
+    logit_scale = jnp.float32(scale) * checks.scale_array(k_scale, "k_scale")
     return _paged_decode_pallas(
         query,
         key_cache,
@@ -384,7 +312,7 @@ def paged_decode(
         seq_lens,
         alibi_slopes,
         logit_scale,
-        _checks.scale_array(v_scale, "v_scale"),
+        checks.scale_array(v_scale, "v_scale"),
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         pages_per_compute_block=pages_per_compute_block,
@@ -413,8 +341,8 @@ def paged_decode_reference(
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size
-    k_scale = _checks.scale_array(k_scale, "k_scale")
-    v_scale = _checks.scale_array(v_scale, "v_scale")
+    k_scale = checks.scale_array(k_scale, "k_scale")
+    v_scale = checks.scale_array(v_scale, "v_scale")
 
     tables = jnp.clip(block_tables, 0, num_blocks - 1)
     # [NB, BS, Hkv, D][S, MB] -> [S, MB, BS, Hkv, D] -> [S, L, Hkv, D]

@@ -35,12 +35,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int32
 
-from jax_attn.pallas import _checks
-from jax_attn.pallas._checks import MASK_VALUE
+from jax_attn import checks
+from jax_attn.metadata import sequence_of
+from jax_attn.pallas import _online_softmax as softmax
 
 # Rows (query tokens x heads of a group) per program: a 128 x 64 logits tile is the usual
 # Triton flash-attention shape on Hopper/Ampere for bf16 D <= 128. Larger heads and float32
-# take fewer rows and keys, so that every tile stays within `_checks.max_block_k`.
+# take fewer rows and keys, so that every tile stays within `softmax.max_block_k`.
 _TARGET_ROWS = 128
 _TARGET_BLOCK_K = 64
 
@@ -82,7 +83,7 @@ def _ragged_kernel(
     logits_soft_cap: float | None,
     compute_dtype,
 ):
-    num_blocks, block_size, head_size = k_ref.shape
+    _, block_size, head_size = k_ref.shape
     group_pad = q_ref.shape[1]
     rows = block_q * group_pad
     block_k = pages_per_compute_block * block_size
@@ -118,17 +119,10 @@ def _ragged_kernel(
         # [G_pad] -> [block_q, G_pad] -> [rows]
         slopes = jnp.broadcast_to(slopes_ref[...][None, :], (block_q, group_pad)).reshape(rows)
 
-    def body(cb, carry):
-        o_prev, m_prev, l_prev = carry
+    def body(cb, state):
         page_idx = cb * pages_per_compute_block + jnp.arange(pages_per_compute_block)
         pages = block_tables_ref[seq, pl.ds(cb * pages_per_compute_block, pages_per_compute_block)]
-        # Unused table entries may hold anything: read block 0, and never leave the cache.
-        pages = jnp.where(page_idx < num_pages, pages, 0)
-        pages = jnp.clip(pages, 0, num_blocks - 1)
-        # [P, BS, D] -> [block_k, D]
-        k = k_ref[pages].reshape(block_k, head_size).astype(compute_dtype)
-        v = v_ref[pages].reshape(block_k, head_size).astype(compute_dtype)
-
+        k, v = softmax.load_pages(k_ref, v_ref, pages, page_idx, num_pages, compute_dtype)
         key_pos = cb * block_k + jnp.arange(block_k)  # [block_k]
         key_valid = key_pos < seq_len
         valid = row_valid[:, None] & key_valid[None, :]  # [rows, block_k]
@@ -136,44 +130,24 @@ def _ragged_kernel(
             valid = valid & (key_pos[None, :] <= q_pos[:, None])
         if sliding_window is not None:
             valid = valid & (q_pos[:, None] - key_pos[None, :] < sliding_window)
-
-        # [rows, D] x [block_k, D] -> [rows, block_k]
-        logits = jax.lax.dot_general(
-            q,
-            k,
-            (((1,), (1,)), ((), ())),
-            precision=_checks.DOT_PRECISION,
-            preferred_element_type=jnp.float32,
-        )
-        logits = logits * logit_scale
-        if logits_soft_cap is not None:
-            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        bias = None
         if slopes is not None:
             rel = (key_pos[None, :] - q_pos[:, None]).astype(jnp.float32)
-            logits = logits + slopes[:, None] * rel
-        # `where`, not an additive mask: a NaN key gives a NaN logit that must not survive.
-        logits = jnp.where(valid, logits, MASK_VALUE)
-
-        m_next = jnp.maximum(m_prev, logits.max(axis=1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.where(valid, jnp.exp(logits - m_next[:, None]), 0.0)
-        l_next = correction * l_prev + p.sum(axis=1)
-        # A zero weight times a NaN value is NaN: zero the rows of unused slots first.
-        v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
-        # [rows, block_k] x [block_k, D] -> [rows, D]
-        pv = jax.lax.dot_general(
-            p.astype(compute_dtype),
+            bias = slopes[:, None] * rel  # [rows, block_k]
+        return softmax.step(
+            state,
+            q,
+            k,
             v,
-            (((1,), (0,)), ((), ())),
-            precision=_checks.DOT_PRECISION,
-            preferred_element_type=jnp.float32,
+            valid=valid,
+            value_valid=key_valid,
+            logit_scale=logit_scale,
+            bias=bias,
+            logits_soft_cap=logits_soft_cap,
         )
-        return correction[:, None] * o_prev + pv, m_next, l_next
 
-    o = jnp.zeros((rows, head_size), jnp.float32)
-    row_max = jnp.full((rows,), MASK_VALUE, jnp.float32)
-    row_sum = jnp.zeros((rows,), jnp.float32)
-    o, row_max, row_sum = jax.lax.fori_loop(cb_lo, cb_hi, body, (o, row_max, row_sum))
+    state = softmax.initial_state(rows, head_size)
+    o, _, row_sum = jax.lax.fori_loop(cb_lo, cb_hi, body, state)
 
     # Fully-masked rows (and rows of spare tiles) have row_sum == 0 and give zeros.
     has_keys = row_sum > 0
@@ -199,9 +173,7 @@ def _tile_table(query_start_loc, seq_lens, num_seqs, *, num_tiles: int, block_q:
     cu_tiles = cu_tiles.astype(jnp.int32)
 
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_tiles, tile, side="right").astype(jnp.int32) - 1
-    seq = jnp.clip(seq, 0, max_seqs - 1)
-    tile_valid = tile < cu_tiles[max_seqs]
+    seq, tile_valid = sequence_of(cu_tiles, tile)
     tok0 = (tile - cu_tiles[seq]) * block_q
     q_len = q_lens[seq]
     num_tokens = jnp.where(tile_valid, jnp.clip(q_len - tok0, 0, block_q), 0)
@@ -236,8 +208,8 @@ def _ragged_pallas(
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     max_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    group_pad = _checks.next_pow2(group)
-    dtype = _checks.compute_dtype(query.dtype, key_cache.dtype)
+    group_pad = softmax.next_pow2(group)
+    dtype = softmax.compute_dtype(query.dtype, key_cache.dtype)
     num_tiles = pl.cdiv(num_tokens, block_q) + max_seqs
 
     tiles, cu_tiles = _tile_table(
@@ -249,16 +221,13 @@ def _ragged_pallas(
     q = query.astype(dtype).reshape(num_tokens, num_kv_heads, group, head_size)
     q = jnp.pad(q, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
 
-    max_blocks = block_tables.shape[1]
-    max_blocks_pad = pl.cdiv(max_blocks, pages_per_compute_block) * pages_per_compute_block
-    tables = jnp.pad(block_tables, ((0, 0), (0, max_blocks_pad - max_blocks)))
+    tables = softmax.pad_tables(block_tables, pages_per_compute_block)
+    max_blocks_pad = tables.shape[1]
 
     if alibi_slopes is None:
         slopes, slopes_spec = None, None
     else:
-        # [Hq] -> [Hkv, G] -> [Hkv, G_pad]
-        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
-        slopes = jnp.pad(slopes, ((0, 0), (0, group_pad - group)))
+        slopes = softmax.group_slopes(alibi_slopes, num_kv_heads, group_pad)  # [Hkv, G_pad]
         slopes_spec = pl.BlockSpec((None, group_pad), lambda t, h: (h, 0))
 
     kernel = functools.partial(
@@ -298,84 +267,21 @@ def _ragged_pallas(
     )(tiles, scales, q, key_cache, value_cache, tables, slopes)
 
     # Token i of sequence s is row (i - qsl[s]) % block_q of tile cu_tiles[s] + (...) // block_q.
-    starts = jnp.where(
-        jnp.arange(max_seqs + 1) <= num_seqs, query_start_loc, jnp.iinfo(jnp.int32).max
-    )
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(starts, token, side="right").astype(jnp.int32) - 1
-    seq = jnp.clip(seq, 0, max_seqs - 1)
-    local = token - starts[seq]
+    seq, is_real = sequence_of(query_start_loc, token, num_seqs=num_seqs)
+    local = token - query_start_loc[seq]
     tile = jnp.clip(cu_tiles[seq] + local // block_q, 0, num_tiles - 1)
     # [num_tiles, block_q, Hkv, G_pad, D][T], [T] -> [T, Hkv, G_pad, D]
     out = out_tiles[tile, local % block_q]
-    is_real = token < starts[jnp.clip(num_seqs, 0, max_seqs)]
     out = jnp.where(is_real[:, None, None, None], out, jnp.zeros_like(out))
     # [T, Hkv, G_pad, D] -> [T, Hkv, G, D] -> [T, Hq, D]
     return out[:, :, :group].reshape(num_tokens, num_heads, head_size)
 
 
 def _default_block_q(group_pad: int, head_size: int, dtype) -> int:
-    rows = min(_TARGET_ROWS, _checks.max_block_k(head_size, dtype))
+    rows = min(_TARGET_ROWS, softmax.max_block_k(head_size, dtype))
     # At least 16 rows per program: Triton's dot needs them.
-    return max(1, rows // group_pad, pl.cdiv(_checks.MIN_DOT, group_pad))
-
-
-def _default_pages_per_compute_block(
-    block_size: int, max_blocks: int, head_size: int, dtype
-) -> int:
-    block_k = min(_TARGET_BLOCK_K, _checks.max_block_k(head_size, dtype))
-    pages = max(1, block_k // block_size)
-    pages = min(pages, _checks.next_pow2(max_blocks))
-    return max(pages, _checks.next_pow2(pl.cdiv(_checks.MIN_DOT, block_size)))
-
-
-def _check_ragged_args(
-    query,
-    key_cache,
-    value_cache,
-    query_start_loc,
-    seq_lens,
-    block_tables,
-    num_seqs,
-    alibi_slopes,
-    sliding_window,
-    logits_soft_cap,
-    block_q,
-    pages_per_compute_block,
-    interpret,
-):
-    _checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_tokens")
-    num_heads, head_size = query.shape[1:]
-    block_size, num_kv_heads = key_cache.shape[1:3]
-    if block_tables.ndim != 2:
-        raise ValueError(f"block_tables must be [num_seqs, max_blocks]; got {block_tables.shape}")
-    max_seqs = block_tables.shape[0]
-    _checks.check_int_array(
-        block_tables, "block_tables", (max_seqs, block_tables.shape[1]), "(num_seqs, max_blocks)"
-    )
-    _checks.check_int_array(seq_lens, "seq_lens", (max_seqs,), "(num_seqs,)")
-    _checks.check_int_array(query_start_loc, "query_start_loc", (max_seqs + 1,), "(num_seqs + 1,)")
-    _checks.check_int_array(num_seqs, "num_seqs", (), "a scalar ()")
-    _checks.check_features(alibi_slopes, sliding_window, logits_soft_cap, num_heads)
-    _checks.check_positive(block_q, "block_q")
-    _checks.check_positive(pages_per_compute_block, "pages_per_compute_block")
-    _checks.check_native_shapes(block_size, head_size, interpret)
-    if not interpret:
-        group_pad = _checks.next_pow2(num_heads // num_kv_heads)
-        if block_q is not None and (
-            not _checks.is_pow2(block_q) or block_q * group_pad < _checks.MIN_DOT
-        ):
-            raise ValueError(
-                f"{block_q=} must be a power of two with block_q * {group_pad=} >= 16 on GPU"
-            )
-        if pages_per_compute_block is not None and (
-            not _checks.is_pow2(pages_per_compute_block)
-            or pages_per_compute_block * block_size < _checks.MIN_DOT
-        ):
-            raise ValueError(
-                f"{pages_per_compute_block=} must be a power of two with "
-                f"pages_per_compute_block * {block_size=} >= 16 on GPU"
-            )
+    return max(1, rows // group_pad, pl.cdiv(checks.MIN_DOT, group_pad))
 
 
 @functools.partial(
@@ -423,33 +329,40 @@ def ragged_paged_attention(
     default to a heuristic. On GPU `block_size` and `head_size` must be powers of two;
     `interpret=True` runs the same kernel on CPU with no such limit.
     """
-    _check_ragged_args(
+    checks.check_kernel_args(
         query,
         key_cache,
         value_cache,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        num_seqs,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-        block_q,
-        pages_per_compute_block,
-        interpret,
+        query_axis="num_tokens",
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret,
     )
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    group_pad = _checks.next_pow2(num_heads // num_kv_heads)
-    dtype = _checks.compute_dtype(query.dtype, key_cache.dtype)
+    checks.check_ragged_arrays(query_start_loc, seq_lens, block_tables, num_seqs, int32_only=True)
+    checks.check_positive_int(block_q, "block_q")
+    checks.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
+    group_pad = softmax.next_pow2(num_heads // num_kv_heads)
+    if not interpret:
+        checks.check_native_tile(block_q, "block_q", width=group_pad, width_name="group_pad")
+        checks.check_native_tile(
+            pages_per_compute_block, "pages_per_compute_block", width=block_size
+        )
+    dtype = softmax.compute_dtype(query.dtype, key_cache.dtype)
     if block_q is None:
         block_q = _default_block_q(group_pad, head_size, dtype)
     if pages_per_compute_block is None:
-        pages_per_compute_block = _default_pages_per_compute_block(
-            block_size, max(block_tables.shape[1], 1), head_size, dtype
+        pages_per_compute_block = softmax.pages_per_compute_block(
+            block_size,
+            max(block_tables.shape[1], 1),
+            head_size,
+            dtype,
+            target_block_k=_TARGET_BLOCK_K,
         )
-    k_scale = _checks.scale_array(k_scale, "k_scale")
-    scales = jnp.stack([jnp.float32(scale) * k_scale, _checks.scale_array(v_scale, "v_scale")])
+    k_scale = checks.scale_array(k_scale, "k_scale")
+    scales = jnp.stack([jnp.float32(scale) * k_scale, checks.scale_array(v_scale, "v_scale")])
     return _ragged_pallas(
         query,
         key_cache,
@@ -495,21 +408,15 @@ def ragged_paged_attention_reference(
     max_seqs, max_blocks = block_tables.shape
     group = num_heads // num_kv_heads
     max_len = max_blocks * block_size
-    k_scale = _checks.scale_array(k_scale, "k_scale")
-    v_scale = _checks.scale_array(v_scale, "v_scale")
+    k_scale = checks.scale_array(k_scale, "k_scale")
+    v_scale = checks.scale_array(v_scale, "v_scale")
 
     # Each token's sequence; tokens past query_start_loc[num_seqs] are padding.
-    starts = jnp.where(
-        jnp.arange(max_seqs + 1) <= num_seqs, query_start_loc, jnp.iinfo(jnp.int32).max
-    )
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(
-        jnp.searchsorted(starts, token, side="right").astype(jnp.int32) - 1, 0, max_seqs - 1
-    )  # [T]
-    is_real = token < starts[jnp.clip(num_seqs, 0, max_seqs)]
-    q_len = starts[seq + 1] - starts[seq]
+    seq, is_real = sequence_of(query_start_loc, token, num_seqs=num_seqs)  # [T]
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
     seq_len = seq_lens[seq]
-    q_pos = seq_len - q_len + (token - starts[seq])  # [T]
+    q_pos = seq_len - q_len + (token - query_start_loc[seq])  # [T]
 
     tables = jnp.clip(block_tables, 0, num_blocks - 1)
     # [NB, BS, Hkv, D][S, MB] -> [S, MB, BS, Hkv, D] -> [S, L, Hkv, D]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +195,8 @@ def test_auto_impl_falls_back_where_the_kernel_cannot(
 ):
     from jax_attn import paged
 
-    monkeypatch.setattr(paged, "_on_gpu", lambda: on_gpu)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu" if on_gpu else "cpu")
+    monkeypatch.setitem(sys.modules, "jax_attn.cpu", None)  # no native CPU kernels here
     query = jax.ShapeDtypeStruct((3, 4, head_size), jnp.dtype(dtype))
     cache = jax.ShapeDtypeStruct((5, block_size, 2, head_size), jnp.bfloat16)
     assert paged.resolve_impl("auto", query, cache) == expected

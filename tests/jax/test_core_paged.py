@@ -176,13 +176,13 @@ def test_paged_decode_matches_float64(case: Case, impl: str, rng):
     ids=str,
 )
 def test_one_block_chunks(case: Case, rng, monkeypatch):
-    """The chunk size is a static choice (paged.chunk_blocks): force one block per online-
+    """The chunk size is a static choice (xla_paged.chunk_blocks): force one block per online-
     softmax step, the size large decode batches get, on batches of every kind."""
-    from jax_attn import paged
+    from jax_attn import paged, xla_paged
 
-    monkeypatch.setattr(paged, "KV_CHUNK_BYTES", 1)
-    monkeypatch.setattr(paged, "COMPUTE_BOUND_ROWS", 10**9)
-    assert paged.chunk_blocks(1, 1, 1, 8, case.block_size) == 1
+    monkeypatch.setattr(xla_paged, "KV_CHUNK_BYTES", 1)
+    monkeypatch.setattr(xla_paged, "COMPUTE_BOUND_ROWS", 10**9)
+    assert xla_paged.chunk_blocks(1, 1, 1, 8, case.block_size) == 1
     w, md, query, kc, vc, kwargs, expected = _run(case, rng)
     # A fresh trace of the unjitted entry, so the patched constants apply.
     fresh = jax.jit(

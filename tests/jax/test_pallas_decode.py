@@ -284,7 +284,7 @@ def _args(num_seqs=2, num_heads=4, num_kv_heads=2, head_size=16, block_size=8, d
 
 
 ERRORS = [
-    ("query rank", lambda a: (a[0][0], *a[1:]), {}, ValueError, r"query must be \[num_seqs"),
+    ("query rank", lambda a: (a[0][0], *a[1:]), {}, ValueError, r"query must be 3-D \[num_seqs"),
     ("cache rank", lambda a: (a[0], a[1][0], a[2], *a[3:]), {}, ValueError, "key_cache must be"),
     (
         "value shape",
