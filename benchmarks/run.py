@@ -102,7 +102,7 @@ def measure_copy(nbytes: int, reps: int, tick: Callable[[], None]) -> tuple[Copi
 
 
 def _tolerance(spec: Spec) -> tuple[float, float]:
-    from interop.crosscheck import TOLERANCES
+    from interop.tolerances import TOLERANCES
 
     atol, rtol = TOLERANCES[spec.dtype]
     return 2 * atol, 2 * rtol  # two approximations compared with each other, not with float64
