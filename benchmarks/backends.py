@@ -4,6 +4,7 @@
 |---------------|----------------------------------------------------------------------------|
 | jax-xla       | `jax_attn.paged_decode` (decode-only steps) or `paged_attention`, impl xla  |
 | jax-reference | the same entry with impl="reference" (the dense oracle), where it fits     |
+| jax-cpu       | the same entry with impl="cpu": the native CPU kernels through XLA's FFI   |
 | TORCH_SDPA    | `TorchSDPABackendImpl.forward`: prefills over their contiguous K/V, then   |
 |               | decodes over the paged cache (no cache write: keys are already there)      |
 | IPEX          | IPEX 2.8's kernels directly: `varlen_attention` for prefills,              |
@@ -73,6 +74,34 @@ def reference_cost(spec: Spec) -> tuple[float, float]:
     return flops, peak
 
 
+def _cpu_available() -> str | None:
+    """None when `jax_attn.cpu`'s kernels run here (building them on first call)."""
+    reason = _jax_available()
+    if reason:
+        return reason
+    try:
+        from jax_attn import cpu
+    except ImportError as e:
+        return f"not available: jax_attn.cpu does not import ({e})"
+    reason = cpu.unavailable_reason()
+    return None if reason is None else f"not available: {reason}"
+
+
+def _prepare_jax_cpu(data: Data) -> Prepared:
+    from jax_attn import cpu
+
+    spec = data.spec
+    problem = cpu.shape_problem(
+        query_dtype=data.query.dtype,
+        cache_dtype=data.key_cache.dtype,
+        block_size=spec.block_size,
+        head_size=spec.head_size,
+    )
+    if problem:
+        raise Skip(f"skipped: {problem}")
+    return _prepare_jax(data, impl="cpu")
+
+
 def _prepare_jax(data: Data, impl: str) -> Prepared:
     import jax
     import jax.numpy as jnp
@@ -80,6 +109,7 @@ def _prepare_jax(data: Data, impl: str) -> Prepared:
     import jax_attn
 
     spec = data.spec
+    scales = dict(k_scale=spec.k_scale, v_scale=spec.v_scale)
     if impl == "reference":
         flops, peak = reference_cost(spec)
         if flops > REFERENCE_MAX_FLOPS or peak > REFERENCE_MAX_BYTES:
@@ -90,7 +120,7 @@ def _prepare_jax(data: Data, impl: str) -> Prepared:
     query = jnp.asarray(data.query)
     key_cache, value_cache = jnp.asarray(data.key_cache), jnp.asarray(data.value_cache)
     if spec.is_decode:
-        fn = functools.partial(jax_attn.paged_decode, impl=impl)
+        fn = functools.partial(jax_attn.paged_decode, impl=impl, **scales)
         args = (query, key_cache, value_cache, jnp.asarray(data.block_tables),
                 jnp.asarray(data.seq_lens))  # fmt: skip
         entry = "paged_decode"
@@ -98,7 +128,7 @@ def _prepare_jax(data: Data, impl: str) -> Prepared:
         metadata = jax_attn.RaggedMetadata.build(
             data.query_lens, data.context_lens, data.block_tables, spec.block_size
         )
-        fn = functools.partial(jax_attn.paged_attention, causal=True, impl=impl)
+        fn = functools.partial(jax_attn.paged_attention, causal=True, impl=impl, **scales)
         args = (query, key_cache, value_cache, metadata)
         entry = "paged_attention"
     start = time.perf_counter()
@@ -122,12 +152,15 @@ def _prepare_jax(data: Data, impl: str) -> Prepared:
 
 
 def _torch_tensor(x: np.ndarray):
-    """NumPy (bfloat16 included) -> torch, bit for bit."""
+    """NumPy (bfloat16 included) -> torch, bit for bit; fp8 as its uint8 bits, as vLLM
+    stores an fp8 cache."""
     import torch
 
     if x.dtype.name == "bfloat16":
         bits = torch.from_numpy(np.ascontiguousarray(x).view(np.int16))
         return bits.view(torch.bfloat16)
+    if x.dtype.name.startswith("float8"):
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.uint8))
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
@@ -141,15 +174,17 @@ def _torch_available() -> str | None:
     return None
 
 
-def _backend_available(module: str) -> Callable[[], str | None]:
+def _backend_available(name: str) -> Callable[[], str | None]:
     def check() -> str | None:
         reason = _torch_available()
         if reason:
             return reason
+        from torch_backends import get_attn_backend
+
         try:
-            importlib.import_module(module)
+            get_attn_backend(name)
         except ImportError as e:
-            return f"not available: {module} does not import ({e})"
+            return f"not available: the {name} backend does not import ({e})"
         return None
 
     return check
@@ -163,7 +198,7 @@ def _xformers_available() -> str | None:
 
     if not torch.cuda.is_available():
         return "not available: needs CUDA (xformers has no CPU kernel)"
-    return _backend_available("torch_backends.xformers")()
+    return _backend_available("XFORMERS")()
 
 
 def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepared:
@@ -174,10 +209,15 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
 
     spec = data.spec
     backend = get_attn_backend(backend_name)
+    kv_cache_dtype = {None: "auto", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
     impl = backend.get_impl_cls()(
-        spec.num_heads, spec.head_size, spec.head_size**-0.5, spec.num_kv_heads
+        spec.num_heads,
+        spec.head_size,
+        spec.head_size**-0.5,
+        spec.num_kv_heads,
+        kv_cache_dtype=kv_cache_dtype[spec.cache_dtype],
     )
-    layer = AttentionLayer()
+    layer = AttentionLayer(spec.k_scale, spec.v_scale)
     builder = backend.get_builder_cls()()
     hidden = spec.num_heads * spec.head_size
     query = _torch_tensor(data.query).reshape(spec.num_tokens, hidden).to(device)
@@ -254,6 +294,12 @@ def _prepare_ipex(data: Data) -> Prepared:
     from interop import layouts
 
     spec = data.spec
+    if spec.cache_dtype is not None:
+        if spec.cache_dtype == "float8_e4m3fn":
+            raise Skip("skipped: IPEX 2.8 has fp8_e5m2 caches only")
+        raise Skip(
+            f"skipped: the bench calls IPEX's kernels with float caches, not {spec.cache_dtype}"
+        )
     scale = spec.head_size**-0.5
     query = _torch_tensor(data.query)  # [T, Hq, D]
     output = torch.empty_like(query)
@@ -311,9 +357,10 @@ def _prepare_ipex(data: Data) -> Prepared:
 PEERS = [
     Peer("jax-xla", _jax_available, functools.partial(_prepare_jax, impl="xla")),
     Peer("jax-reference", _jax_available, functools.partial(_prepare_jax, impl="reference")),
+    Peer("jax-cpu", _cpu_available, _prepare_jax_cpu),
     Peer(
         "TORCH_SDPA",
-        _backend_available("torch_backends.torch_sdpa"),
+        _backend_available("TORCH_SDPA"),
         functools.partial(_prepare_vllm, backend_name="TORCH_SDPA"),
     ),
     Peer("IPEX", _ipex_available, _prepare_ipex),

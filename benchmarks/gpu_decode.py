@@ -45,7 +45,7 @@ Method (as in `benchmarks/run.py`, adapted to an asynchronous device):
    slot, blocks in random order), moved to the device once; each peer prepared (layouts,
    metadata, compilation, never timed; JAX compile time reported).
 3. Warm-up (two calls), then each peer's output checked against `xla` (max |diff|, tolerance
-   twice the dtype's in `interop.crosscheck.TOLERANCES`) and printed before any timing.
+   twice the dtype's in `interop.tolerances.TOLERANCES`) and printed before any timing.
 4. One sample of a peer = `inner` back-to-back calls, then one wait (`block_until_ready` for
    JAX, `torch.cuda.synchronize` for torch), divided by `inner`; `inner` is calibrated per peer
    so that a sample lasts about 10 ms, which hides the host's launch and sync overhead the same

@@ -19,8 +19,9 @@ def markdown(record: dict) -> str:
         f"Copy floor: {copy['gb_s']:.1f} GB/s ({copy['method']}, "
         f"{copy['bytes'] / 2**20:.0f} MiB read + written).",
         "",
-        "| workload | peer | median ms | IQR ms | GB/s | of copy | x jax | max err vs jax | note |",
-        "|---|---|--:|--:|--:|--:|--:|--:|---|",
+        "| workload | peer | median ms | IQR ms | GB/s | of copy | of read | x jax "
+        "| max err vs jax | note |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for name, result in record["workloads"].items():
         label = f"**{name}** {result['spec']['description']}, {result['bytes'] / 1e6:.3g} MB"
@@ -37,19 +38,26 @@ def markdown(record: dict) -> str:
                     f"{row['iqr_s'] * 1e3:.1f}",
                     f"{row['gb_s']:.2f}",
                     f"{row['fraction_of_copy']:.0%}",
+                    _cell(row.get("fraction_of_read"), ".0%"),
                     _cell(row["ratio_vs_jax"], ".2f"),
                     _cell(row.get("max_abs_err_vs_jax"), ".1e"),
                     note,
                 ]
             else:
-                cells = ["", "", "", "", "", "", row["note"]]
+                cells = ["", "", "", "", "", "", "", row["note"]]
             lines.append("| " + " | ".join([label if first else "", peer, *cells]) + " |")
             first = False
-        c = result["copy"]
+        c, r = result["copy"], result.get("read")
+        of_read = f"{c['gb_s'] / r['gb_s']:.0%}" if r else ""
         lines.append(
             f"| | copy | {c['median_s'] * 1e3:.1f} | {c['iqr_s'] * 1e3:.1f} | "
-            f"{c['gb_s']:.2f} | 100% | | | |"
+            f"{c['gb_s']:.2f} | 100% | {of_read} | | | |"
         )
+        if r:
+            lines.append(
+                f"| | read (jitted sum) | {r['median_s'] * 1e3:.1f} | {r['iqr_s'] * 1e3:.1f} | "
+                f"{r['gb_s']:.2f} | {r['gb_s'] / c['gb_s']:.0%} | 100% | | | |"
+            )
     unavailable = record.get("unavailable", {})
     if unavailable:
         lines.append("")

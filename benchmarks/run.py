@@ -1,9 +1,11 @@
-"""`jax-attn bench`: every peer side by side on named workloads, against the memory-copy floor.
+"""`jax-attn bench`: every peer side by side on named workloads, against the copy and read floors.
 
 Method (details and the latest table in `benchmarks/README.md`):
 1. The copy floor: a large array copy (out of cache), on one thread and on all cores; the faster
    method is the floor's copy and also runs as one more peer inside every workload's rounds, so
    each workload's fraction of copy bandwidth uses a copy measured under the same conditions.
+   The read floor: a jitted sum over the workload's whole K/V cache (every cached byte read once,
+   nothing gathered or written: no decode can read its cache faster), timed in the same rounds.
 2. Per workload: draw the data once; prepare each peer (layouts, metadata, JAX compilation:
    never timed; the JAX compile time is reported); warm up; check each peer's output once
    against the JAX xla path; then time `reps` rounds, each round calling every peer once in a
@@ -18,6 +20,7 @@ import concurrent.futures
 import datetime
 import gc
 import importlib.metadata
+import importlib.util
 import itertools
 import json
 import os
@@ -97,12 +100,44 @@ def measure_copy(nbytes: int, reps: int, tick: Callable[[], None]) -> tuple[Copi
     return copiers[best], record
 
 
+class ReadFloor:
+    """`jax.jit(sum)` over a workload's whole K/V cache: the least time any attention step needs
+    to read the cache once (the lower bound for decode). Its bandwidth counts the cache bytes
+    only (nothing is written).
+
+    The sum reads the cache's bytes as float32 words, whatever the cache dtype: the same bytes
+    stream through the cores, and the floor does not depend on how fast XLA:CPU converts a
+    dtype (an fp8 -> f32 sum runs at ~0.2 GB/s here, a float32 sum at memory speed; integer
+    reductions are as slow).
+    """
+
+    def __init__(self, key_cache: np.ndarray, value_cache: np.ndarray) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        # [NB, BS, Hkv, D] of any dtype -> [NB, BS, Hkv, D * itemsize / 4] float32 words
+        words = [np.ascontiguousarray(c).view(np.float32) for c in (key_cache, value_cache)]
+        self.caches = tuple(jnp.asarray(w) for w in words)
+        self.bytes = key_cache.nbytes + value_cache.nbytes
+        total = jax.jit(lambda k, v: jnp.sum(k) + jnp.sum(v))
+        self.compiled = total.lower(*self.caches).compile()
+
+    def __call__(self):
+        return self.compiled(*self.caches).block_until_ready()
+
+
+def _read_floor(data) -> ReadFloor | None:
+    if importlib.util.find_spec("jax") is None:
+        return None
+    return ReadFloor(data.key_cache, data.value_cache)
+
+
 # ---------------------------------------------------------------------------------------------
 # One workload
 
 
 def _tolerance(spec: Spec) -> tuple[float, float]:
-    from interop.crosscheck import TOLERANCES
+    from interop.tolerances import TOLERANCES
 
     atol, rtol = TOLERANCES[spec.dtype]
     return 2 * atol, 2 * rtol  # two approximations compared with each other, not with float64
@@ -119,6 +154,7 @@ def run_workload(
 ) -> dict:
     task = progress.add_task(f"{spec.name}: preparing", total=len(peers) + 2 + reps)
     data = make_data(spec, rng)
+    reader = _read_floor(data)
     rows: dict[str, dict] = {}
     prepared: dict[str, Prepared] = {}
     for peer in peers:
@@ -144,6 +180,8 @@ def run_workload(
             rows[name].update(status="error", note=f"{type(e).__name__}: {e}")
             del prepared[name]
     copier()
+    if reader is not None:
+        reader()
     progress.advance(task)
     _verify(spec, outputs, rows)
     del outputs
@@ -152,6 +190,8 @@ def run_workload(
     # Timed rounds, every peer once per round, the order rotated each round.
     calls = {name: p.call for name, p in prepared.items()}
     calls["copy"] = copier
+    if reader is not None:
+        calls["read"] = reader
     names = list(calls)
     times = {name: [] for name in names}
     started = time.perf_counter()
@@ -171,6 +211,15 @@ def run_workload(
 
     copy = _stats(times.pop("copy"))
     copy_gb_s = copier.bytes / copy["median_s"] / 1e9
+    read = None
+    if reader is not None:
+        read = _stats(times.pop("read"))
+        read.update(
+            bytes=reader.bytes,
+            gb_s=reader.bytes / read["median_s"] / 1e9,
+            method="jax.jit(sum) over the K/V cache's bytes as float32 words",
+        )
+    del reader
     base = np.median(times[BASELINE]) if BASELINE in times else None
     for name, ts in times.items():
         row = rows[name]
@@ -182,12 +231,14 @@ def run_workload(
             gflop_s=spec.flops / row["median_s"] / 1e9,
         )
         row["fraction_of_copy"] = row["gb_s"] / copy_gb_s
+        row["fraction_of_read"] = None if read is None else row["gb_s"] / read["gb_s"]
         row["ratio_vs_jax"] = None if base is None else row["median_s"] / base
     return dict(
         spec=_spec_record(spec),
         bytes=spec.bytes_moved,
         flops=spec.flops,
         copy=dict(copy, gb_s=copy_gb_s),
+        read=read,
         backends=rows,
     )
 
@@ -361,8 +412,9 @@ def render(console, record: dict) -> None:
         f"jax-attn bench ({record['date']}, {record['machine']['cpu']}, "
         f"{record['machine']['cores_usable']} cores): copy floor {copy['gb_s']:.1f} GB/s "
         f"({copy['method']})",
-        ["workload", "peer", "median ms", "IQR ms", "GB/s", "of copy", "x jax", "max err", "note"],
-    )
+        ["workload", "peer", "median ms", "IQR ms", "GB/s", "of copy", "of read", "x jax",
+         "max err", "note"],
+    )  # fmt: skip
     for name, result in record["workloads"].items():
         spec = result["spec"]
         label = f"[bold]{name}[/]\n[dim]{spec['description']}\n{result['bytes'] / 1e6:.3g} MB"
@@ -371,7 +423,7 @@ def render(console, record: dict) -> None:
         ]
         for i, (peer, row) in enumerate(shown):
             if row["status"] != "ok":
-                cells = ["", "", "", "", "", ""]
+                cells = ["", "", "", "", "", "", ""]
                 note = row["note"]
             else:
                 agrees = row.get("agrees")
@@ -381,6 +433,7 @@ def render(console, record: dict) -> None:
                     f"{row['iqr_s'] * 1e3:.1f}",
                     f"{row['gb_s']:.2f}",
                     f"{row['fraction_of_copy']:.0%}",
+                    _fmt(row.get("fraction_of_read"), ".0%", "-"),
                     _fmt(row["ratio_vs_jax"], ".2f", "-"),
                     err + (" [red]WRONG" if agrees is False else ""),
                 ]
@@ -388,15 +441,24 @@ def render(console, record: dict) -> None:
                 if "compile_s" in row:
                     note = f"compile {row['compile_s']:.2f} s"
             table.add_row(label if i == 0 else "", peer, *cells, note)
-        table.add_row(
-            "", "[dim]copy", f"[dim]{result['copy']['median_s'] * 1e3:.1f}",
-            f"[dim]{result['copy']['iqr_s'] * 1e3:.1f}", f"[dim]{result['copy']['gb_s']:.2f}",
-            "[dim]100%", "", "", "", end_section=True,
-        )  # fmt: skip
+        copy, read = result["copy"], result.get("read")
+        floors = [("copy", copy, "numpy copyto (read + write)")]
+        if read:
+            floors.append(("read", read, f"jitted sum of the K/V, {read['bytes'] / 1e6:.3g} MB"))
+        for i, (what, floor, note) in enumerate(floors):
+            of_read = "" if not read else f"[dim]{floor['gb_s'] / read['gb_s']:.0%}"
+            table.add_row(
+                "", f"[dim]{what}", f"[dim]{floor['median_s'] * 1e3:.1f}",
+                f"[dim]{floor['iqr_s'] * 1e3:.1f}", f"[dim]{floor['gb_s']:.2f}",
+                f"[dim]{floor['gb_s'] / copy['gb_s']:.0%}", of_read, "", "", f"[dim]{note}",
+                end_section=i == len(floors) - 1,
+            )  # fmt: skip
     console.print(table)
     console.print(
         "[dim]x jax: median time / jax-xla median time (> 1: jax-xla is faster). "
-        "GB/s: bytes moved (K/V read once + queries + outputs) / median time."
+        "GB/s: bytes moved (K/V read once + queries + outputs) / median time. "
+        "of copy / of read: GB/s as a fraction of the copy floor's / the read floor's (a jitted "
+        "sum over the whole K/V cache, the lower bound for decode)."
     )
     for peer, reason in record["unavailable"].items():
         console.print(f"[yellow]not run[/]: {peer}: {reason}")

@@ -16,7 +16,13 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+}
+_SHORT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +34,11 @@ class Spec:
     num_kv_heads: int = 8
     head_size: int = 128
     block_size: int = 16
-    dtype: str = "float32"  # query, cache and output
+    dtype: str = "float32"  # query and output; the cache too unless `cache_dtype` says
     reps: int = 15  # timed repetitions per backend (interleaved), unless --reps says otherwise
+    cache_dtype: str | None = None  # e.g. "float8_e4m3fn": an fp8 cache with the scales below
+    k_scale: float = 1.0  # a cached key reads as fp8 value * k_scale (vLLM's convention)
+    v_scale: float = 1.0
 
     @property
     def num_seqs(self) -> int:
@@ -52,9 +61,13 @@ class Spec:
         return _DTYPES[self.dtype].itemsize
 
     @property
+    def cache_itemsize(self) -> int:
+        return _DTYPES[self.cache_dtype or self.dtype].itemsize
+
+    @property
     def kv_bytes(self) -> int:
         """Every cached key and value read once."""
-        return 2 * sum(self.seq_lens) * self.num_kv_heads * self.head_size * self.itemsize
+        return 2 * sum(self.seq_lens) * self.num_kv_heads * self.head_size * self.cache_itemsize
 
     @property
     def bytes_moved(self) -> int:
@@ -82,6 +95,7 @@ class Spec:
             " + ".join(parts)
             + f", Hq{self.num_heads}/Hkv{self.num_kv_heads} D{self.head_size}"
             + f" BS{self.block_size} {self.dtype}"
+            + (f"/{_SHORT[self.cache_dtype]} cache" if self.cache_dtype else "")
         )
 
 
@@ -100,12 +114,19 @@ def _mixed(name, prefills, prefill_len, decodes, ctx, **kw) -> Spec:
 
 
 def named_workloads(quick: bool = False) -> dict[str, Spec]:
-    """The suite, by name. `quick` keeps the names and shrinks every size (a smoke run)."""
+    """The suite, by name. `quick` keeps the names and shrinks every size (a smoke run).
+
+    decode-fp8 reads an e4m3 cache (a quarter of decode-f32's bytes) with bf16 queries;
+    decode-8x8192 is the long-context decode: 8 sequences at 8192 keys (537 MB of K/V).
+    """
+    fp8 = dict(cache_dtype="float8_e4m3fn", k_scale=0.8, v_scale=1.3)
     if quick:
         small = dict(num_heads=8, num_kv_heads=2, head_size=64, reps=3)
         specs = [
             _decode("decode-f32", 4, 64, "float32", **small),
             _decode("decode-bf16", 4, 64, "bfloat16", **small),
+            _decode("decode-fp8", 4, 64, "bfloat16", **fp8, **small),
+            _decode("decode-8x8192", 2, 256, "float32", **small),
             _prefill("prefill-8x512", 2, 32, **small),
             _mixed("mixed", 2, 16, 3, 40, **small),
         ]
@@ -113,6 +134,8 @@ def named_workloads(quick: bool = False) -> dict[str, Spec]:
         specs = [
             _decode("decode-f32", 32, 1024, "float32", reps=15),
             _decode("decode-bf16", 32, 1024, "bfloat16", reps=15),
+            _decode("decode-fp8", 32, 1024, "bfloat16", reps=15, **fp8),
+            _decode("decode-8x8192", 8, 8192, "float32", reps=11),
             _prefill("prefill-8x512", 8, 512, reps=9),
             _mixed("mixed", 4, 256, 28, 1024, reps=11),
         ]
@@ -125,7 +148,7 @@ class Data:
 
     spec: Spec
     query: np.ndarray  # [T, Hq, D]
-    key_cache: np.ndarray  # [NB, BS, Hkv, D]
+    key_cache: np.ndarray  # [NB, BS, Hkv, D] in the cache dtype
     value_cache: np.ndarray
     block_tables: np.ndarray  # [S, max_blocks] int32, 0 where unused
     seq_lens: np.ndarray  # [S] int32
@@ -150,6 +173,15 @@ class Data:
         return self.key_cache.reshape(rows)[slots], self.value_cache.reshape(rows)[slots]
 
 
+def _cache(rng: np.random.Generator, shape, spec: Spec, scale: float) -> np.ndarray:
+    """Random normals as the cache stores them: fp8 caches hold `x / scale` (reading back
+    fp8 * scale gives values of the same O(1) size as the float caches)."""
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if spec.cache_dtype is None:
+        return x.astype(_DTYPES[spec.dtype])
+    return (x / np.float32(scale)).astype(_DTYPES[spec.cache_dtype])
+
+
 def make_data(spec: Spec, rng: np.random.Generator, extra_blocks: int = 4) -> Data:
     dtype = _DTYPES[spec.dtype]
     blocks_per_seq = [-(-n // spec.block_size) for n in spec.seq_lens]
@@ -165,8 +197,8 @@ def make_data(spec: Spec, rng: np.random.Generator, extra_blocks: int = 4) -> Da
     return Data(
         spec=spec,
         query=rng.standard_normal(q_shape, dtype=np.float32).astype(dtype),
-        key_cache=rng.standard_normal(shape, dtype=np.float32).astype(dtype),
-        value_cache=rng.standard_normal(shape, dtype=np.float32).astype(dtype),
+        key_cache=_cache(rng, shape, spec, spec.k_scale),
+        value_cache=_cache(rng, shape, spec, spec.v_scale),
         block_tables=tables,
         seq_lens=np.asarray(spec.seq_lens, np.int32),
         query_lens=np.asarray(spec.query_lens, np.int32),

@@ -1,13 +1,18 @@
-"""The `jax-attn` command: `info`, `check`, `bench`."""
+"""The `jax-attn` command: `info`, `check`, `bench`.
+
+`info` and `check` live here; `bench` lives with the benchmarks (`benchmarks.command`), which
+this module, the command's entry, is the only one to import.
+"""
 
 import argparse
-import importlib
 import importlib.metadata
 import json
 import platform
 import sys
 
 import numpy as np
+
+from benchmarks import command as bench_command
 
 
 def _version(dist: str) -> str:
@@ -56,7 +61,6 @@ def cmd_info(args) -> int:
 def cmd_check(args) -> int:
     from rich.markup import escape
     from rich.progress import track
-    from rich.table import Table
 
     from interop import crosscheck
 
@@ -69,11 +73,14 @@ def cmd_check(args) -> int:
     runnable, skipped = [], []
     for backend in backends:
         reason = backend.why_unavailable()
-        (runnable if reason is None else skipped).append((backend, reason))
+        if reason is None:
+            runnable.append(backend)
+        else:
+            skipped.append((backend, reason))
     specs = crosscheck.default_specs(quick=args.quick)
 
     results: dict[str, dict[str, crosscheck.Cell]] = {}
-    jobs = [(spec, backend) for spec in specs for backend, _ in runnable]
+    jobs = [(spec, backend) for spec in specs for backend in runnable]
     problems = {}
     for spec, backend in track(jobs, description="cross-checking", console=console, transient=True):
         if spec.name not in problems:
@@ -82,30 +89,18 @@ def cmd_check(args) -> int:
             backend, problems[spec.name]
         )
 
-    table = Table(title="max |error| against the float64 oracle (FAIL: beyond tolerance)")
-    table.add_column("workload")
-    table.add_column("atol")
-    for backend, _ in runnable:
-        table.add_column(backend.name, justify="right")
-    failures = 0
-    for spec in specs:
-        cells = []
-        for backend, _ in runnable:
-            cell = results[spec.name][backend.name]
-            failures += not cell.ok
-            if cell.error is None:
-                text = cell.note.split(":")[0] if cell.ok else f"[red]FAIL {cell.note[:40]}"
-            else:
-                text = f"{cell.error:.1e}" + ("" if cell.ok else " [red]FAIL")
-            cells.append(text)
-        table.add_row(f"{spec.name}\n[dim]{spec.describe()}", f"{spec.tolerance[0]:.0e}", *cells)
-    console.print(table)
+    console.print(check_table(specs, runnable, results))
+    for line in check_legend(specs, runnable):
+        console.print(line, highlight=False)
     for backend, reason in skipped:
         console.print(f"[yellow]not run[/]: {backend.name}: {escape(reason)}")
+    failures = 0
     for spec in specs:
         for name, cell in results[spec.name].items():
             if not cell.ok:
-                console.print(f"[red]FAIL[/] {spec.name} / {name}: {cell.note}")
+                failures += 1
+                error = "" if cell.error is None else f" (max |error| {cell.error:.2e})"
+                console.print(f"[red]FAIL[/] {spec.name} / {name}{error}: {escape(cell.note)}")
     if args.json:
         record = {
             spec.name: {name: dataclasses_asdict(cell) for name, cell in results[spec.name].items()}
@@ -120,19 +115,50 @@ def cmd_check(args) -> int:
     return 1 if failures else 0
 
 
+def _cell_text(cell) -> str:
+    """At most 7 characters, so that the table fits 80 columns with 8 backends."""
+    if cell.error is None:
+        return "n/a" if cell.ok else "[red]ERROR"
+    if not cell.ok:
+        return "[red]FAIL"
+    return f"{cell.error:.0e}"
+
+
+def check_table(specs, backends, results):
+    """The `jax-attn check` table: one line per workload, one short column per backend (the
+    details, the column names and the failures are printed under it)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title="max |error| vs the float64 oracle",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("workload", no_wrap=True)
+    for backend in backends:
+        table.add_column(backend.short, justify="right", no_wrap=True)
+    for spec in specs:
+        table.add_row(spec.name, *[_cell_text(results[spec.name][b.name]) for b in backends])
+    return table
+
+
+def check_legend(specs, backends) -> list[str]:
+    """Lines under the table: what each workload is, its tolerance, and the column names."""
+    width = max(len(s.name) for s in specs)
+    lines = [
+        f"[dim]{spec.name:<{width}}[/] {spec.describe()}, tol {spec.tolerance[0]:.0e}"
+        for spec in specs
+    ]
+    named = [f"{b.short}={b.name}" for b in backends if b.short != b.name]
+    if named:
+        lines.append("[dim]columns:[/] " + ", ".join(named) + "; n/a: not supported there")
+    return lines
+
+
 def dataclasses_asdict(cell) -> dict:
     return {"error": cell.error, "ok": cell.ok, "note": cell.note}
-
-
-def cmd_bench(args) -> int:
-    gpu = getattr(args, "gpu", False)
-    module = "benchmarks.gpu_decode" if gpu else "benchmarks.run"
-    try:
-        bench = importlib.import_module(module)
-    except ImportError as e:
-        print(f"jax-attn bench: the benchmark suite is not available here ({e})", file=sys.stderr)
-        return 2
-    return bench.run(args) if gpu else bench.main(args)
 
 
 def main(argv=None) -> int:
@@ -144,16 +170,9 @@ def main(argv=None) -> int:
     check.add_argument("--quick", action="store_true", help="a smaller grid")
     check.add_argument("--backends", help="comma-separated backend names to run")
     check.add_argument("--json", help="also write the results to this JSON file")
-    bench = sub.add_parser("bench", help="side-by-side timings with the memory-copy floor")
-    bench.add_argument("--workloads", help="comma-separated workload names")
-    bench.add_argument("--reps", type=int, default=None)
-    bench.add_argument("--json", help="write the results to this JSON file")
-    bench.add_argument("--quick", action="store_true")
-    bench.add_argument(
-        "--gpu", action="store_true", help="the GPU suite (benchmarks/gpu_decode.py) instead"
-    )
+    bench_command.add_parser(sub)
     args = parser.parse_args(argv)
-    return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)
+    return {"info": cmd_info, "check": cmd_check, "bench": bench_command.run}[args.command](args)
 
 
 if __name__ == "__main__":

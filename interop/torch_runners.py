@@ -1,25 +1,29 @@
-"""Cross-check runners for the torch backends: a `crosscheck.Problem` through vLLM's API.
+"""Cross-check runners for the torch backends: a `harness.Problem` through vLLM's API.
 
 Each runner converts the workload's core-layout cache to the backend's layout
 (`interop.layouts`), orders the sequences as vLLM wants them (prefills first, then decodes),
 builds the metadata with the backend's builder, runs `impl.forward` (which writes the new
 tokens' K/V first), and returns the output in the workload's token order.
+
+torch (and the backends) are imported when a runner runs or its availability is asked, never
+at import: `jax-attn info` lists these backends, and why not, on a machine without torch.
 """
 
-import importlib
 import importlib.util
+from collections.abc import Callable
 
 import numpy as np
-import torch
 
-from interop import layouts
-from interop.crosscheck import AttnType, Backend, Problem, Unsupported
+from interop.harness import Backend, Problem, Unsupported
+from torch_backends.attention_type import AttentionType
 
 _FP8 = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
 
 
-def _torch(x: np.ndarray) -> torch.Tensor:
+def _torch(x: np.ndarray):
     """NumPy (ml_dtypes included) -> torch, bit for bit."""
+    import torch
+
     name = x.dtype.name
     if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         bits = {1: np.uint8, 2: np.int16}[x.dtype.itemsize]
@@ -59,30 +63,23 @@ def _runner(backend_name: str, layout: str):
             sliding_window=spec.sliding_window,
             kv_cache_dtype=kv_cache_dtype,
             logits_soft_cap=spec.logits_soft_cap,
-            attn_type=_attn_type(spec.attn_type),
+            attn_type=spec.attn_type,
         )
         layer = AttentionLayer(w.k_scale, w.v_scale)
-        if spec.attn_type is AttnType.DECODER:
+        if spec.attn_type is AttentionType.DECODER:
             return _run_decoder(problem, backend, impl, layer, layout)
         return _run_cacheless(problem, backend, impl, layer, layout)
 
     return run
 
 
-def _attn_type(attn_type: AttnType):
-    from torch_backends import AttentionType
-
-    return {
-        AttnType.DECODER: AttentionType.DECODER,
-        AttnType.ENCODER: AttentionType.ENCODER,
-        AttnType.ENCODER_ONLY: AttentionType.ENCODER_ONLY,
-        AttnType.ENCODER_DECODER: AttentionType.ENCODER_DECODER,
-    }[attn_type]
-
-
-def _pack(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str) -> torch.Tensor:
+def _pack(key_cache, value_cache, layout: str):
     """Core-layout caches -> a backend's packed `kv_cache[2, NB, BS*Hkv*D]`; fp8 caches as
     uint8 bits, as vLLM stores them (each impl views them as its float8 dtype)."""
+    import torch
+
+    from interop import layouts
+
     if key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     if layout == "vllm":
@@ -120,13 +117,15 @@ def _run_decoder(problem, backend, impl, layer, layout) -> np.ndarray:
 
 def _run_cacheless(problem, backend, impl, layer, layout) -> np.ndarray:
     """Encoder, encoder-only (no cache) and cross attention (encoder K/V through the cache)."""
+    import torch
+
     spec, w = problem.spec, problem.workload
     dtype = w.query.dtype
     keys = _torch(np.concatenate(w.keys).astype(dtype))
     values = _torch(np.concatenate(w.values).astype(dtype))
     builder = backend.get_builder_cls()()
     query = _torch(w.query).reshape(w.query.shape[0], -1)
-    if spec.attn_type is AttnType.ENCODER_DECODER:
+    if spec.attn_type is AttentionType.ENCODER_DECODER:
         if spec.fp8:
             raise Unsupported("cross-attention workloads here use float caches")
         blocks = [-(-n // w.block_size) for n in w.seq_lens]
@@ -161,10 +160,12 @@ def _run_cacheless(problem, backend, impl, layer, layout) -> np.ndarray:
     return out.float().numpy().reshape(w.query.shape).astype(np.float64)
 
 
-def _available(module: str, needs: str):
+def _available(load: Callable[[], object], needs: str) -> Callable[[], str | None]:
     def check() -> str | None:
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed (pip install 'jax-attn[torch]')"
         try:
-            importlib.import_module(module)
+            load()
         except ImportError as e:
             # The backends' own ImportErrors say what to install: keep their first line whole.
             message = str(e).splitlines()[0]
@@ -174,19 +175,56 @@ def _available(module: str, needs: str):
     return check
 
 
+def _load_torch_sdpa():
+    from torch_backends import torch_sdpa
+
+    return torch_sdpa
+
+
+def _load_xformers():
+    from torch_backends import xformers
+
+    return xformers
+
+
+def _load_ipex():
+    from torch_backends import ipex_attn
+
+    return ipex_attn
+
+
+def _load_torch_op():
+    from interop import torch_op
+    from torch_backends.registry import ENTRY_POINT_GROUP, known_backends
+
+    if "JAX" not in known_backends():
+        # get_attn_backend("JAX") finds it through the installed package's metadata only.
+        raise ImportError(
+            f"the JAX backend is not registered (entry-point group {ENTRY_POINT_GROUP!r}): "
+            "install this package, e.g. pip install -e ."
+        )
+    return torch_op
+
+
 def _xformers_available() -> str | None:
     if importlib.util.find_spec("xformers") is None:
         return "xformers is not installed (pip install 'jax-attn[xformers]'; needs torch >= 2.10)"
-    return _available("torch_backends.xformers", "XFORMERS backend")()
+    return _available(_load_xformers, "XFORMERS backend")()
 
 
 TORCH_BACKENDS = [
     Backend(
         "TORCH_SDPA",
-        _available("torch_backends.torch_sdpa", "torch"),
+        _available(_load_torch_sdpa, "torch"),
         _runner("TORCH_SDPA", "vllm"),
+        label="SDPA",
     ),
-    Backend("XFORMERS", _xformers_available, _runner("XFORMERS", "vllm")),
-    Backend("IPEX", _available("torch_backends.ipex_attn", "IPEX"), _runner("IPEX", "ipex")),
-    Backend("JAX-via-torch", _available("interop.torch_op", "torch + jax"), _runner("JAX", "nhd")),
+    Backend("XFORMERS", _xformers_available, _runner("XFORMERS", "vllm"), label="xformrs"),
+    Backend("IPEX", _available(_load_ipex, "IPEX"), _runner("IPEX", "ipex"), label="IPEX"),
+    Backend(
+        "JAX-via-torch",
+        _available(_load_torch_op, "torch + jax"),
+        _runner("JAX", "nhd"),
+        label="JAX/pt",
+    ),
 ]

@@ -5,8 +5,9 @@
 # 0.0.35 needs torch >= 2.10:
 #   main: torch 2.13.0 (the CPU wheel on this machine's disk), xformers, jax, test + notebook deps
 #   ipex: torch 2.8.*, intel-extension-for-pytorch 2.8.0, jax, test deps
-# Environments live in a cache keyed by the hash of the dependency lists and this script, so
-# fresh clones on the same machine reuse them and any change to the dependencies builds anew.
+# Environments live in a cache keyed by the hash of the dependency lists, the interpreter's
+# version and this script, so fresh clones on the same machine reuse them and any change to the
+# dependencies builds anew.
 set -euo pipefail
 name=${1:?usage: scripts/env.sh main|ipex}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,20 +19,23 @@ ipex) extras="ipex,test,cli" ;;
     exit 2
     ;;
 esac
-# Only this environment's dependency lists and this script decide the key: editing tool config
-# or another environment's extras rebuilds nothing.
-deps=$("${PYTHON:-python3}" - "$root/pyproject.toml" "$extras" <<'PY'
-import json, sys, tomllib
+# One interpreter computes the key and builds the venv: python3.11 (the version the
+# project is developed and tested with), python3 where there is none; $PYTHON overrides.
+py=${PYTHON:-python3.11}
+command -v "$py" >/dev/null || py=python3
+# Only this environment's dependency lists, the interpreter's version and this script decide
+# the key: editing tool config or another environment's extras rebuilds nothing.
+deps=$("$py" - "$root/pyproject.toml" "$extras" <<'PY'
+import json, platform, sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 extras = project["optional-dependencies"]
-print(json.dumps([project["dependencies"]] + [extras[e] for e in sys.argv[2].split(",")]))
+deps = [project["dependencies"]] + [extras[e] for e in sys.argv[2].split(",")]
+print(json.dumps([platform.python_version()] + deps))
 PY
 )
 key=$(printf '%s\n' "$deps" | cat - "$root/scripts/env.sh" | sha256sum | cut -c1-12)
 cache=${JAX_ATTN_ENV_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/jax-attn}
 venv="$cache/$name-$key"
-py=${PYTHON:-python3.11}
-command -v "$py" >/dev/null || py=python3
 
 mkdir -p "$cache"
 # One builder at a time: parallel test runs wait for the first to finish building.
@@ -45,7 +49,9 @@ if [ ! -f "$venv/.ready" ]; then
     "${pip[@]}" --upgrade "pip>=24" setuptools wheel >&2
     case "$name" in
     main)
-        # Pin the on-disk CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
+        # torch first, pinned: pip takes the CPU wheel torch-2.13.0+cpu that this machine holds
+        # on disk (pip's find-links); left to the extras' range, pip would resolve torch from the
+        # package index, whose Linux wheels are CUDA builds pulling several GB of nvidia-* wheels.
         "${pip[@]}" "torch==2.13.0" >&2
         "${pip[@]}" -e "$root[$extras]" >&2
         ;;
@@ -56,11 +62,14 @@ if [ ! -f "$venv/.ready" ]; then
     esac
     touch "$venv/.ready"
 fi
-# Point the editable install (and the jax-attn console script) at this checkout.
-if [ "$(cat "$venv/.root" 2>/dev/null)" != "$root" ]; then
+# Point the editable install (the jax-attn console script, the entry points) at this checkout,
+# and re-install when pyproject.toml changes: its metadata (entry points, packages) is only read
+# at install time.
+stamp="$root $(sha256sum "$root/pyproject.toml" | cut -c1-12)"
+if [ "$(cat "$venv/.root" 2>/dev/null)" != "$stamp" ]; then
     "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
         --no-build-isolation -e "$root" >&2
-    echo "$root" >"$venv/.root"
+    echo "$stamp" >"$venv/.root"
 fi
 flock -u 9
 echo "$venv"

@@ -9,18 +9,12 @@ vLLM's backends runs after changing the import. Differences, on purpose:
 """
 
 import dataclasses
-import enum
 from abc import ABC, abstractmethod
 from typing import Any, Generic, TypeVar
 
 import torch
 
-
-class AttentionType(enum.StrEnum):
-    DECODER = "decoder"  # causal self-attention over the paged cache
-    ENCODER = "encoder"  # bidirectional, no cache (encoder of an encoder/decoder model)
-    ENCODER_ONLY = "encoder_only"  # bidirectional, no cache (BERT-like models)
-    ENCODER_DECODER = "encoder_decoder"  # decoder queries over the cached encoder keys
+from torch_backends.attention_type import AttentionType
 
 
 def check_attn_type(attn_type) -> "AttentionType":

@@ -61,3 +61,27 @@ def test_jax_compile_time_is_reported(record):
 def test_unknown_workload_is_refused():
     args = argparse.Namespace(quick=True, workloads="decode-f32,nope", reps=None, json=None)
     assert run.main(args) == 2
+
+
+def test_read_floor_beside_the_copy_floor(record):
+    for name, result in record["workloads"].items():
+        read = result["read"]
+        assert read["gb_s"] > 0 and read["bytes"] > 0 and read["reps"] >= 1, name
+        assert result["backends"][run.BASELINE]["fraction_of_read"] > 0, name
+
+
+def test_fp8_and_long_context_workloads(record):
+    fp8, bf16 = record["workloads"]["decode-fp8"], record["workloads"]["decode-bf16"]
+    assert fp8["spec"]["cache_dtype"] == "float8_e4m3fn"
+    assert fp8["read"]["bytes"] * 2 == bf16["read"]["bytes"]  # same shape, half the bytes
+    assert "decode-8x8192" in record["workloads"]
+    full = named_workloads(quick=False)["decode-8x8192"]
+    assert full.num_seqs == 8 and set(full.seq_lens) == {8192}
+
+
+def test_jax_cpu_peer_is_reported(record):
+    for name, result in record["workloads"].items():
+        row = result["backends"]["jax-cpu"]
+        assert row["status"] in ("ok", "skipped", "unavailable"), (name, row)
+        if row["status"] == "unavailable":
+            assert row["note"], name

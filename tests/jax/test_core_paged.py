@@ -15,7 +15,7 @@ import pytest
 from tolerances import assert_close
 
 import jax_attn
-from jax_attn.workload import dense_reference, make_workload
+from interop.workload import dense_reference, make_workload
 
 BATCHES = {
     # name: (query_lens, context_lens) -> seq lens

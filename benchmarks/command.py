@@ -1,0 +1,32 @@
+"""`jax-attn bench`: the subcommand's arguments and entry, beside the suites it runs.
+
+`interop.cli` (the `jax-attn` entry) adds this parser and calls `run`; nothing else imports
+the benchmarks, and they never import the CLI. Importing this module is cheap: the suites
+(`benchmarks.run` on CPU, `benchmarks.gpu_decode` with `--gpu`) load when the command runs.
+"""
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    bench = subparsers.add_parser(
+        "bench", help="side-by-side timings with the memory-copy and read floors"
+    )
+    bench.add_argument("--workloads", help="comma-separated workload names")
+    bench.add_argument("--reps", type=int, default=None)
+    bench.add_argument("--json", help="write the results to this JSON file")
+    bench.add_argument("--quick", action="store_true")
+    bench.add_argument(
+        "--gpu", action="store_true", help="the GPU suite (benchmarks/gpu_decode.py) instead"
+    )
+    return bench
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "gpu", False):
+        from benchmarks import gpu_decode
+
+        return gpu_decode.run(args)
+    from benchmarks import run as cpu_suite
+
+    return cpu_suite.main(args)

@@ -1,0 +1,52 @@
+"""The one tolerance table, keyed by dtype name, for every comparison with the float64 oracle.
+
+`atol`/`rtol` apply to outputs whose inputs are O(1) random normals. The dtype is the lowest
+precision that touches the data: the cache dtype for fp8 caches, else the query dtype.
+
+Used by the tests (`tests/tolerances.py` re-exports it), the cross-check harness
+(`jax-attn check`) and the bench's output check. Imports nothing but NumPy, lazily, so it
+works in an environment with only half of the dependencies.
+"""
+
+TOLERANCES: dict[str, tuple[float, float]] = {
+    #                atol   rtol
+    "float64": (1e-10, 1e-10),
+    "float32": (2e-5, 2e-5),
+    "float16": (2e-3, 2e-3),
+    "bfloat16": (1.6e-2, 1.6e-2),
+    "float8_e4m3fn": (1.25e-1, 1.25e-1),
+    "float8_e5m2": (2.5e-1, 2.5e-1),
+}
+
+
+def dtype_name(dtype) -> str:
+    """'float32' for numpy/jax dtypes and for torch dtypes (torch.float32 -> 'float32')."""
+    name = getattr(dtype, "name", None) or str(dtype)
+    return name.removeprefix("torch.")
+
+
+def tolerance(*dtypes) -> tuple[float, float]:
+    """The loosest (atol, rtol) among the given dtypes."""
+    pairs = [TOLERANCES[dtype_name(d)] for d in dtypes if d is not None]
+    return max(p[0] for p in pairs), max(p[1] for p in pairs)
+
+
+def max_error(actual, expected) -> float:
+    import numpy as np
+
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    return float(np.max(np.abs(a - e))) if a.size else 0.0
+
+
+def assert_close(actual, expected, *dtypes, what: str = "output") -> None:
+    import numpy as np
+
+    atol, rtol = tolerance(*dtypes)
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    assert np.all(np.isfinite(a)), (
+        f"{what}: non-finite values at {np.argwhere(~np.isfinite(a))[:5]}"
+    )
+    np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=what)
