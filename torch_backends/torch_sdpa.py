@@ -33,6 +33,7 @@ from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
 from torch_backends.plan import (
+    SPLIT_FIELDS,
     CrossAttentionMetadata,
     StepPlan,
     cross_plan,
@@ -125,6 +126,7 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttentio
             decode_block_tables=self.block_tables,
             decode_seq_lens=self.seq_lens_tensor,
             max_decode_seq_len=self.max_decode_seq_len,
+            fields=SPLIT_FIELDS,
         )
 
 
