@@ -1,0 +1,137 @@
+"""Safe by default, torch side: every bad input in reliability_cases.py raises from every
+backend with its message and leaves the cache bit-identical; table entries past a sequence's
+blocks may hold anything; the same inputs give the same bits; docs/reliability_torch.md is
+what the cases give now.
+
+IPEX runs in the IPEX environment (`pytest -m ipex`); JAX is the "JAX" torch backend.
+"""
+
+import numpy as np
+import pytest
+import torch
+from reliability_cases import (
+    BACKENDS,
+    CASES,
+    DOC,
+    HEADER,
+    Case,
+    Rows,
+    cache_hash,
+    prepare,
+    section,
+    sections,
+)
+from torch_cases import CASES as STEP_CASES
+from torch_cases import backend_param, run_case
+
+from torch_backends import AttentionLayer, get_attn_backend
+
+PARAMS = [
+    pytest.param(backend.values[0], case, id=f"{backend.id}-{case.name}", marks=backend.marks)
+    for backend in map(backend_param, BACKENDS)
+    for case in CASES
+]
+
+
+@pytest.mark.parametrize("backend, case", PARAMS)
+def test_bad_input_raises_and_leaves_the_cache(backend, case):
+    kv_cache, call = prepare(case, backend)
+    before = cache_hash(kv_cache)
+    with pytest.raises(case.error, match=case.match):
+        call()
+    assert cache_hash(kv_cache) == before, f"{case.name}: the cache changed before the error"
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+def test_the_unmutated_step_runs(backend):
+    """The control: the step every case spoils runs, writes the cache and gives finite
+    outputs (so each case's error is its own mistake's)."""
+    kv_cache, call = prepare(Case("control", "nothing", None), backend)
+    before = cache_hash(kv_cache)
+    out = call()
+    assert torch.isfinite(out).all()
+    assert cache_hash(kv_cache) != before
+
+
+def _garbage(md, rows: Rows, value):
+    """`value` in every table entry past the blocks its sequence uses: prefill_0 (5 tokens)
+    and decode 1 (3 tokens) use one block of their two columns."""
+    prefill_tables = rows.prefill_tables(md).to(torch.int64)
+    decode_tables = md.block_tables.to(torch.int64)
+    if rows.backend in ("TORCH_SDPA", "JAX"):
+        md.prefill_block_tables, md.block_tables = prefill_tables, decode_tables
+    else:
+        md.block_tables = prefill_tables = decode_tables
+    prefill_tables[0, 1] = value
+    decode_tables[rows.decode(1), 1] = value
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+@pytest.mark.parametrize("value", [-1, 12, 10**6, 2**32 + 3])
+def test_unused_table_entries_may_hold_anything(backend, value):
+    """Entries past a sequence's blocks are never read: the same bits as with zeros there."""
+    clean_cache, clean = prepare(Case("clean", "", None), backend)
+    dirty_cache, dirty = prepare(Case("dirty", "", lambda md, r: _garbage(md, r, value)), backend)
+    out, want = dirty(), clean()
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    assert cache_hash(dirty_cache) == cache_hash(clean_cache)
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+def test_doc_is_current(backend):
+    """docs/reliability_torch.md holds what the cases give now (regenerate it with
+    `python tests/torch/reliability_cases.py`, in the IPEX environment for IPEX)."""
+    text = DOC.read_text()
+    assert text.startswith(HEADER), "the doc's header is stale: regenerate it"
+    assert sections(text).get(backend) == section(backend), (
+        f"docs/reliability_torch.md's {backend} section differs from what the code gives: "
+        "run `python tests/torch/reliability_cases.py`"
+    )
+
+
+# -- determinism ---------------------------------------------------------------------------
+
+DETERMINISM_CASES = [
+    "mixed-gqa4",
+    "chunked-gqa8",
+    "bf16",
+    "alibi-chunked",
+    "window-chunked-alibi",
+    "softcap",
+    "fp8-e5m2",
+]
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+@pytest.mark.parametrize("name", DETERMINISM_CASES)
+def test_same_inputs_same_bits(backend, name, rng):
+    """Two calls on the same inputs (a fresh copy of the same cache each) give bit-identical
+    outputs and caches: no backend here depends on thread timing or call history."""
+    case = next(c for c in STEP_CASES if c[0] == name)
+    step, impl, layer = run_case(case, np.random.default_rng(int(rng.integers(2**31))),
+                                 get_attn_backend(backend))  # fmt: skip
+    results = []
+    for _ in range(2):
+        kv_cache = step.kv_cache.clone()
+        out = impl.forward(layer, step.query, step.key, step.value, kv_cache, step.metadata)
+        results.append((out.view(torch.uint8), kv_cache.view(torch.uint8)))
+    (out_a, cache_a), (out_b, cache_b) = results
+    assert torch.equal(out_a, out_b), f"{backend} {name}: outputs differ between two calls"
+    assert torch.equal(cache_a, cache_b), f"{backend} {name}: caches differ between two calls"
+    # A fresh impl and layer give the same bits too (no state kept between calls).
+    fresh = type(impl)(
+        impl.num_heads,
+        impl.head_size,
+        impl.scale,
+        impl.num_kv_heads,
+        alibi_slopes=None if impl.alibi_slopes is None else impl.alibi_slopes.tolist(),
+        sliding_window=impl.sliding_window,
+        kv_cache_dtype=impl.kv_cache_dtype,
+        logits_soft_cap=impl.logits_soft_cap,
+    )
+    kv_cache = step.kv_cache.clone()
+    scales = (layer._k_scale_float, layer._v_scale_float)
+    out = fresh.forward(
+        AttentionLayer(*scales), step.query, step.key, step.value, kv_cache, step.metadata
+    )
+    assert torch.equal(out.view(torch.uint8), out_a)
