@@ -24,6 +24,10 @@ bit-identical; a step that passes cannot fail half-way.
 Cost: the tensor checks are vectorized over the metadata and read back together, one host
 sync per step; the rest are Python comparisons over the per-sequence lists the plan already
 holds. Details (which entry, which value) are computed only once a check has failed.
+Measured (`tests/torch/measure_check_cost.py`, CPU, one thread, a shared 2-core machine): a
+decode step of 32 sequences (seq_len 200..1000, Hq 32, Hkv 8, D 128) spends about 130 us in
+`check_step`: 0.24% of the JAX backend's step (53 ms), 0.09% of IPEX's (159 ms), 0.01% of
+TORCH_SDPA's and XFORMERS' (about 2 s in their torch gather).
 """
 
 import dataclasses

@@ -135,3 +135,94 @@ def test_same_inputs_same_bits(backend, name, rng):
         AttentionLayer(*scales), step.query, step.key, step.value, kv_cache, step.metadata
     )
     assert torch.equal(out.view(torch.uint8), out_a)
+
+
+# -- the cache write on its own, and cross attention ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "slots, match",
+    [
+        ([0, 12], r"slot_mapping value 12 is out of range: the cache has 12 slots"),
+        ([-2, 1], r"slot_mapping value -2 is out of range: .* or -1 \(PAD_SLOT_ID\)"),
+        ([5, 5], r"slot_mapping writes slot 5 twice \(slot_mapping\[0\] and \[1\]\)"),
+    ],
+    ids=["past", "below-pad", "twice"],
+)
+def test_write_to_paged_cache_checks_first(slots, match, rng):
+    """vLLM's `write_to_paged_cache` (called without `forward`) checks its slots too."""
+    from torch_backends.paged_attn import PagedAttention
+
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    kv_cache = torch.randn(2, 3, 4 * 2 * 16, generator=gen)
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, 2, 16)
+    x = torch.randn(2, 2, 16, generator=gen)
+    before = cache_hash(kv_cache)
+    with pytest.raises(ValueError, match=match):
+        PagedAttention.write_to_paged_cache(
+            x, x, key_cache, value_cache, torch.tensor(slots), "auto"
+        )
+    assert cache_hash(kv_cache) == before
+
+
+def _cross_step(backend, rng):
+    """A decoder prefill over an 11- and a 4-token encoder output, cross tables [[2, 5], [0]]
+    of 7 blocks of 8."""
+    from torch_backends import AttentionType
+
+    backend_cls = get_attn_backend(backend)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    kv_cache = torch.randn(backend_cls.get_kv_cache_shape(7, 8, 2, 64), generator=gen)
+    impl = backend_cls.get_impl_cls()(4, 64, 0.125, 2, attn_type=AttentionType.ENCODER_DECODER)
+    md = backend_cls.get_builder_cls()().build(
+        [3, 2], [3, 2], block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
+        cross_block_tables=[[2, 5], [0]],
+    )  # fmt: skip
+    q = torch.randn(5, 4 * 64, generator=gen)
+    k, v = (torch.randn(15, 2 * 64, generator=gen) for _ in "kv")
+    return impl, kv_cache, md, q, k, v
+
+
+CROSS_ERRORS = [
+    pytest.param(
+        lambda md: md.cross_slot_mapping.__setitem__(4, 56),
+        r"attn_metadata.cross_slot_mapping value 56 is out of range: the cache has 56 slots",
+        id="cross-slot-past-cache",
+    ),
+    pytest.param(
+        lambda md: md.cross_slot_mapping.__setitem__(12, 3),
+        r"attn_metadata.cross_slot_mapping writes slot 3 twice",
+        id="cross-slot-twice",
+    ),
+    pytest.param(
+        lambda md: md.cross_block_tables.__setitem__((0, 1), 7),
+        r"attn_metadata.cross_block_tables\[0, 1\]=7 is out of range",
+        id="cross-block-past-cache",
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+@pytest.mark.parametrize("mutate, match", CROSS_ERRORS)
+def test_cross_attention_bad_input_leaves_the_cache(backend, mutate, match, rng):
+    impl, kv_cache, md, q, k, v = _cross_step(backend, rng)
+    mutate(md)
+    before = cache_hash(kv_cache)
+    with pytest.raises(ValueError, match=match):
+        impl.forward(AttentionLayer(), q, k, v, kv_cache, md)
+    assert cache_hash(kv_cache) == before
+
+
+def test_builder_rejects_negative_cross_blocks():
+    from torch_backends.torch_sdpa import TorchSDPAMetadataBuilder
+
+    with pytest.raises(ValueError, match=r"cross_block_tables\[1\]\[0\]=-1 must be a block id"):
+        TorchSDPAMetadataBuilder().build(
+            [3, 2], [3, 2], block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
+            cross_block_tables=[[2, 5], [-1]],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"cross_block_tables\[0\] has 1 blocks of 8 for enc"):
+        TorchSDPAMetadataBuilder().build(
+            [3, 2], [3, 2], block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
+            cross_block_tables=[[2], [0]],
+        )  # fmt: skip
