@@ -128,7 +128,7 @@ def _check_counts(plan: StepPlan, key: Tensor | None) -> None:
             f"{plan.num_prefill_tokens} and num_decode_tokens={plan.num_decode_tokens} "
             "must be >= 0"
         )
-    if plan.num_prefill_tokens and len(q_lens) != plan.num_prefills:
+    if len(q_lens) != plan.num_prefills:
         raise ValueError(
             f"attn_metadata.num_prefills={plan.num_prefills} but the metadata gives "
             f"{len(q_lens)} prefill query lengths"

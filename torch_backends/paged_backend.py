@@ -283,6 +283,13 @@ class PagedImpl(AttentionImpl[T]):
                 f"query has {query.shape[0]} tokens but the metadata describes "
                 f"{plan.num_prefill_tokens} prefill + {plan.num_decode_tokens} decode tokens"
             )
+        if (output is not None and output.shape[0] != num_tokens) or (
+            output is not None and output.numel() != query.numel()
+        ):
+            raise ValueError(
+                f"output has shape {tuple(output.shape)}, expected [{num_tokens}, "
+                f"{num_heads * head_size}] like the query"
+            )
         cache, k_scale, v_scale = None, 1.0, 1.0
         if kv_cache.numel() > 0 and not encoder:
             k_scale = getattr(layer, "_k_scale", 1.0)

@@ -234,7 +234,7 @@ def per_sequence_plan(attn_metadata, attn_type: AttentionType) -> StepPlan:
         return encoder_plan(attn_metadata, attn_type)
     num_prefills, num_decodes = attn_metadata.num_prefills, attn_metadata.num_decode_tokens
     q_lens = seq_lens = []
-    if attn_metadata.num_prefill_tokens:
+    if attn_metadata.num_prefill_tokens or num_prefills:  # empty sequences count too
         require(attn_metadata.seq_lens, "seq_lens", attn_type)
         seq_lens = q_lens = list(attn_metadata.seq_lens[:num_prefills])
         if attn_metadata.query_start_loc is not None:

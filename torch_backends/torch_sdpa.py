@@ -110,7 +110,9 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttentio
         attn_type = check_attn_type(attn_type)
         if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
             return encoder_plan(self, attn_type)
-        q_lens, kv_lens = self.get_seq_lens(attn_type) if self.num_prefill_tokens else ([], [])
+        # Prefills with no new token (empty sequences) still count: their rows are in the tables.
+        prefills = self.num_prefill_tokens or self.num_prefills
+        q_lens, kv_lens = self.get_seq_lens(attn_type) if prefills else ([], [])
         if attn_type == AttentionType.ENCODER_DECODER:
             return cross_plan(self, attn_type, q_lens)
         return StepPlan(
@@ -180,7 +182,7 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
 
     def attend(self, step: Step) -> Queries:
         plan, out = step.plan, torch.empty_like(step.query)
-        if plan.has_cached_prefix:
+        if plan.num_prefill_tokens and plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
         elif plan.num_prefill_tokens:
             out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)

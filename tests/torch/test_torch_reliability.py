@@ -226,3 +226,43 @@ def test_builder_rejects_negative_cross_blocks():
             [3, 2], [3, 2], block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
             cross_block_tables=[[2], [0]],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+def test_wrong_output_buffer_raises_before_the_write(backend):
+    # The fixed step with an output buffer one row short.
+    from reliability_cases import BLOCK_SIZE, BLOCK_TABLES, QUERY_LENS, SEQ_LENS, make_step
+
+    backend_cls, impl, kv_cache, query, key, value, build = make_step(backend)
+    md = backend_cls.get_builder_cls()().build(SEQ_LENS, QUERY_LENS, **build)
+    assert build == dict(block_tables=BLOCK_TABLES, block_size=BLOCK_SIZE)
+    before = cache_hash(kv_cache)
+    with pytest.raises(ValueError, match=r"output has shape \(9, 256\), expected \[10, 256\]"):
+        impl.forward(AttentionLayer(), query, key, value, kv_cache, md, output=query[:9].clone())
+    assert cache_hash(kv_cache) == before
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+def test_empty_sequences_are_valid(backend, rng):
+    """A sequence with no tokens, and a prefill with no new token, change nothing for the
+    others: the decode's output is the same bits as in a step without them."""
+    import warnings
+
+    backend_cls = get_attn_backend(backend)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    kv_cache = torch.randn(backend_cls.get_kv_cache_shape(12, 8, 2, 64), generator=gen)
+    impl = backend_cls.get_impl_cls()(4, 64, 0.125, 2)
+    q = torch.randn(1, 256, generator=gen)
+    k, v = (torch.randn(1, 128, generator=gen) for _ in "kv")
+    builder = backend_cls.get_builder_cls()()
+    outs = []
+    for seq_lens, q_lens, tables in (
+        ([0, 4, 11], [0, 0, 1], [[], [7], [4, 10]]),
+        ([11], [1], [[4, 10]]),
+    ):
+        md = builder.build(seq_lens, q_lens, block_tables=tables, block_size=8)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
+            outs.append(impl.forward(AttentionLayer(), q, k, v, kv_cache.clone(), md))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
