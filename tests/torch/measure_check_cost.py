@@ -16,8 +16,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
+sys.path.insert(0, str(Path(__file__).parent))
 
-from torch_backends import AttentionLayer, get_attn_backend
+from reliability_cases import backend_class
+
+from torch_backends import AttentionLayer
 from torch_backends.checks import check_step
 from torch_backends.layouts import PagedCache
 
@@ -27,7 +30,7 @@ NUM_SEQS, HQ, HKV, D, BS = 32, 32, 8, 128, 16
 def measure(backend: str, repeats: int = 30) -> tuple[float, float]:
     """(check_step seconds, forward seconds), medians."""
     gen = torch.Generator().manual_seed(0)
-    backend_cls = get_attn_backend(backend)
+    backend_cls = backend_class(backend)
     seq_lens = torch.randint(200, 1001, (NUM_SEQS,), generator=gen).tolist()
     blocks = [-(-s // BS) for s in seq_lens]
     order = torch.randperm(sum(blocks), generator=gen).tolist()

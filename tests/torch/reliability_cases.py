@@ -260,12 +260,35 @@ def cache_hash(kv_cache: torch.Tensor) -> str:
     return hashlib.sha256(kv_cache.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def backend_class(name: str):
+    """The backend class: "JAX" straight from `interop.torch_op` (the registry finds it
+    through package metadata, which a source checkout may not have installed)."""
+    if name == "JAX":
+        from interop.torch_op import JaxAttnBackend
+
+        return JaxAttnBackend
+    from torch_backends import get_attn_backend
+
+    return get_attn_backend(name)
+
+
+def backend_param(name: str):
+    """A pytest param for backend `name`: marked `ipex` for IPEX, skipped saying why where it
+    cannot be imported."""
+    import pytest
+
+    marks = [pytest.mark.ipex] if name == "IPEX" else []
+    try:
+        backend_class(name)
+    except ImportError as e:
+        marks.append(pytest.mark.skip(reason=f"{name} not importable here: {e}"))
+    return pytest.param(name, marks=marks, id=name)
+
+
 def make_step(backend: str, kv_cache_dtype: str = "auto", block_tables=None):
     """(impl, kv_cache, query, key, value, builder kwargs) of the fixed step for `backend`;
     the cache filled with fixed random bytes (every layout and dtype alike)."""
-    from torch_backends import get_attn_backend
-
-    backend_cls = get_attn_backend(backend)
+    backend_cls = backend_class(backend)
     impl = backend_cls.get_impl_cls()(
         NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, NUM_KV_HEADS, kv_cache_dtype=kv_cache_dtype
     )
@@ -334,10 +357,8 @@ Each backend's section is written in an environment where it runs (IPEX: torch 2
 
 
 def available(backend: str) -> bool:
-    from torch_backends import get_attn_backend
-
     try:
-        get_attn_backend(backend)
+        backend_class(backend)
     except ImportError:
         return False
     return True

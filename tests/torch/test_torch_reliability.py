@@ -16,15 +16,17 @@ from reliability_cases import (
     HEADER,
     Case,
     Rows,
+    backend_class,
+    backend_param,
     cache_hash,
     prepare,
     section,
     sections,
 )
 from torch_cases import CASES as STEP_CASES
-from torch_cases import backend_param, run_case
+from torch_cases import run_case
 
-from torch_backends import AttentionLayer, get_attn_backend
+from torch_backends import AttentionLayer
 
 PARAMS = [
     pytest.param(backend.values[0], case, id=f"{backend.id}-{case.name}", marks=backend.marks)
@@ -109,7 +111,7 @@ def test_same_inputs_same_bits(backend, name, rng):
     outputs and caches: no backend here depends on thread timing or call history."""
     case = next(c for c in STEP_CASES if c[0] == name)
     step, impl, layer = run_case(case, np.random.default_rng(int(rng.integers(2**31))),
-                                 get_attn_backend(backend))  # fmt: skip
+                                 backend_class(backend))  # fmt: skip
     results = []
     for _ in range(2):
         kv_cache = step.kv_cache.clone()
@@ -170,7 +172,7 @@ def _cross_step(backend, rng):
     of 7 blocks of 8."""
     from torch_backends import AttentionType
 
-    backend_cls = get_attn_backend(backend)
+    backend_cls = backend_class(backend)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     kv_cache = torch.randn(backend_cls.get_kv_cache_shape(7, 8, 2, 64), generator=gen)
     impl = backend_cls.get_impl_cls()(4, 64, 0.125, 2, attn_type=AttentionType.ENCODER_DECODER)
@@ -248,7 +250,7 @@ def test_empty_sequences_are_valid(backend, rng):
     others: the decode's output is the same bits as in a step without them."""
     import warnings
 
-    backend_cls = get_attn_backend(backend)
+    backend_cls = backend_class(backend)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     kv_cache = torch.randn(backend_cls.get_kv_cache_shape(12, 8, 2, 64), generator=gen)
     impl = backend_cls.get_impl_cls()(4, 64, 0.125, 2)
