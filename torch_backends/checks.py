@@ -32,6 +32,7 @@ TORCH_SDPA's and XFORMERS' (about 2 s in their torch gather).
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -39,15 +40,18 @@ from torch import Tensor
 from torch_backends.abstract import AttentionType
 from torch_backends.plan import StepPlan
 
+if TYPE_CHECKING:  # layouts imports this module
+    from torch_backends.layouts import PagedCache
+
 PAD_SLOT_ID = -1
 
 
 def check_step(
     plan: StepPlan,
-    cache,
+    cache: "PagedCache | None",
     key: Tensor | None,
-    k_scale=1.0,
-    v_scale=1.0,
+    k_scale: Tensor | float = 1.0,
+    v_scale: Tensor | float = 1.0,
 ) -> StepPlan:
     """Raise `ValueError` / `TypeError` if the step cannot run as described; else the plan,
     with table entries past each sequence's used blocks replaced by 0 where any is not a
@@ -60,7 +64,6 @@ def check_step(
     checks = _Checks()
     if key is not None and plan.slot_mapping is not None:
         name = f"attn_metadata.{plan.fields.slot_mapping}"
-        _integer(plan.fields.slot_mapping, plan.slot_mapping)
         _check_slots(checks, name, plan.slot_mapping, key.shape[0], num_blocks, block_size)
     tables = _check_tables(checks, plan, num_blocks, block_size)
     _check_decode_lens(checks, plan)
@@ -104,7 +107,7 @@ class _Checks:
             return []
         device = flags[0].device
         values = torch.stack([f.to(device) for f in flags]).tolist()  # the one host sync
-        for violated, error in zip(values, self.errors, strict=False):
+        for violated, error in zip(values[: len(self.flags)], self.errors, strict=True):
             if violated:
                 raise error()
         return values[len(self.flags) :]

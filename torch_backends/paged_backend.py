@@ -253,7 +253,11 @@ class PagedImpl(AttentionImpl[T]):
         """query `[T, Hq*D]`; key/value `[T or encoder tokens, Hkv*D]`, or None when their K/V
         are already cached (cross attention after the first step, or decodes); kv_cache
         `[2, NB, BS*Hkv*D]` (empty: write nothing, as in vLLM's profiling run). Returns
-        `[T, Hq*D]`: prefill tokens first, then one per decode sequence."""
+        `[T, Hq*D]`: prefill tokens first, then one per decode sequence.
+
+        Metadata that does not fit the cache (`checks.check_step`: slots, block tables,
+        lengths, token counts, scales) raises `ValueError` / `TypeError` before anything is
+        written: a step either runs whole or leaves the cache bit-identical."""
         attn_type = self.attn_type
         num_heads, head_size, num_kv_heads = self.num_heads, self.head_size, self.num_kv_heads
         if attn_metadata is None:
