@@ -18,9 +18,14 @@
 // dtypes) returns ffi::Error::InvalidArgument before anything is read or written.
 
 #include <cstdio>
+#include <type_traits>
 #include <vector>
 
 #include "attention_common.h"
+
+#ifndef JAX_ATTN_PREFETCH_HINT
+#define JAX_ATTN_PREFETCH_HINT _MM_HINT_T1
+#endif
 
 namespace jax_attn_cpu {
 namespace {
@@ -49,6 +54,9 @@ struct Problem {
   float v_scale;
   int64_t window;  // <= 0: none
   float cap;       // <= 0: none
+  int prefetch = 5;
+  int64_t prefetch_distance = 4;
+  bool in_place = false;
   ffi::DataType query_type;
   const void* query;
   void* out;
@@ -222,14 +230,19 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   FloatBuffer q(static_cast<size_t>(Hq * DP));  // [Hq, DP], scaled, zero-padded
   for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
   RowsState st(Hq, DP);
-  alignas(64) float kbuf[16][DP];
-  alignas(64) float vbuf[16][DP];
+  // One kv head's widened tile: [16, DP] keys and values, L1-resident, reused by the G query
+  // rows of its group. A float32 cache skips it for whole tiles (D a multiple of 16): read
+  // in place.
+  alignas(64) float ktile[16 * DP];
+  alignas(64) float vtile[16 * DP];
   alignas(64) float probs[16];
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  constexpr bool kInPlace = std::is_same<KV, float>::value;
 
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
-  // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous;
-  // kv heads in turn, each head's tile of <= 16 tokens at a stride of Hkv * D elements.
+  // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous, in
+  // tiles of <= 16 tokens; the tile's bytes of the next block are prefetched into L2 front to
+  // back, then kv heads in turn read their 16 rows (D elements each, Hkv * D apart).
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t phys = table[b];
     const int64_t next_phys = b < last_block ? table[b + 1] : phys;
@@ -237,29 +250,91 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
     const int64_t t_end = std::min(it.end, b * BS + BS) - b * BS;
     const KV* kblock = kc + phys * block_stride;
     const KV* vblock = vc + phys * block_stride;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, t_end - t0);
-        // Widen the tile's keys and values once: [n, D] at a stride of Hkv * D.
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t off = (t0 + t) * row_stride + h * D;
-          const KV* ks = kblock + off;
-          const KV* vs = vblock + off;
-          _mm_prefetch(reinterpret_cast<const char*>(kc + next_phys * block_stride + off),
-                       _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vc + next_phys * block_stride + off),
-                       _MM_HINT_T0);
-          for (int c = 0; c < NC; ++c) {
-            const __mmask16 m = c == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
-            _mm512_store_ps(kbuf[t] + 16 * c, load16<KV>(ks + 16 * c, m));
-            _mm512_store_ps(vbuf[t] + 16 * c, load16<KV>(vs + 16 * c, m));
-          }
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, t_end - t0);
+      if (p.prefetch == 1) {  // the whole tile of the next block, front to back, into L2
+        const char* kn =
+            reinterpret_cast<const char*>(kc + next_phys * block_stride + t0 * row_stride);
+        const char* vn =
+            reinterpret_cast<const char*>(vc + next_phys * block_stride + t0 * row_stride);
+        const int64_t bytes = n * row_stride * static_cast<int64_t>(sizeof(KV));
+        for (int64_t line = 0; line < bytes; line += 64) {
+          _mm_prefetch(kn + line, _MM_HINT_T1);
+          _mm_prefetch(vn + line, _MM_HINT_T1);
         }
-        for (int64_t t = n; t < 16; ++t) {
-          for (int c = 0; c < NC; ++c) {
-            _mm512_store_ps(kbuf[t] + 16 * c, _mm512_setzero_ps());
-            _mm512_store_ps(vbuf[t] + 16 * c, _mm512_setzero_ps());
+      }
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* kt;
+        const float* vt;
+        int64_t stride;  // between token rows of kt / vt
+        if (kInPlace && n == 16 && D == DP && p.in_place) {
+          kt = reinterpret_cast<const float*>(kblock + t0 * row_stride + h * D);
+          vt = reinterpret_cast<const float*>(vblock + t0 * row_stride + h * D);
+          stride = row_stride;
+        } else {
+          // The tile-head `prefetch_distance` steps ahead in this order (blocks, tiles, heads).
+          int64_t pf_rows = 0;
+          const KV* pf_k = nullptr;
+          const KV* pf_v = nullptr;
+          if (p.prefetch >= 4) {
+            int64_t hh = h + p.prefetch_distance, tt = t0, bb = b;
+            while (hh >= Hkv) {
+              hh -= Hkv;
+              tt += 16;
+              if (tt >= BS) {
+                tt = 0;
+                ++bb;
+              }
+            }
+            if (bb <= last_block) {
+              pf_rows = std::min<int64_t>(16, BS - tt);
+              pf_k = kc + table[bb] * block_stride + tt * row_stride + hh * D;
+              pf_v = vc + table[bb] * block_stride + tt * row_stride + hh * D;
+            }
           }
+          // Widen the head's rows t0 .. t0 + n; unused rows are zeros, never cache bytes.
+          for (int64_t t = 0; t < 16; ++t) {
+            const KV* ks = kblock + (t0 + t) * row_stride + h * D;
+            const KV* vs = vblock + (t0 + t) * row_stride + h * D;
+            if (p.prefetch >= 2 && t < n) {
+              // 2: this row of the next block into L2; 3: the next head's row into L1
+              const int64_t ahead = p.prefetch == 2 ? (next_phys - phys) * block_stride : D;
+              const char* kn = reinterpret_cast<const char*>(ks + ahead);
+              const char* vn = reinterpret_cast<const char*>(vs + ahead);
+              for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(KV)); line += 64) {
+                if (p.prefetch == 2) {
+                  _mm_prefetch(kn + line, _MM_HINT_T1);
+                  _mm_prefetch(vn + line, _MM_HINT_T1);
+                } else {
+                  _mm_prefetch(kn + line, _MM_HINT_T0);
+                  _mm_prefetch(vn + line, _MM_HINT_T0);
+                }
+              }
+            }
+            if (pf_rows > t) {
+              const char* kn = reinterpret_cast<const char*>(pf_k + t * row_stride);
+              const char* vn = reinterpret_cast<const char*>(pf_v + t * row_stride);
+              for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(KV)); line += 64) {
+                if (p.prefetch == 4) {
+                  _mm_prefetch(kn + line, _MM_HINT_T0);
+                  _mm_prefetch(vn + line, _MM_HINT_T0);
+                } else {
+                  _mm_prefetch(kn + line, _MM_HINT_T1);
+                  _mm_prefetch(vn + line, _MM_HINT_T1);
+                }
+              }
+            }
+            for (int c = 0; c < NC; ++c) {
+              const __mmask16 m = t >= n ? static_cast<__mmask16>(0)
+                                  : c == NC - 1 ? last_mask
+                                                : static_cast<__mmask16>(0xffff);
+              _mm512_store_ps(ktile + t * DP + 16 * c, load16<KV>(ks + 16 * c, m));
+              _mm512_store_ps(vtile + t * DP + 16 * c, load16<KV>(vs + 16 * c, m));
+            }
+          }
+          kt = ktile;
+          vt = vtile;
+          stride = DP;
         }
         const __mmask16 valid = tail_mask(n);
         const __m512 distance = _mm512_add_ps(
@@ -273,7 +348,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           for (int c = 0; c < NC; ++c) {
             const __m512 qc = _mm512_load_ps(qrow + 16 * c);
             for (int t = 0; t < 16; ++t) {
-              dots[t] = _mm512_fmadd_ps(_mm512_load_ps(kbuf[t] + 16 * c), qc, dots[t]);
+              dots[t] = _mm512_fmadd_ps(_mm512_loadu_ps(kt + t * stride + 16 * c), qc, dots[t]);
             }
           }
           __m512 logits = transpose_sum16(dots);
@@ -295,7 +370,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           for (int64_t t = 0; t < n; ++t) {
             const __m512 pt = _mm512_set1_ps(probs[t]);
             for (int c = 0; c < NC; ++c) {
-              o[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(vbuf[t] + 16 * c), o[c]);
+              o[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + t * stride + 16 * c), o[c]);
             }
           }
           for (int c = 0; c < NC; ++c) _mm512_store_ps(arow + 16 * c, o[c]);
@@ -438,6 +513,9 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
   p.v_scale = v_scale.typed_data()[0];
   p.window = sliding_window;
   p.cap = logits_soft_cap;
+  if (const char* e = std::getenv("JAX_ATTN_CPU_PF")) p.prefetch = std::atoi(e);
+  if (const char* e = std::getenv("JAX_ATTN_CPU_PFD")) p.prefetch_distance = std::atoi(e);
+  if (const char* e = std::getenv("JAX_ATTN_CPU_INPLACE")) p.in_place = std::atoi(e) != 0;
   p.query = query.untyped_data();
   p.out = out->untyped_data();
   p.key_cache = key_cache.untyped_data();
