@@ -11,6 +11,7 @@ ratios of one run.
 """
 
 import argparse
+import os
 import time
 
 import jax
@@ -99,7 +100,8 @@ def main(argv=None) -> None:
     copy_ms = np.median(times["copy"]) * 1e3 if "copy" in times else None
     print(
         f"decode S={S} ctx={args.context} Hq={Hq} Hkv={Hkv} D={D} BS={BS} "
-        f"threads={jax.devices()[0]} repeats={args.repeats}"
+        f"JAX_ATTN_CPU_THREADS={os.environ.get('JAX_ATTN_CPU_THREADS', '(pool)')} "
+        f"repeats={args.repeats}"
     )
     print(f"{'peer':10s} {'median ms':>10s} {'min ms':>8s} {'GB/s':>7s} {'x copy-bw':>9s}")
     for name, (_, elem_bytes) in peers.items():

@@ -115,3 +115,46 @@ def test_shape_problem():
     assert "int8" in cpu.shape_problem(
         query_dtype="float32", cache_dtype="int8", block_size=16, head_size=64
     )
+
+
+@pytest.mark.slow
+def test_sanitizer_build_runs_a_small_grid(tmp_path):
+    """ASan + UBSan build of the kernels (the native AVX-512 one and the portable one), each
+    running a slice of test_cpu_decode: any out-of-bounds read or undefined behaviour aborts."""
+    if cpu.unavailable_reason() is not None:
+        pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
+    cxx = _build.find_compiler()
+    libasan = subprocess.run(
+        [cxx, "-print-file-name=libasan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    if not os.path.isabs(libasan):
+        pytest.skip(f"{cxx} has no libasan")
+    sanitize = "-fsanitize=address,undefined -fno-sanitize-recover=all"
+    for extra in (sanitize, f"-march=x86-64-v3 {sanitize}"):
+        env = {
+            **os.environ,
+            "JAX_ATTN_CPU_EXTRA_FLAGS": extra,
+            "LD_PRELOAD": libasan,
+            "ASAN_OPTIONS": "detect_leaks=0",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-x",
+                "-p",
+                "no:cacheprovider",
+                str(REPO / "tests" / "jax" / "test_cpu_decode.py"),
+                "-k",
+                "block_size or window or split or head_size or bad_block or float8",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+        )
+        assert result.returncode == 0, (extra, result.stdout[-3000:], result.stderr[-3000:])
+        assert " passed" in result.stdout and "skipped" not in result.stdout.split("\n")[-2]

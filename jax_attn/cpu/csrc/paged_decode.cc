@@ -5,17 +5,29 @@
 // seq_lens [S]; soft cap, ALiBi, sliding window; rows with seq_len 0 give zeros.
 //
 // Work split: an item is one sequence, or one part of a long sequence (split-K: the parts'
-// online-softmax states are merged in float32 by whichever part finishes last). Inside an item
-// the kernel walks the sequence's blocks in table order, and each block contiguously: for each
-// kv head in turn, that head's tile of up to 16 tokens is widened to float32 once (bf16 by a
-// shift, fp8 through the fp16 converter) and then serves all G query rows of its GQA group.
-// Logits of a tile come out as one 16-lane vector per query row, so the online softmax (max,
-// exp, sum) runs on whole vectors. Keys outside the visible range (past seq_len, before the
-// sliding window) are never loaded: tiles cover only the visible range, and a tile's unused
-// lanes are zeros in the widened copy, so NaN in unused cache memory cannot reach an output.
+// online-softmax states are merged in float32 by whichever part finishes last); items go to
+// XLA's intra-op pool (ffi::ThreadPool) and the calling thread. Inside an item the kernel
+// walks the sequence's blocks in table order, each block in tiles of up to 16 tokens, and kv
+// heads in turn: a head's 16 rows are widened to float32 once into an L1-resident tile (bf16
+// by a shift, fp8 through the fp16 converter), which then serves all G query rows of its GQA
+// group. Logits of a tile come out as one 16-lane vector per query row (a transpose-and-add
+// tree), so the online softmax (max, exp, sum) runs on whole vectors; values are accumulated
+// for up to 4 query rows at once, so each value chunk is loaded once per 4 rows. Keys outside
+// the visible range (past seq_len, before the sliding window) are never loaded: tiles cover
+// only the visible range, and a tile's unused rows are zeros in the widened copy, so NaN in
+// unused cache memory cannot reach an output.
 //
-// Bad input (block ids outside [0, NB), seq_len outside [0, max_blocks * BS), wrong shapes or
-// dtypes) returns ffi::Error::InvalidArgument before anything is read or written.
+// Measured on the 2-core AMD EPYC (AVX-512) dev machine, one thread, B=32 ctx=1024 Hq=32
+// Hkv=8 D=128 BS=16: the math alone (cache resident in L2) takes ~6.6 ms (f32) / ~5.2 ms (bf16)
+// of CPU time, widening alone from DRAM ~15 ms (f32), a jitted XLA sum of the same f32 cache
+// ~8 ms: the limit is how fast one core pulls the strided rows out of DRAM, not the FMAs.
+// Software prefetch of the tile 4 kv-head steps ahead (into L2) gains ~20% (f32) to ~30%
+// (bf16); whole-block sequential widening (all heads of a tile into one 128 KB buffer) and
+// reading f32 caches in place (4 KB-aliased rows thrash L1) were both slower.
+//
+// Bad input (block ids outside [0, NB) among the blocks a sequence reads, seq_len outside
+// [0, max_blocks * BS], wrong shapes or dtypes) returns ffi::Error::InvalidArgument before
+// anything is read or written.
 
 #include <cstdio>
 #include <vector>
