@@ -299,11 +299,62 @@ inline void accumulate_values(const float* vt, int64_t n, const float (*probs)[1
   }
 }
 
+// All G query rows of kv head h against one widened tile (n valid tokens): logits, online
+// softmax, values. Independent of the cache dtype: instantiated once per head size.
+template <int NC>
+__attribute__((noinline)) void attend_tile(const Problem& p, const float* q, RowsState& st,
+                                           const float* ktile, const float* vtile, int64_t h,
+                                           int64_t n, __mmask16 valid, __m512 distance) {
+  constexpr int64_t DP = NC * 16;
+  const int64_t G = p.group;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float probs[4][16];
+  // The G query rows of this kv head, up to 4 at a time.
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int rg = static_cast<int>(std::min<int64_t>(4, G - g0));
+    float factor[4];
+    float* acc[4];
+    for (int r = 0; r < rg; ++r) {
+      const int64_t row = h * G + g0 + r;
+      const float* qrow = q + row * DP;
+      // logits[t] = q . k[t]: 16 independent accumulators, NC steps each.
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        const __m512 qc = _mm512_load_ps(qrow + 16 * c);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; ++t) {
+          dots[t] = _mm512_fmadd_ps(_mm512_load_ps(ktile + t * DP + 16 * c), qc, dots[t]);
+        }
+      }
+      __m512 logits = transpose_sum16(dots);
+      if (p.cap > 0.0f) logits = soft_cap16(logits, p.cap);
+      if (p.alibi) logits = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[row]), distance, logits);
+      logits = _mm512_mask_mov_ps(neg_inf, valid, logits);
+      OnlineSoftmaxRow& state = st.rows[row];
+      factor[r] = state.rescale(_mm512_reduce_max_ps(logits));
+      const __m512 pr = _mm512_maskz_mov_ps(
+          valid, exp16(_mm512_sub_ps(logits, _mm512_set1_ps(state.max))));
+      state.add_sum(_mm512_reduce_add_ps(pr));
+      _mm512_store_ps(probs[r], pr);
+      acc[r] = st.acc.get() + row * DP;
+    }
+    switch (rg) {
+      case 4: accumulate_values<NC, 4>(vtile, n, probs, factor, acc); break;
+      case 3: accumulate_values<NC, 3>(vtile, n, probs, factor, acc); break;
+      case 2: accumulate_values<NC, 2>(vtile, n, probs, factor, acc); break;
+      default: accumulate_values<NC, 1>(vtile, n, probs, factor, acc); break;
+    }
+  }
+}
+
 // One item on AVX-512. NC = ceil(D / 16) 16-float chunks per row; the last may be partial.
 template <typename KV, int NC>
 void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<int32_t>* arrivals) {
   constexpr int64_t DP = NC * 16;
-  const int64_t D = p.head_size, G = p.group, Hq = p.num_heads, Hkv = p.num_kv_heads;
+  const int64_t D = p.head_size, Hq = p.num_heads, Hkv = p.num_kv_heads;
   const int64_t BS = p.block_size;
   const __mmask16 last_mask = tail_mask(D - (NC - 1) * 16);
   const int64_t q_pos = p.seq_lens[it.seq] - 1;
@@ -321,9 +372,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // rows of its group.
   alignas(64) float ktile[16 * DP];
   alignas(64) float vtile[16 * DP];
-  alignas(64) float probs[4][16];
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
   // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous, in
@@ -358,45 +407,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
         const int64_t offset = block_offset + t0 * row_stride + h * D;
         widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile, kc + pf_offset, pf_rows);
         widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile, vc + pf_offset, pf_rows);
-        // The G query rows of this kv head, up to 4 at a time.
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
-          const int rg = static_cast<int>(std::min<int64_t>(4, G - g0));
-          float factor[4];
-          float* acc[4];
-          for (int r = 0; r < rg; ++r) {
-            const int64_t row = h * G + g0 + r;
-            const float* qrow = q.get() + row * DP;
-            // logits[t] = q . k[t]: 16 independent accumulators, NC steps each.
-            __m512 dots[16];
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-            for (int c = 0; c < NC; ++c) {
-              const __m512 qc = _mm512_load_ps(qrow + 16 * c);
-#pragma GCC unroll 16
-              for (int t = 0; t < 16; ++t) {
-                dots[t] = _mm512_fmadd_ps(_mm512_load_ps(ktile + t * DP + 16 * c), qc, dots[t]);
-              }
-            }
-            __m512 logits = transpose_sum16(dots);
-            if (p.cap > 0.0f) logits = soft_cap16(logits, p.cap);
-            if (p.alibi) logits = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[row]), distance, logits);
-            logits = _mm512_mask_mov_ps(neg_inf, valid, logits);
-            OnlineSoftmaxRow& state = st.rows[row];
-            factor[r] = state.rescale(_mm512_reduce_max_ps(logits));
-            const __m512 pr = _mm512_maskz_mov_ps(
-                valid, exp16(_mm512_sub_ps(logits, _mm512_set1_ps(state.max))));
-            state.add_sum(_mm512_reduce_add_ps(pr));
-            _mm512_store_ps(probs[r], pr);
-            acc[r] = st.acc.get() + row * DP;
-          }
-          switch (rg) {
-            case 4: accumulate_values<NC, 4>(vtile, n, probs, factor, acc); break;
-            case 3: accumulate_values<NC, 3>(vtile, n, probs, factor, acc); break;
-            case 2: accumulate_values<NC, 2>(vtile, n, probs, factor, acc); break;
-            default: accumulate_values<NC, 1>(vtile, n, probs, factor, acc); break;
-          }
-        }
+        attend_tile<NC>(p, q.get(), st, ktile, vtile, h, n, valid, distance);
       }
     }
   }
@@ -407,10 +418,23 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
 
 using ItemFn = void (*)(const Problem&, const Item&, float*, std::atomic<int32_t>*);
 
-// The item function for a cache dtype and head size, chosen once per call.
+// The item function for a cache dtype and head size, chosen once per call. Building with
+// -DJAX_ATTN_CPU_FEW_HEAD_SIZES instantiates the vector kernel for head sizes 32, 64, 80,
+// 128, 256 only (others run the scalar kernel): for quick sanitizer builds.
 template <typename KV>
 ItemFn pick_item_fn(int64_t head_size) {
+  if (head_size < 1 || head_size > kMaxHeadSize) return nullptr;
 #if JAX_ATTN_AVX512
+#ifdef JAX_ATTN_CPU_FEW_HEAD_SIZES
+  switch ((head_size + 15) / 16) {
+    case 2: return decode_item<KV, 2>;
+    case 4: return decode_item<KV, 4>;
+    case 5: return decode_item<KV, 5>;
+    case 8: return decode_item<KV, 8>;
+    case 16: return decode_item<KV, 16>;
+    default: return decode_item_scalar<KV>;
+  }
+#else
   switch ((head_size + 15) / 16) {
     case 1: return decode_item<KV, 1>;
     case 2: return decode_item<KV, 2>;
@@ -427,11 +451,11 @@ ItemFn pick_item_fn(int64_t head_size) {
     case 13: return decode_item<KV, 13>;
     case 14: return decode_item<KV, 14>;
     case 15: return decode_item<KV, 15>;
-    case 16: return decode_item<KV, 16>;
-    default: return nullptr;
+    default: return decode_item<KV, 16>;
   }
+#endif
 #else
-  return head_size <= kMaxHeadSize ? decode_item_scalar<KV> : nullptr;
+  return decode_item_scalar<KV>;
 #endif
 }
 
