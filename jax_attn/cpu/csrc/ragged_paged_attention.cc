@@ -36,7 +36,15 @@ namespace {
 
 constexpr int kKeys = 32;         // keys per online-softmax step
 constexpr int kTargetRows = 64;   // query rows (tokens x G) per tile
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kTilesPerTask = 8;  // tiles of one (sequence, kv head) per thread task
+// Logits are kept in base 2 (log2(e) folded into the query scale, the soft cap and the ALiBi
+// slopes), so the softmax needs exp2 only. Masked logits are kMasked, a finite stand-in for
+// -inf: exp2(kMasked - anything real) is exactly 0 and no lane ever sees inf - inf. A row
+// whose running max is still below kNoKey has seen no visible key: it exponentiates against
+// kNoKey, so its masked entries give 0 as well and its sum stays 0 (output zeros).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kMasked = -1e30f;
+constexpr float kNoKey = -1e29f;
 
 // ---------------------------------------------------------------------------------------------
 // Vector type: AVX-512 (16 floats) when built for it, else GCC vectors of 8 floats (AVX2+FMA
@@ -55,17 +63,26 @@ struct Vec {
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
-  static T exp(T x) { return exp16(x); }
+  // 2^x for x <= 0 (logits live in base 2 here); x = -1e30 (masked) gives exactly 0.
+  // Degree-5 fit on [-1/2, 1/2], relative error 2.4e-7 in float32.
+  static T exp2(T x) {
+    const T n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const T r = _mm512_sub_ps(x, n);
+    T p = _mm512_set1_ps(1.327647129e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.675540961e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550713092e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402212024e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931469440e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.000000119f));
+    return _mm512_scalef_ps(p, n);
+  }
   static T soft_cap(T x, float cap) { return soft_cap16(x, cap); }
-  // a <= b ? x : y, a < b ? x : y, a == b ? x : y
+  // a <= b ? x : y, a < b ? x : y
   static T if_le(T a, T b, T x, T y) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), y, x);
   }
   static T if_lt(T a, T b, T x, T y) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
-  }
-  static T if_eq(T a, T b, T x, T y) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ), y, x);
   }
 };
 
@@ -94,8 +111,8 @@ struct Vec {
   static T add(T a, T b) { return a + b; }
   static T sub(T a, T b) { return a - b; }
   static T max(T a, T b) { return a > b ? a : b; }
-  static T exp(T x) {
-    for (int i = 0; i < W; ++i) x[i] = std::exp(x[i]);
+  static T exp2(T x) {
+    for (int i = 0; i < W; ++i) x[i] = std::exp2(x[i]);
     return x;
   }
   static T soft_cap(T x, float cap) {
@@ -104,7 +121,6 @@ struct Vec {
   }
   static T if_le(T a, T b, T x, T y) { return a <= b ? x : y; }
   static T if_lt(T a, T b, T x, T y) { return a < b ? x : y; }
-  static T if_eq(T a, T b, T x, T y) { return a == b ? x : y; }
 };
 
 template <typename CT>
@@ -132,11 +148,18 @@ static_assert(kKeys % kQkKeys1 == 0 && kKeys % kQkKeys2 == 0, "key step must hol
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The inner kernels, inlined; -DJAX_ATTN_PROFILE keeps them apart for `perf`.
+#ifdef JAX_ATTN_PROFILE
+#define JAX_ATTN_HOT __attribute__((noinline))
+#else
+#define JAX_ATTN_HOT inline
+#endif
+
 // S^T[n][r] for keys [n0, n0 + KB) and rows [r0, r0 + RV * W):
 // Qt: [D][Mp] (row-contiguous per d), Kw: [kKeys][ldk] (d-contiguous per key); the d loop
 // streams one Qt line per step and broadcasts one float of each of the KB keys.
 template <int RV, int KB>
-inline void qk_block(const float* __restrict Qt, int64_t Mp, const float* __restrict Kw,
+JAX_ATTN_HOT void qk_block(const float* __restrict Qt, int64_t Mp, const float* __restrict Kw,
                      int64_t ldk, int64_t D, float* __restrict St, int64_t r0, int64_t n0) {
   V acc[KB][RV];
 #pragma GCC unroll 16
@@ -166,7 +189,7 @@ inline void qk_block(const float* __restrict Qt, int64_t Mp, const float* __rest
 // O[r][d0 .. d0 + DV*W) = alpha[r] * O[r][..] + sum_{n < nv} P^T[n][r] * Vw[n][..] for rows
 // [r0, r0 + R): walks keys n in order; per key DV vector loads of Vw[n] and R broadcasts of P.
 template <int R, int DV>
-inline void pv_block(float* __restrict O, int64_t ldo, const float* __restrict Pt, int64_t Mp,
+JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __restrict Pt, int64_t Mp,
                      const float* __restrict Vw, int64_t ldv, int64_t nv, int64_t r0, int64_t d0,
                      const float* __restrict alpha) {
   V acc[R][DV];
@@ -236,9 +259,9 @@ struct Problem {
   const int32_t* block_tables;  // [S, MB]
   const float* slopes;          // [Hq] or nullptr
   int64_t Hq, Hkv, G, D, Dp, BS, MB;
-  float qk_scale;  // scale * k_scale, folded into the queries
+  float qk_scale;  // scale * k_scale * log2(e), folded into the queries
   float v_scale;   // folded into the output
-  float cap;       // soft cap, <= 0: none
+  float cap;       // soft cap * log2(e), <= 0: none
   int64_t window;  // sliding window, <= 0: none
   bool causal;
 };
@@ -250,8 +273,75 @@ struct Item {
   int64_t kvh;     // kv head
   int64_t pos0;    // position of the first token in its sequence
   int64_t k_begin, k_end;  // keys the tile reads: [k_begin, k_end)
-  int64_t cost;
 };
+
+struct Task {  // items [first, first + num_items), run in order by one thread
+  int64_t first, num_items, cost;
+};
+
+// One online-softmax step over keys [k0, k0 + nv) for rows [0, M), a vector of rows at a time:
+// St[n][r] (base-2 logits in, probabilities out) walked key by key for each row vector, so the
+// row max and row sum are vertical vector ops. alpha[r] gets the factor for the row's
+// accumulator. Template flags drop the soft cap / ALiBi / mask code when a step needs none
+// (interior steps of a causal tile are fully visible).
+template <bool kTransform, bool kMask>
+JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t Mp, int64_t M,
+                               int64_t nv, int64_t k0, const float* q_pos, const float* slope,
+                               float* row_max, float* row_sum, float* alpha) {
+  const V masked = Vec::set1(kMasked);
+  const V window = Vec::set1(static_cast<float>(p.window));
+  for (int64_t rv = 0; rv < M; rv += W) {
+    const V pq = Vec::load(q_pos + rv);
+    const V sl = Vec::load(slope + rv);
+    V chunk_max = masked;
+    for (int64_t n = 0; n < nv; ++n) {
+      V s = Vec::load(St + n * Mp + rv);
+      if (kTransform || kMask) {
+        const V pk = Vec::set1(static_cast<float>(k0 + n));
+        if (kTransform) {
+          if (p.cap > 0.0f) s = Vec::soft_cap(s, p.cap);
+          if (p.slopes) s = Vec::fmadd(sl, Vec::sub(pk, pq), s);
+        }
+        if (kMask) {
+          if (p.causal) s = Vec::if_le(pk, pq, s, masked);                        // p_k <= p_q
+          if (p.window > 0) s = Vec::if_lt(Vec::sub(pq, pk), window, s, masked);  // p_q - p_k < W
+        }
+        Vec::store(St + n * Mp + rv, s);
+      }
+      chunk_max = Vec::max(chunk_max, s);
+    }
+    const V old_max = Vec::load(row_max + rv);
+    const V new_max = Vec::max(old_max, chunk_max);
+    const V ref = Vec::max(new_max, Vec::set1(kNoKey));
+    const V a = Vec::exp2(Vec::sub(old_max, ref));
+    V sum = Vec::zero();
+    for (int64_t n = 0; n < nv; ++n) {
+      const V e = Vec::exp2(Vec::sub(Vec::load(St + n * Mp + rv), ref));
+      Vec::store(St + n * Mp + rv, e);
+      sum = Vec::add(sum, e);
+    }
+    Vec::store(row_max + rv, new_max);
+    Vec::store(row_sum + rv, Vec::fmadd(Vec::load(row_sum + rv), a, sum));
+    Vec::store(alpha + rv, a);
+  }
+}
+
+inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int64_t nv,
+                         int64_t k0, bool mask, const float* q_pos, const float* slope,
+                         float* row_max, float* row_sum, float* alpha) {
+  const bool transform = p.cap > 0.0f || p.slopes != nullptr;
+  if (transform) {
+    if (mask) {
+      softmax_rows<true, true>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+    } else {
+      softmax_rows<true, false>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+    }
+  } else if (mask) {
+    softmax_rows<false, true>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+  } else {
+    softmax_rows<false, false>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+  }
+}
 
 // Per-thread scratch, grown on demand and reused across calls (64-byte aligned).
 struct Scratch {
@@ -297,13 +387,13 @@ void run_item(const Problem& p, const Item& it) {
       const QT* q = query + ((it.t0 + r / G) * Hq + it.kvh * G + r % G) * D;
       for (int64_t d = 0; d < D; ++d) Qt[d * Mp + r] = widen(q[d]) * p.qk_scale;
       q_pos[r] = static_cast<float>(it.pos0 + r / G);
-      slope[r] = p.slopes ? p.slopes[it.kvh * G + r % G] : 0.0f;
+      slope[r] = p.slopes ? p.slopes[it.kvh * G + r % G] * kLog2e : 0.0f;
     } else {
       for (int64_t d = 0; d < D; ++d) Qt[d * Mp + r] = 0.0f;
       q_pos[r] = 0.0f;
       slope[r] = 0.0f;
     }
-    row_max[r] = kNegInf;
+    row_max[r] = kMasked;
     row_sum[r] = 0.0f;
   }
   std::memset(O, 0, sizeof(float) * M * Dp);
@@ -311,9 +401,6 @@ void run_item(const Problem& p, const Item& it) {
   const CT* kc = static_cast<const CT*>(p.key_cache);
   const CT* vc = static_cast<const CT*>(p.value_cache);
   const int32_t* table = p.block_tables + it.seq * p.MB;
-  const V neg_inf = Vec::set1(kNegInf);
-  const V zero = Vec::zero();
-  const V window = Vec::set1(static_cast<float>(p.window));
 
   for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kKeys) {
     const int64_t nv = std::min<int64_t>(kKeys, it.k_end - k0);
@@ -325,6 +412,19 @@ void run_item(const Problem& p, const Item& it) {
       const int64_t off = (slot * p.Hkv + it.kvh) * D;
       widen_row<CT>(kc + off, Kw + n * Dp, D, Dp);
       widen_row<CT>(vc + off, Vw + n * Dp, D, Dp);
+    }
+    // Ask for the next step's key and value rows now; they arrive while this step computes
+    // (each row is a separate run at a stride of Hkv * D, which the hardware prefetcher
+    // does not follow).
+    const int64_t next_end = std::min<int64_t>(k0 + nv + kKeys, it.k_end);
+    for (int64_t pos = k0 + nv; pos < next_end; ++pos) {
+      const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
+      const char* kr = reinterpret_cast<const char*>(kc + (slot * p.Hkv + it.kvh) * D);
+      const char* vr = reinterpret_cast<const char*>(vc + (slot * p.Hkv + it.kvh) * D);
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(CT)); b += 64) {
+        __builtin_prefetch(kr + b);
+        __builtin_prefetch(vr + b);
+      }
     }
     const int64_t nc1 = round_up(nv, kQkKeys1), nc2 = round_up(nv, kQkKeys2);
     for (int64_t n = nv; n < nc1; ++n) std::memset(Kw + n * Dp, 0, sizeof(float) * D);
@@ -342,37 +442,9 @@ void run_item(const Problem& p, const Item& it) {
       }
     }
 
-    // Online softmax over this step, 16 (or 8) rows per vector: St[n][r] over n < nv.
-    for (int64_t rv = 0; rv < M; rv += W) {
-      const V pq = Vec::load(q_pos + rv);
-      const V sl = Vec::load(slope + rv);
-      V chunk_max = neg_inf;
-      for (int64_t n = 0; n < nv; ++n) {
-        const V pk = Vec::set1(static_cast<float>(k0 + n));
-        V s = Vec::load(St + n * Mp + rv);
-        if (p.cap > 0.0f) s = Vec::soft_cap(s, p.cap);
-        if (p.slopes) s = Vec::fmadd(sl, Vec::sub(pk, pq), s);
-        if (p.causal) s = Vec::if_le(pk, pq, s, neg_inf);                      // p_k <= p_q
-        if (p.window > 0) s = Vec::if_lt(Vec::sub(pq, pk), window, s, neg_inf);  // p_q-p_k < W
-        Vec::store(St + n * Mp + rv, s);
-        chunk_max = Vec::max(chunk_max, s);
-      }
-      const V old_max = Vec::load(row_max + rv);
-      const V new_max = Vec::max(old_max, chunk_max);
-      // A row that has seen no visible key yet keeps max -inf; exponentiate against 0 then.
-      const V ref = Vec::if_eq(new_max, neg_inf, zero, new_max);
-      const V a = Vec::if_eq(old_max, neg_inf, zero, Vec::exp(Vec::sub(old_max, ref)));
-      V sum = zero;
-      for (int64_t n = 0; n < nv; ++n) {
-        const V s = Vec::load(St + n * Mp + rv);
-        const V e = Vec::if_eq(s, neg_inf, zero, Vec::exp(Vec::sub(s, ref)));  // exact zeros
-        Vec::store(St + n * Mp + rv, e);
-        sum = Vec::add(sum, e);
-      }
-      Vec::store(row_max + rv, new_max);
-      Vec::store(row_sum + rv, Vec::fmadd(Vec::load(row_sum + rv), a, sum));
-      Vec::store(alpha + rv, a);
-    }
+    const bool mask = (p.causal && k0 + nv - 1 > it.pos0) ||
+                      (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
+    softmax_step(p, St, Mp, M, nv, k0, mask, q_pos, slope, row_max, row_sum, alpha);
 
     // O = alpha O + P V: vector columns of O outer (their Vw slice stays in L1), rows inner.
     int64_t d0 = 0;
@@ -449,29 +521,31 @@ ffi::Error check_metadata(const int32_t* qsl, const int32_t* seq_lens, const int
 }
 
 template <typename QT, typename CT>
-void run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Item>& items) {
-  parallel_for(pool, static_cast<int64_t>(items.size()), num_workers(pool),
-               [&](int64_t i) { run_item<QT, CT>(p, items[i]); });
+void run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Item>& items,
+             const std::vector<Task>& tasks) {
+  parallel_for(pool, static_cast<int64_t>(tasks.size()), num_workers(pool), [&](int64_t t) {
+    for (int64_t i = 0; i < tasks[t].num_items; ++i) run_item<QT, CT>(p, items[tasks[t].first + i]);
+  });
 }
 
 template <typename QT>
 ffi::Error dispatch_cache(ffi::DataType cache_dtype, ffi::ThreadPool& pool, const Problem& p,
-                          const std::vector<Item>& items) {
+                          const std::vector<Item>& items, const std::vector<Task>& tasks) {
   switch (cache_dtype) {
     case ffi::DataType::F32:
-      run_all<QT, float>(pool, p, items);
+      run_all<QT, float>(pool, p, items, tasks);
       break;
     case ffi::DataType::BF16:
-      run_all<QT, bf16_t>(pool, p, items);
+      run_all<QT, bf16_t>(pool, p, items, tasks);
       break;
     case ffi::DataType::F16:
-      run_all<QT, f16_t>(pool, p, items);
+      run_all<QT, f16_t>(pool, p, items, tasks);
       break;
     case ffi::DataType::F8E4M3FN:
-      run_all<QT, e4m3_t>(pool, p, items);
+      run_all<QT, e4m3_t>(pool, p, items, tasks);
       break;
     case ffi::DataType::F8E5M2:
-      run_all<QT, e5m2_t>(pool, p, items);
+      run_all<QT, e5m2_t>(pool, p, items, tasks);
       break;
     default:
       return invalid(std::string("key_cache dtype ") + dtype_name(cache_dtype) +
@@ -549,39 +623,48 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
   p.Dp = round_up(D, W);
   p.BS = BS;
   p.MB = MB;
-  p.qk_scale = scale * k_scale.typed_data()[0];
+  p.qk_scale = scale * k_scale.typed_data()[0] * kLog2e;
   p.v_scale = v_scale.typed_data()[0];
-  p.cap = logits_soft_cap;
+  p.cap = logits_soft_cap > 0.0f ? logits_soft_cap * kLog2e : 0.0f;
   p.window = sliding_window;
   p.causal = causal != 0;
 
-  // Tiles: up to tile_tokens tokens of one sequence x the G heads of one kv head.
+  // Tiles: up to tile_tokens tokens of one sequence x the G heads of one kv head. A task is a
+  // run of up to kTilesPerTask tiles of the same (sequence, kv head), last tile first: they
+  // read the same keys, which the first one leaves in this core's L2 for the others.
   const int64_t tile_tokens = std::max<int64_t>(1, kTargetRows / p.G);
   std::vector<Item> items;
+  std::vector<Task> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s], seq_len = lens[s];
-    for (int64_t j0 = 0; j0 < q_len; j0 += tile_tokens) {
-      const int64_t nt = std::min(tile_tokens, q_len - j0);
-      const int64_t pos0 = seq_len - q_len + j0, pos_last = pos0 + nt - 1;
-      const int64_t k_end = p.causal ? pos_last + 1 : seq_len;
-      const int64_t k_begin = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        items.push_back(Item{s, qsl[s] + j0, nt, h, pos0, k_begin, std::max(k_begin, k_end),
-                             (std::max<int64_t>(0, k_end - k_begin) + kKeys) * nt});
+    const int64_t num_tiles = (q_len + tile_tokens - 1) / tile_tokens;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t j = num_tiles - 1; j >= 0; --j) {
+        const int64_t j0 = j * tile_tokens, nt = std::min(tile_tokens, q_len - j0);
+        const int64_t pos0 = seq_len - q_len + j0, pos_last = pos0 + nt - 1;
+        const int64_t k_end = p.causal ? pos_last + 1 : seq_len;
+        const int64_t k_begin = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
+        const int64_t cost = (std::max<int64_t>(0, k_end - k_begin) + kKeys) * nt;
+        if ((num_tiles - 1 - j) % kTilesPerTask == 0) {
+          tasks.push_back(Task{static_cast<int64_t>(items.size()), 0, 0});
+        }
+        items.push_back(Item{s, qsl[s] + j0, nt, h, pos0, k_begin, std::max(k_begin, k_end)});
+        tasks.back().num_items += 1;
+        tasks.back().cost += cost;
       }
     }
   }
-  // Longest first, so the last items handed out are short ones (balance across threads).
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  // Longest first, so the last tasks handed out are short ones (balance across threads).
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
 
   switch (qt) {
     case ffi::DataType::F32:
-      return dispatch_cache<float>(key_cache.element_type(), pool, p, items);
+      return dispatch_cache<float>(key_cache.element_type(), pool, p, items, tasks);
     case ffi::DataType::BF16:
-      return dispatch_cache<bf16_t>(key_cache.element_type(), pool, p, items);
+      return dispatch_cache<bf16_t>(key_cache.element_type(), pool, p, items, tasks);
     case ffi::DataType::F16:
-      return dispatch_cache<f16_t>(key_cache.element_type(), pool, p, items);
+      return dispatch_cache<f16_t>(key_cache.element_type(), pool, p, items, tasks);
     default:
       return invalid(std::string("query dtype ") + dtype_name(qt) +
                      " is not supported (float32, bfloat16, float16)");
