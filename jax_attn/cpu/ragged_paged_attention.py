@@ -14,42 +14,76 @@ kv head) and walks only the keys a tile can see. Output shapes depend only on `T
 are runtime values.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-HANDLER = "jax_attn_cpu_ragged_paged_attention"
-QUERY_DTYPES = ("float32", "bfloat16", "float16")
+from jax_attn.cpu import _build
+from jax_attn.cpu._shapes import shape_problem
+
+TARGET = "jax_attn_cpu_ragged_paged_attention"
 
 
-def _require_kernel() -> None:
-    from jax_attn.cpu import _build
-
-    reason = _build.unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"jax_attn.cpu kernels are not available: {reason}")
-    if not _build.registered(HANDLER):
-        raise RuntimeError(f"jax_attn.cpu: the built library has no {HANDLER} handler")
+def _not_differentiable(*_):
+    raise TypeError(
+        "jax_attn.cpu.ragged_paged_attention (the native CPU kernel, paged_attention "
+        "impl='cpu') has no gradient: the paged kernels are inference-only. Differentiate "
+        "through jax_attn.varlen_attention (dense ragged attention) instead."
+    )
 
 
-def _check_shapes(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-                  num_seqs, alibi_slopes) -> None:
-    from jax_attn.cpu import shape_problem
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _ragged(config, query, key_cache, value_cache, qsl, seq_lens, tables, num_seqs, ks, vs, sl):
+    scale, causal, sliding_window, logits_soft_cap = config
+    call = jax.ffi.ffi_call(
+        TARGET,
+        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        # vmap runs the kernel once per batch element; ragged batches are the better batching.
+        vmap_method="sequential",
+    )
+    return call(
+        query,
+        key_cache,
+        value_cache,
+        qsl,
+        seq_lens,
+        tables,
+        num_seqs,
+        ks,
+        vs,
+        sl,
+        scale=np.float32(scale),
+        causal=np.int64(causal),
+        sliding_window=np.int64(sliding_window),
+        logits_soft_cap=np.float32(logits_soft_cap),
+    )
 
+
+_ragged.defjvp(_not_differentiable)
+
+
+def _check_shapes(
+    query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, num_seqs, alibi_slopes
+) -> None:
     if query.ndim != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
-    if key_cache.ndim != 4 or value_cache.shape != key_cache.shape:
+    if key_cache.ndim != 4:
         raise ValueError(
-            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
-            f"head_size], got {key_cache.shape} and {value_cache.shape}"
+            "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], "
+            f"got {key_cache.shape}"
         )
-    if key_cache.dtype != value_cache.dtype:
-        raise TypeError(f"{key_cache.dtype=} must equal {value_cache.dtype=}")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"value_cache {value_cache.shape} {value_cache.dtype} must match "
+            f"key_cache {key_cache.shape} {key_cache.dtype}"
+        )
     num_heads, head_size = query.shape[1:]
     _, block_size, num_kv_heads, cache_head_size = key_cache.shape
     if cache_head_size != head_size:
-        raise ValueError(f"cache head_size={cache_head_size} must equal query {head_size=}")
+        raise ValueError(f"key_cache head_size={cache_head_size} != query {head_size=}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
     problem = shape_problem(
@@ -59,40 +93,35 @@ def _check_shapes(query, key_cache, value_cache, query_start_loc, seq_lens, bloc
         head_size=head_size,
     )
     if problem is not None:
-        raise ValueError(f"jax_attn.cpu.ragged_paged_attention: {problem}")
+        raise TypeError(f"jax_attn.cpu.ragged_paged_attention: {problem}")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {block_tables.shape}")
-    num_rows = block_tables.shape[0]
-    if seq_lens.shape != (num_rows,):
-        raise ValueError(f"seq_lens must be [{num_rows}] like block_tables, got {seq_lens.shape}")
-    if query_start_loc.shape != (num_rows + 1,):
+    rows = block_tables.shape[0]
+    if seq_lens.shape != (rows,):
         raise ValueError(
-            f"query_start_loc must be [{num_rows + 1}] (num_seqs + 1), got {query_start_loc.shape}"
+            f"seq_lens must be [num_seqs={rows}] (block_tables rows), got {seq_lens.shape}"
+        )
+    if query_start_loc.shape != (rows + 1,):
+        raise ValueError(
+            f"query_start_loc must be [num_seqs + 1={rows + 1}], got {query_start_loc.shape}"
         )
     if jnp.shape(num_seqs) != ():
         raise ValueError(f"num_seqs must be a scalar, got shape {jnp.shape(num_seqs)}")
-    for name, x in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-                    ("block_tables", block_tables)):
-        if x.dtype != jnp.int32:
-            raise TypeError(f"{name} must be int32, got {x.dtype}")
+    for name, x in dict(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        num_seqs=jnp.asarray(num_seqs),
+    ).items():
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name}.dtype={x.dtype} must be int32")
     if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
-        raise ValueError(f"alibi_slopes must be [{num_heads}], got {alibi_slopes.shape}")
+        raise ValueError(f"alibi_slopes must be [{num_heads=}], got {alibi_slopes.shape}")
 
 
-def _no_grad(fn):
-    """fn with a JVP rule that says where gradients live (the kernel is forward-only)."""
-    wrapped = jax.custom_jvp(fn)
-
-    def jvp(primals, tangents):
-        raise TypeError(
-            "jax_attn.cpu.ragged_paged_attention (paged_attention impl='cpu') has no "
-            "gradient: differentiate jax_attn.varlen_attention instead"
-        )
-
-    wrapped.defjvp(jvp)
-    return wrapped
-
-
+@functools.partial(
+    jax.jit, static_argnames=("scale", "causal", "sliding_window", "logits_soft_cap")
+)
 def ragged_paged_attention(
     query: Float[Array, "num_tokens num_heads head_size"],
     key_cache: Float[Array, "num_blocks block_size num_kv_heads head_size"],
@@ -121,52 +150,42 @@ def ragged_paged_attention(
     read. Tested against `jax_attn.reference.paged_attention`. Not differentiable (raises
     naming `jax_attn.varlen_attention`); `vmap` runs the calls one after another.
     """
-    _require_kernel()
-    _check_shapes(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-                  num_seqs, alibi_slopes)
+    reason = _build.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"jax_attn.cpu kernels are not available: {reason}")
+    _check_shapes(
+        query,
+        key_cache,
+        value_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        num_seqs,
+        alibi_slopes,
+    )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{sliding_window=} must be >= 1 (or None)")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"{logits_soft_cap=} must be > 0 (or None)")
-    num_heads = query.shape[1]
     slopes = (
-        jnp.zeros((0,), jnp.float32)
-        if alibi_slopes is None
-        else jnp.asarray(alibi_slopes, jnp.float32).reshape(num_heads)
+        jnp.zeros((0,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     )
-    call = jax.ffi.ffi_call(
-        HANDLER,
-        jax.ShapeDtypeStruct(query.shape, query.dtype),
-        vmap_method="sequential",
+    config = (
+        float(scale),
+        int(bool(causal)),
+        int(sliding_window or 0),
+        float(logits_soft_cap or 0),
     )
-
-    def kernel(query, key_cache, value_cache, k_scale, v_scale, slopes, qsl, lens, tables, n):
-        return call(
-            query,
-            key_cache,
-            value_cache,
-            qsl,
-            lens,
-            tables,
-            n,
-            k_scale,
-            v_scale,
-            slopes,
-            scale=np.float32(scale),
-            causal=np.int64(bool(causal)),
-            sliding_window=np.int64(sliding_window or 0),
-            logits_soft_cap=np.float32(logits_soft_cap or 0.0),
-        )
-
-    return _no_grad(kernel)(
+    return _ragged(
+        config,
         query,
         key_cache,
         value_cache,
-        jnp.asarray(k_scale, jnp.float32).reshape(()),
-        jnp.asarray(v_scale, jnp.float32).reshape(()),
+        query_start_loc.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        jnp.asarray(num_seqs).astype(jnp.int32).reshape(()),
+        jnp.asarray(k_scale).astype(jnp.float32).reshape(()),
+        jnp.asarray(v_scale).astype(jnp.float32).reshape(()),
         slopes,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        jnp.asarray(num_seqs, jnp.int32).reshape(()),
     )

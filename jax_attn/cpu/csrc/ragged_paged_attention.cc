@@ -512,7 +512,7 @@ ffi::Error check_metadata(const int32_t* qsl, const int32_t* seq_lens, const int
       const int64_t id = tables[i * MB + b];
       if (id < 0 || id >= NB) {
         return invalid("block_tables[" + std::to_string(i) + ", " + std::to_string(b) +
-                       "]=" + std::to_string(id) + " is not a block id in [0, " +
+                       "]=" + std::to_string(id) + " is not a block id in [0, num_blocks=" +
                        std::to_string(NB) + ")");
       }
     }
@@ -677,8 +677,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
 // query [T, Hq, D], key_cache/value_cache [NB, BS, Hkv, D], query_start_loc i32[S + 1],
 // seq_lens i32[S], block_tables i32[S, max_blocks], num_seqs i32[], k_scale f32[], v_scale f32[],
 // alibi_slopes f32[Hq] or f32[0] -> out [T, Hq, D] in the query dtype.
-// Exported (the library builds with -fvisibility=hidden) and registered by name from Python.
-#pragma GCC visibility push(default)
+JAX_ATTN_EXPORT_HANDLER(jax_attn_cpu_ragged_paged_attention);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_ragged_paged_attention,
                               jax_attn_cpu::RaggedPagedAttentionImpl,
                               xla::ffi::Ffi::Bind()
@@ -698,4 +697,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_ragged_paged_attention,
                                   .Attr<int64_t>("causal")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("logits_soft_cap"));
-#pragma GCC visibility pop
