@@ -27,6 +27,7 @@
 #include <limits>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention_common.h"
@@ -185,6 +186,51 @@ JAX_ATTN_HOT void qk_block(const float* __restrict Qt, int64_t Mp, const float* 
     for (int v = 0; v < RV; ++v) Vec::store(St + (n0 + j) * Mp + r0 + v * W, acc[j][v]);
   }
 }
+
+#if JAX_ATTN_AVX512 && defined(__AVX512BF16__)
+#define JAX_ATTN_BF16_DOT 1
+// bf16 queries and a bf16 cache: S^T[n][r] = qk_scale * sum over d pairs with vdpbf16ps, which
+// multiplies bf16 pairs exactly and accumulates in float32: half the instructions of the f32
+// kernel and no widened copy of the keys. Qt2: [D/2][Mp] pairs (q[r][2i], q[r][2i+1]);
+// keys: kp[n] points at key n's [D] bf16 row in the cache, read as D/2 pairs (broadcast).
+template <int RV, int KB>
+JAX_ATTN_HOT void qk_block_bf16(const uint32_t* __restrict Qt2, int64_t Mp,
+                                const uint32_t* const* kp, int64_t D2, float qk_scale,
+                                float* __restrict St, int64_t r0, int64_t n0) {
+  __m512 acc[KB][RV];
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) {
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_setzero_ps();
+  }
+  const uint32_t* k[KB];
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) k[j] = kp[n0 + j];
+  for (int64_t i = 0; i < D2; ++i) {
+    __m512bh q[RV];
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) {
+      q[v] = (__m512bh)_mm512_loadu_si512(Qt2 + i * Mp + r0 + v * 16);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[j][i]));
+#pragma GCC unroll 4
+      for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], q[v], kb);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(qk_scale);
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) {
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) {
+      _mm512_storeu_ps(St + (n0 + j) * Mp + r0 + v * 16, _mm512_mul_ps(acc[j][v], sc));
+    }
+  }
+}
+#else
+#define JAX_ATTN_BF16_DOT 0
+#endif
 
 // O[r][d0 .. d0 + DV*W) = alpha[r] * O[r][..] + sum_{n < nv} P^T[n][r] * Vw[n][..] for rows
 // [r0, r0 + R): walks keys n in order; per key DV vector loads of Vw[n] and R broadcasts of P.
@@ -361,13 +407,14 @@ struct Scratch {
 };
 thread_local Scratch tls_scratch;
 
-template <typename QT, typename CT>
+// kDot: bf16 x bf16 logits through vdpbf16ps (see qk_block_bf16); needs an even head size.
+template <typename QT, typename CT, bool kDot>
 void run_item(const Problem& p, const Item& it) {
   const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq;
   const int64_t M = it.nt * G;             // real rows
   const int64_t Mp = round_up(M, W);  // rows padded to whole vectors
   float* base = tls_scratch.get(static_cast<size_t>(D * Mp + kKeys * Mp + M * Dp +
-                                                    2 * kKeys * Dp + 6 * Mp + 64));
+                                                    2 * kKeys * Dp + 6 * Mp + Dp + 64));
   float* Qt = base;                 // [D][Mp]
   float* St = Qt + D * Mp;          // [kKeys][Mp]: logits, then probabilities
   float* O = St + kKeys * Mp;       // [M][Dp]
@@ -378,18 +425,33 @@ void run_item(const Problem& p, const Item& it) {
   float* alpha = row_sum + Mp;
   float* q_pos = alpha + Mp;
   float* slope = q_pos + Mp;
+  float* zero_row = slope + Mp;     // [Dp] zeros: the bf16 dot's stand-in for missing keys
 
   const QT* query = static_cast<const QT*>(p.query);
   // query rows [t0, t0 + nt) x heads [kvh*G, kvh*G + G): row r -> token r / G, head r % G;
-  // read row-major (d fastest), written transposed into Qt[d][r].
+  // read row-major (d fastest), written transposed into Qt[d][r] (bf16 dot: Qt2[d/2][r],
+  // unscaled bf16 pairs).
+  [[maybe_unused]] uint32_t* Qt2 = reinterpret_cast<uint32_t*>(Qt);
+  [[maybe_unused]] const uint32_t** kp = reinterpret_cast<const uint32_t**>(Kw);
   for (int64_t r = 0; r < Mp; ++r) {
     if (r < M) {
       const QT* q = query + ((it.t0 + r / G) * Hq + it.kvh * G + r % G) * D;
-      for (int64_t d = 0; d < D; ++d) Qt[d * Mp + r] = widen(q[d]) * p.qk_scale;
+      if constexpr (kDot) {
+        for (int64_t i = 0; i < D / 2; ++i) {
+          Qt2[i * Mp + r] = static_cast<uint32_t>(q[2 * i].bits) |
+                            (static_cast<uint32_t>(q[2 * i + 1].bits) << 16);
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) Qt[d * Mp + r] = widen(q[d]) * p.qk_scale;
+      }
       q_pos[r] = static_cast<float>(it.pos0 + r / G);
       slope[r] = p.slopes ? p.slopes[it.kvh * G + r % G] * kLog2e : 0.0f;
     } else {
-      for (int64_t d = 0; d < D; ++d) Qt[d * Mp + r] = 0.0f;
+      if constexpr (kDot) {
+        for (int64_t i = 0; i < D / 2; ++i) Qt2[i * Mp + r] = 0;
+      } else {
+        for (int64_t d = 0; d < D; ++d) Qt[d * Mp + r] = 0.0f;
+      }
       q_pos[r] = 0.0f;
       slope[r] = 0.0f;
     }
@@ -397,6 +459,7 @@ void run_item(const Problem& p, const Item& it) {
     row_sum[r] = 0.0f;
   }
   std::memset(O, 0, sizeof(float) * M * Dp);
+  std::memset(zero_row, 0, sizeof(float) * Dp);
 
   const CT* kc = static_cast<const CT*>(p.key_cache);
   const CT* vc = static_cast<const CT*>(p.value_cache);
@@ -410,7 +473,11 @@ void run_item(const Problem& p, const Item& it) {
       const int64_t pos = k0 + n;
       const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
       const int64_t off = (slot * p.Hkv + it.kvh) * D;
-      widen_row<CT>(kc + off, Kw + n * Dp, D, Dp);
+      if constexpr (kDot) {
+        kp[n] = reinterpret_cast<const uint32_t*>(kc + off);
+      } else {
+        widen_row<CT>(kc + off, Kw + n * Dp, D, Dp);
+      }
       widen_row<CT>(vc + off, Vw + n * Dp, D, Dp);
     }
     // Ask for the next step's key and value rows now; they arrive while this step computes
@@ -427,18 +494,35 @@ void run_item(const Problem& p, const Item& it) {
       }
     }
     const int64_t nc1 = round_up(nv, kQkKeys1), nc2 = round_up(nv, kQkKeys2);
-    for (int64_t n = nv; n < nc1; ++n) std::memset(Kw + n * Dp, 0, sizeof(float) * D);
 
     // S^T = K Q^T: row-vector pairs outer (their Qt slice stays in L1), key blocks inner.
+    // Keys nv..nc of the last block are computed from a zero row and never read.
     int64_t r0 = 0;
-    for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
-      for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
-        qk_block<2, kQkKeys2>(Qt, Mp, Kw, Dp, D, St, r0, n0);
+    if constexpr (kDot) {
+#if JAX_ATTN_BF16_DOT
+      for (int64_t n = nv; n < nc1; ++n) kp[n] = reinterpret_cast<const uint32_t*>(zero_row);
+      for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
+        for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
+          qk_block_bf16<2, kQkKeys2>(Qt2, Mp, kp, D / 2, p.qk_scale, St, r0, n0);
+        }
       }
-    }
-    for (; r0 < Mp; r0 += W) {
-      for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
-        qk_block<1, kQkKeys1>(Qt, Mp, Kw, Dp, D, St, r0, n0);
+      for (; r0 < Mp; r0 += W) {
+        for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
+          qk_block_bf16<1, kQkKeys1>(Qt2, Mp, kp, D / 2, p.qk_scale, St, r0, n0);
+        }
+      }
+#endif
+    } else {
+      for (int64_t n = nv; n < nc1; ++n) std::memset(Kw + n * Dp, 0, sizeof(float) * D);
+      for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
+        for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
+          qk_block<2, kQkKeys2>(Qt, Mp, Kw, Dp, D, St, r0, n0);
+        }
+      }
+      for (; r0 < Mp; r0 += W) {
+        for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
+          qk_block<1, kQkKeys1>(Qt, Mp, Kw, Dp, D, St, r0, n0);
+        }
       }
     }
 
@@ -523,8 +607,19 @@ ffi::Error check_metadata(const int32_t* qsl, const int32_t* seq_lens, const int
 template <typename QT, typename CT>
 void run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Item>& items,
              const std::vector<Task>& tasks) {
+  constexpr bool kBf16 = std::is_same_v<QT, bf16_t> && std::is_same_v<CT, bf16_t>;
+  if (JAX_ATTN_BF16_DOT && kBf16 && p.D % 2 == 0) {
+    parallel_for(pool, static_cast<int64_t>(tasks.size()), num_workers(pool), [&](int64_t t) {
+      for (int64_t i = 0; i < tasks[t].num_items; ++i) {
+        run_item<QT, CT, kBf16>(p, items[tasks[t].first + i]);
+      }
+    });
+    return;
+  }
   parallel_for(pool, static_cast<int64_t>(tasks.size()), num_workers(pool), [&](int64_t t) {
-    for (int64_t i = 0; i < tasks[t].num_items; ++i) run_item<QT, CT>(p, items[tasks[t].first + i]);
+    for (int64_t i = 0; i < tasks[t].num_items; ++i) {
+      run_item<QT, CT, false>(p, items[tasks[t].first + i]);
+    }
   });
 }
 
