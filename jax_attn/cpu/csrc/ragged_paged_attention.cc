@@ -38,6 +38,10 @@ namespace {
 constexpr int kKeys = 32;         // keys per online-softmax step
 constexpr int kTargetRows = 64;   // query rows (tokens x G) per tile
 constexpr int kTilesPerTask = 8;  // tiles of one (sequence, kv head) per thread task
+// Tiles of at most kSmallRows rows per kv head (decode, short chunks) are memory-bound: one
+// item takes up to kMaxHeadsPerItem kv heads, so each key's rows are read as one run.
+constexpr int kSmallRows = 16;
+constexpr int kMaxHeadsPerItem = 16;
 // Logits are kept in base 2 (log2(e) folded into the query scale, the soft cap and the ALiBi
 // slopes), so the softmax needs exp2 only. Masked logits are kMasked, a finite stand-in for
 // -inf: exp2(kMasked - anything real) is exactly 0 and no lane ever sees inf - inf. A row
@@ -316,7 +320,8 @@ struct Item {
   int64_t seq;
   int64_t t0;      // first token (row of query/out)
   int64_t nt;      // tokens in the tile
-  int64_t kvh;     // kv head
+  int64_t kvh;     // first kv head
+  int64_t num_kv;  // kv heads [kvh, kvh + num_kv), processed together
   int64_t pos0;    // position of the first token in its sequence
   int64_t k_begin, k_end;  // keys the tile reads: [k_begin, k_end)
 };
@@ -407,157 +412,206 @@ struct Scratch {
 };
 thread_local Scratch tls_scratch;
 
+// The running state of one kv head's rows in an item, in the thread's scratch.
+struct HeadState {
+  float* Qt;       // [D][Mp] scaled queries, transposed (bf16 dot: [D/2][Mp] bf16 pairs)
+  float* O;        // [M][Dp] unnormalized output rows
+  float* Kw;       // [kKeys][Dp] widened keys (bf16 dot: kKeys pointers to cache rows)
+  float* Vw;       // [kKeys][Dp] widened values
+  float* row_max;  // [Mp] each below
+  float* row_sum;
+  float* alpha;
+  float* q_pos;
+  float* slope;
+};
+
+inline int64_t head_state_floats(int64_t D, int64_t Dp, int64_t M, int64_t Mp) {
+  return D * Mp + M * Dp + 2 * kKeys * Dp + 5 * Mp;
+}
+
+// S^T = K Q^T for one head: row-vector pairs outer (their Qt slice stays in L1), key blocks
+// inner. Keys nv..nc of the last block are computed from zero rows and never read.
+template <bool kDot>
+inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, int64_t nv,
+                        const float* zero_row) {
+  const int64_t nc1 = round_up(nv, kQkKeys1), nc2 = round_up(nv, kQkKeys2);
+  int64_t r0 = 0;
+  if constexpr (kDot) {
+#if JAX_ATTN_BF16_DOT
+    const uint32_t* Qt2 = reinterpret_cast<const uint32_t*>(h.Qt);
+    const uint32_t** kp = reinterpret_cast<const uint32_t**>(h.Kw);
+    for (int64_t n = nv; n < nc1; ++n) kp[n] = reinterpret_cast<const uint32_t*>(zero_row);
+    for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
+      for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
+        qk_block_bf16<2, kQkKeys2>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0);
+      }
+    }
+    for (; r0 < Mp; r0 += W) {
+      for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
+        qk_block_bf16<1, kQkKeys1>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0);
+      }
+    }
+#endif
+  } else {
+    (void)zero_row;
+    for (int64_t n = nv; n < nc1; ++n) std::memset(h.Kw + n * p.Dp, 0, sizeof(float) * p.D);
+    for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
+      for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
+        qk_block<2, kQkKeys2>(h.Qt, Mp, h.Kw, p.Dp, p.D, St, r0, n0);
+      }
+    }
+    for (; r0 < Mp; r0 += W) {
+      for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
+        qk_block<1, kQkKeys1>(h.Qt, Mp, h.Kw, p.Dp, p.D, St, r0, n0);
+      }
+    }
+  }
+}
+
+// O = alpha O + P V for one head: vector columns of O outer (their Vw slice stays in L1),
+// rows inner.
+inline void head_values(const Problem& p, HeadState& h, const float* St, int64_t Mp, int64_t M,
+                        int64_t nv) {
+  const int64_t Dp = p.Dp;
+  int64_t d0 = 0;
+  for (; d0 + kPvVecs * W <= Dp; d0 += kPvVecs * W) {
+    pv_rows<kPvVecs>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+  }
+  switch ((Dp - d0) / W) {
+#if JAX_ATTN_AVX512
+    case 3:
+      pv_rows<3>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+      break;
+    case 2:
+      pv_rows<2>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+      break;
+#endif
+    case 1:
+      pv_rows<1>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+      break;
+    default:
+      break;
+  }
+}
+
+// One work item: a tile of tokens x the G query heads of each of the kv heads
+// [kvh, kvh + num_kv), keys [k_begin, k_end) in steps of kKeys.
 // kDot: bf16 x bf16 logits through vdpbf16ps (see qk_block_bf16); needs an even head size.
 template <typename QT, typename CT, bool kDot>
 void run_item(const Problem& p, const Item& it) {
-  const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq;
-  const int64_t M = it.nt * G;             // real rows
+  const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq, nh = it.num_kv;
+  const int64_t M = it.nt * G;        // real rows per kv head
   const int64_t Mp = round_up(M, W);  // rows padded to whole vectors
-  float* base = tls_scratch.get(static_cast<size_t>(D * Mp + kKeys * Mp + M * Dp +
-                                                    2 * kKeys * Dp + 6 * Mp + Dp + 64));
-  float* Qt = base;                 // [D][Mp]
-  float* St = Qt + D * Mp;          // [kKeys][Mp]: logits, then probabilities
-  float* O = St + kKeys * Mp;       // [M][Dp]
-  float* Kw = O + M * Dp;           // [kKeys][Dp]
-  float* Vw = Kw + kKeys * Dp;      // [kKeys][Dp]
-  float* row_max = Vw + kKeys * Dp; // [Mp] each below
-  float* row_sum = row_max + Mp;
-  float* alpha = row_sum + Mp;
-  float* q_pos = alpha + Mp;
-  float* slope = q_pos + Mp;
-  float* zero_row = slope + Mp;     // [Dp] zeros: the bf16 dot's stand-in for missing keys
+  const int64_t per_head = head_state_floats(D, Dp, M, Mp);
+  float* base = tls_scratch.get(static_cast<size_t>(nh * per_head + kKeys * Mp + Dp + 64));
+  float* St = base;              // [kKeys][Mp]: logits, then probabilities (one head at a time)
+  float* zero_row = St + kKeys * Mp;  // [Dp] zeros: the bf16 dot's stand-in for missing keys
+  std::memset(zero_row, 0, sizeof(float) * Dp);
+  HeadState heads[kMaxHeadsPerItem];
+  for (int64_t h = 0; h < nh; ++h) {
+    float* hb = zero_row + Dp + h * per_head;
+    heads[h] = HeadState{hb,
+                         hb + D * Mp,
+                         hb + D * Mp + M * Dp,
+                         hb + D * Mp + M * Dp + kKeys * Dp,
+                         hb + D * Mp + M * Dp + 2 * kKeys * Dp,
+                         nullptr, nullptr, nullptr, nullptr};
+    heads[h].row_sum = heads[h].row_max + Mp;
+    heads[h].alpha = heads[h].row_sum + Mp;
+    heads[h].q_pos = heads[h].alpha + Mp;
+    heads[h].slope = heads[h].q_pos + Mp;
+  }
 
   const QT* query = static_cast<const QT*>(p.query);
-  // query rows [t0, t0 + nt) x heads [kvh*G, kvh*G + G): row r -> token r / G, head r % G;
-  // read row-major (d fastest), written transposed into Qt[d][r] (bf16 dot: Qt2[d/2][r],
-  // unscaled bf16 pairs).
-  [[maybe_unused]] uint32_t* Qt2 = reinterpret_cast<uint32_t*>(Qt);
-  [[maybe_unused]] const uint32_t** kp = reinterpret_cast<const uint32_t**>(Kw);
-  for (int64_t r = 0; r < Mp; ++r) {
-    if (r < M) {
-      const QT* q = query + ((it.t0 + r / G) * Hq + it.kvh * G + r % G) * D;
-      if constexpr (kDot) {
-        for (int64_t i = 0; i < D / 2; ++i) {
-          Qt2[i * Mp + r] = static_cast<uint32_t>(q[2 * i].bits) |
-                            (static_cast<uint32_t>(q[2 * i + 1].bits) << 16);
+  // Per kv head h: query rows [t0, t0 + nt) x heads [h*G, h*G + G): row r -> token r / G,
+  // head r % G; read row-major (d fastest), written transposed into Qt[d][r] (bf16 dot:
+  // Qt2[d/2][r], unscaled bf16 pairs).
+  for (int64_t h = 0; h < nh; ++h) {
+    HeadState& hs = heads[h];
+    const int64_t kvh = it.kvh + h;
+    [[maybe_unused]] uint32_t* Qt2 = reinterpret_cast<uint32_t*>(hs.Qt);
+    for (int64_t r = 0; r < Mp; ++r) {
+      if (r < M) {
+        const QT* q = query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D;
+        if constexpr (kDot) {
+          for (int64_t i = 0; i < D / 2; ++i) {
+            Qt2[i * Mp + r] = static_cast<uint32_t>(q[2 * i].bits) |
+                              (static_cast<uint32_t>(q[2 * i + 1].bits) << 16);
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = widen(q[d]) * p.qk_scale;
         }
+        hs.q_pos[r] = static_cast<float>(it.pos0 + r / G);
+        hs.slope[r] = p.slopes ? p.slopes[kvh * G + r % G] * kLog2e : 0.0f;
       } else {
-        for (int64_t d = 0; d < D; ++d) Qt[d * Mp + r] = widen(q[d]) * p.qk_scale;
+        if constexpr (kDot) {
+          for (int64_t i = 0; i < D / 2; ++i) Qt2[i * Mp + r] = 0;
+        } else {
+          for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = 0.0f;
+        }
+        hs.q_pos[r] = 0.0f;
+        hs.slope[r] = 0.0f;
       }
-      q_pos[r] = static_cast<float>(it.pos0 + r / G);
-      slope[r] = p.slopes ? p.slopes[it.kvh * G + r % G] * kLog2e : 0.0f;
-    } else {
-      if constexpr (kDot) {
-        for (int64_t i = 0; i < D / 2; ++i) Qt2[i * Mp + r] = 0;
-      } else {
-        for (int64_t d = 0; d < D; ++d) Qt[d * Mp + r] = 0.0f;
-      }
-      q_pos[r] = 0.0f;
-      slope[r] = 0.0f;
+      hs.row_max[r] = kMasked;
+      hs.row_sum[r] = 0.0f;
     }
-    row_max[r] = kMasked;
-    row_sum[r] = 0.0f;
+    std::memset(hs.O, 0, sizeof(float) * M * Dp);
   }
-  std::memset(O, 0, sizeof(float) * M * Dp);
-  std::memset(zero_row, 0, sizeof(float) * Dp);
 
   const CT* kc = static_cast<const CT*>(p.key_cache);
   const CT* vc = static_cast<const CT*>(p.value_cache);
   const int32_t* table = p.block_tables + it.seq * p.MB;
-
+  const int64_t run_bytes = nh * D * static_cast<int64_t>(sizeof(CT));
   for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kKeys) {
     const int64_t nv = std::min<int64_t>(kKeys, it.k_end - k0);
-    // Keys k0 .. k0+nv through the block table: each key's [D] row of kv head kvh, one
-    // contiguous run per key (the block's [BS, Hkv, D] rows are walked token by token).
+    // Keys k0 .. k0+nv through the block table: key n's slot holds [Hkv, D]; the item's kv
+    // heads [kvh, kvh + nh) are one contiguous run of nh * D elements, read in order.
     for (int64_t n = 0; n < nv; ++n) {
       const int64_t pos = k0 + n;
       const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
       const int64_t off = (slot * p.Hkv + it.kvh) * D;
-      if constexpr (kDot) {
-        kp[n] = reinterpret_cast<const uint32_t*>(kc + off);
-      } else {
-        widen_row<CT>(kc + off, Kw + n * Dp, D, Dp);
+      for (int64_t h = 0; h < nh; ++h) {
+        if constexpr (kDot) {
+          reinterpret_cast<const uint32_t**>(heads[h].Kw)[n] =
+              reinterpret_cast<const uint32_t*>(kc + off + h * D);
+        } else {
+          widen_row<CT>(kc + off + h * D, heads[h].Kw + n * Dp, D, Dp);
+        }
+        widen_row<CT>(vc + off + h * D, heads[h].Vw + n * Dp, D, Dp);
       }
-      widen_row<CT>(vc + off, Vw + n * Dp, D, Dp);
     }
-    // Ask for the next step's key and value rows now; they arrive while this step computes
-    // (each row is a separate run at a stride of Hkv * D, which the hardware prefetcher
-    // does not follow).
+    // Ask for the next step's key and value runs now; they arrive while this step computes
+    // (runs of different keys are Hkv * D apart: the hardware prefetcher does not follow).
     const int64_t next_end = std::min<int64_t>(k0 + nv + kKeys, it.k_end);
     for (int64_t pos = k0 + nv; pos < next_end; ++pos) {
       const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
       const char* kr = reinterpret_cast<const char*>(kc + (slot * p.Hkv + it.kvh) * D);
       const char* vr = reinterpret_cast<const char*>(vc + (slot * p.Hkv + it.kvh) * D);
-      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(CT)); b += 64) {
+      for (int64_t b = 0; b < run_bytes; b += 64) {
         __builtin_prefetch(kr + b);
         __builtin_prefetch(vr + b);
       }
     }
-    const int64_t nc1 = round_up(nv, kQkKeys1), nc2 = round_up(nv, kQkKeys2);
-
-    // S^T = K Q^T: row-vector pairs outer (their Qt slice stays in L1), key blocks inner.
-    // Keys nv..nc of the last block are computed from a zero row and never read.
-    int64_t r0 = 0;
-    if constexpr (kDot) {
-#if JAX_ATTN_BF16_DOT
-      for (int64_t n = nv; n < nc1; ++n) kp[n] = reinterpret_cast<const uint32_t*>(zero_row);
-      for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
-        for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
-          qk_block_bf16<2, kQkKeys2>(Qt2, Mp, kp, D / 2, p.qk_scale, St, r0, n0);
-        }
-      }
-      for (; r0 < Mp; r0 += W) {
-        for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
-          qk_block_bf16<1, kQkKeys1>(Qt2, Mp, kp, D / 2, p.qk_scale, St, r0, n0);
-        }
-      }
-#endif
-    } else {
-      for (int64_t n = nv; n < nc1; ++n) std::memset(Kw + n * Dp, 0, sizeof(float) * D);
-      for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
-        for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
-          qk_block<2, kQkKeys2>(Qt, Mp, Kw, Dp, D, St, r0, n0);
-        }
-      }
-      for (; r0 < Mp; r0 += W) {
-        for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
-          qk_block<1, kQkKeys1>(Qt, Mp, Kw, Dp, D, St, r0, n0);
-        }
-      }
-    }
-
     const bool mask = (p.causal && k0 + nv - 1 > it.pos0) ||
                       (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
-    softmax_step(p, St, Mp, M, nv, k0, mask, q_pos, slope, row_max, row_sum, alpha);
-
-    // O = alpha O + P V: vector columns of O outer (their Vw slice stays in L1), rows inner.
-    int64_t d0 = 0;
-    for (; d0 + kPvVecs * W <= Dp; d0 += kPvVecs * W) {
-      pv_rows<kPvVecs>(O, Dp, St, Mp, Vw, Dp, nv, M, d0, alpha);
-    }
-    switch ((Dp - d0) / W) {
-#if JAX_ATTN_AVX512
-      case 3:
-        pv_rows<3>(O, Dp, St, Mp, Vw, Dp, nv, M, d0, alpha);
-        break;
-      case 2:
-        pv_rows<2>(O, Dp, St, Mp, Vw, Dp, nv, M, d0, alpha);
-        break;
-#endif
-      case 1:
-        pv_rows<1>(O, Dp, St, Mp, Vw, Dp, nv, M, d0, alpha);
-        break;
-      default:
-        break;
+    for (int64_t h = 0; h < nh; ++h) {
+      HeadState& hs = heads[h];
+      head_logits<kDot>(p, hs, St, Mp, nv, zero_row);
+      softmax_step(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, hs.row_max, hs.row_sum,
+                   hs.alpha);
+      head_values(p, hs, St, Mp, M, nv);
     }
   }
 
   // Output rows: O / sum * v_scale; rows that saw no key (sum 0) are zeros.
   QT* out = static_cast<QT*>(p.out);
-  for (int64_t r = 0; r < M; ++r) {
-    const float inv = row_sum[r] > 0.0f ? p.v_scale / row_sum[r] : 0.0f;
-    QT* o = out + ((it.t0 + r / G) * Hq + it.kvh * G + r % G) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = narrow<QT>(O[r * Dp + d] * inv);
+  for (int64_t h = 0; h < nh; ++h) {
+    const HeadState& hs = heads[h];
+    for (int64_t r = 0; r < M; ++r) {
+      const float inv = hs.row_sum[r] > 0.0f ? p.v_scale / hs.row_sum[r] : 0.0f;
+      QT* o = out + ((it.t0 + r / G) * Hq + (it.kvh + h) * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = narrow<QT>(hs.O[r * Dp + d] * inv);
+    }
   }
 }
 
@@ -727,23 +781,38 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
   // Tiles: up to tile_tokens tokens of one sequence x the G heads of one kv head. A task is a
   // run of up to kTilesPerTask tiles of the same (sequence, kv head), last tile first: they
   // read the same keys, which the first one leaves in this core's L2 for the others.
+  // A sequence whose only tile has at most kSmallRows rows (a decode) instead gets items of
+  // heads_per_small kv heads each: as many heads as keep every worker busy.
   const int64_t tile_tokens = std::max<int64_t>(1, kTargetRows / p.G);
+  const int64_t workers = num_workers(pool);
+  int64_t num_small = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    num_small += (q_len > 0 && q_len * p.G <= kSmallRows) ? 1 : 0;
+  }
+  const int64_t heads_per_small = std::clamp<int64_t>(
+      num_small * Hkv / std::max<int64_t>(1, 4 * workers), 1,
+      std::min<int64_t>(Hkv, kMaxHeadsPerItem));
   std::vector<Item> items;
   std::vector<Task> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s], seq_len = lens[s];
     const int64_t num_tiles = (q_len + tile_tokens - 1) / tile_tokens;
-    for (int64_t h = 0; h < Hkv; ++h) {
+    const bool small = q_len * p.G <= kSmallRows;
+    const int64_t heads_per_item = small ? heads_per_small : 1;
+    for (int64_t h = 0; h < Hkv; h += heads_per_item) {
+      const int64_t num_kv = std::min(heads_per_item, Hkv - h);
       for (int64_t j = num_tiles - 1; j >= 0; --j) {
         const int64_t j0 = j * tile_tokens, nt = std::min(tile_tokens, q_len - j0);
         const int64_t pos0 = seq_len - q_len + j0, pos_last = pos0 + nt - 1;
         const int64_t k_end = p.causal ? pos_last + 1 : seq_len;
         const int64_t k_begin = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
-        const int64_t cost = (std::max<int64_t>(0, k_end - k_begin) + kKeys) * nt;
+        const int64_t cost = (std::max<int64_t>(0, k_end - k_begin) + kKeys) * nt * num_kv;
         if ((num_tiles - 1 - j) % kTilesPerTask == 0) {
           tasks.push_back(Task{static_cast<int64_t>(items.size()), 0, 0});
         }
-        items.push_back(Item{s, qsl[s] + j0, nt, h, pos0, k_begin, std::max(k_begin, k_end)});
+        items.push_back(
+            Item{s, qsl[s] + j0, nt, h, num_kv, pos0, k_begin, std::max(k_begin, k_end)});
         tasks.back().num_items += 1;
         tasks.back().cost += cost;
       }
