@@ -36,6 +36,9 @@ FLAGS = (
 )
 LIB_NAME = "libjax_attn_cpu.so"
 DISABLE_ENV = "JAX_ATTN_CPU_DISABLE"
+# Extra compiler flags, appended (part of the cache key): e.g. "-march=x86-64-v3" to build the
+# portable (no AVX-512) kernels on an AVX-512 machine, or "-fsanitize=address,undefined".
+EXTRA_FLAGS_ENV = "JAX_ATTN_CPU_EXTRA_FLAGS"
 
 # Handler symbols exported by csrc/*.cc, registered as XLA FFI targets of the same name.
 # A kernel file adds its symbol here; a symbol missing from the library is skipped (so the
@@ -99,6 +102,10 @@ def _compiler_version(cxx: str) -> str:
     return out.stdout
 
 
+def flags() -> tuple[str, ...]:
+    return (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
+
+
 def sources() -> list[Path]:
     return sorted([*CSRC.glob("*.cc"), *CSRC.glob("*.h")])
 
@@ -116,7 +123,7 @@ def build_key(cxx: str) -> str:
     for src in sources():
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    h.update(" ".join(FLAGS).encode())
+    h.update(" ".join(flags()).encode())
     h.update(_compiler_version(cxx).encode())
     h.update(jaxlib.__version__.encode())
     h.update(_cpu_flags().encode())
@@ -145,7 +152,7 @@ def build(verbose: bool = False) -> tuple[Path, float]:
         os.close(fd)
         cmd = [
             cxx,
-            *FLAGS,
+            *flags(),
             "-isystem",
             _include_dir(),
             f"-I{CSRC}",

@@ -39,6 +39,10 @@ class FloatBuffer {
   float* data_;
 };
 
+// How far ahead (in kv-head tiles of 16 tokens, in processing order) the kernel prefetches;
+// $JAX_ATTN_CPU_PREFETCH overrides (0: no software prefetch).
+constexpr int64_t kPrefetchTiles = 4;
+
 struct Problem {
   int64_t num_seqs, num_heads, num_kv_heads, group, head_size;
   int64_t num_blocks, block_size, max_blocks;
@@ -49,6 +53,7 @@ struct Problem {
   float v_scale;
   int64_t window;  // <= 0: none
   float cap;       // <= 0: none
+  int64_t prefetch_tiles;
   ffi::DataType query_type;
   const void* query;
   void* out;
@@ -205,6 +210,83 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
 
 #if JAX_ATTN_AVX512
 
+
+// Widen one kv head's rows [0, n) of a tile into dst [16, DP] float32 (rows >= n: zeros, so
+// unused cache bytes never reach the math), prefetching the rows of a later tile into L2.
+template <typename KV, int NC>
+inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 last_mask,
+                       float* dst, const KV* prefetch, int64_t prefetch_rows) {
+  constexpr int64_t DP = NC * 16;
+  constexpr int64_t kLineElems = 64 / sizeof(KV);
+  const bool full = n == 16 && last_mask == static_cast<__mmask16>(0xffff);
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t < prefetch_rows) {
+      const KV* pf = prefetch + t * row_stride;
+      for (int64_t e = 0; e < NC * 16; e += kLineElems) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf + e), _MM_HINT_T1);
+      }
+    }
+    const KV* row = src + t * row_stride;
+    if (full) {
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        _mm512_store_ps(dst + t * DP + 16 * c, load16<KV>(row + 16 * c, 0xffff));
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        const __mmask16 m = t >= n ? static_cast<__mmask16>(0)
+                            : c == NC - 1 ? last_mask
+                                          : static_cast<__mmask16>(0xffff);
+        _mm512_store_ps(dst + t * DP + 16 * c, load16<KV>(row + 16 * c, m));
+      }
+    }
+  }
+}
+
+// acc[r] = acc[r] * factor[r] + sum_t probs[r][t] * v[t] for RG query rows at once, so each
+// value chunk is loaded once per RG rows: 4 chunks x RG rows of accumulators in registers.
+template <int NC, int RG>
+inline void accumulate_values(const float* vt, int64_t n, const float (*probs)[16],
+                              const float* factor, float* const* acc) {
+  constexpr int64_t DP = NC * 16;
+#pragma GCC unroll 4
+  for (int cb = 0; cb < NC; cb += 4) {
+    constexpr int kMaxCB = 4;
+    __m512 o[RG][kMaxCB];
+#pragma GCC unroll 4
+    for (int r = 0; r < RG; ++r) {
+      const __m512 f = _mm512_set1_ps(factor[r]);
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) o[r][j] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (cb + j)), f);
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 v[kMaxCB];
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) v[j] = _mm512_load_ps(vt + t * DP + 16 * (cb + j));
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < RG; ++r) {
+        const __m512 pr = _mm512_set1_ps(probs[r][t]);
+#pragma GCC unroll 4
+        for (int j = 0; j < kMaxCB; ++j) {
+          if (cb + j < NC) o[r][j] = _mm512_fmadd_ps(pr, v[j], o[r][j]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RG; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) _mm512_store_ps(acc[r] + 16 * (cb + j), o[r][j]);
+      }
+    }
+  }
+}
+
 // One item on AVX-512. NC = ceil(D / 16) 16-float chunks per row; the last may be partial.
 template <typename KV, int NC>
 void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<int32_t>* arrivals) {
@@ -218,87 +300,90 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   const KV* vc = static_cast<const KV*>(p.value_cache);
   const int64_t row_stride = Hkv * D;            // token t -> t + 1 inside a block
   const int64_t block_stride = BS * row_stride;  // one physical block
+  const int64_t tiles_per_block = (BS + 15) / 16;
 
   FloatBuffer q(static_cast<size_t>(Hq * DP));  // [Hq, DP], scaled, zero-padded
   for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
   RowsState st(Hq, DP);
-  alignas(64) float kbuf[16][DP];
-  alignas(64) float vbuf[16][DP];
-  alignas(64) float probs[16];
+  // One kv head's widened tile: [16, DP] keys and values, L1-resident, reused by the G query
+  // rows of its group.
+  alignas(64) float ktile[16 * DP];
+  alignas(64) float vtile[16 * DP];
+  alignas(64) float probs[4][16];
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
-  // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous;
-  // kv heads in turn, each head's tile of <= 16 tokens at a stride of Hkv * D elements.
+  // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous, in
+  // tiles of <= 16 tokens; kv heads in turn read their tile's 16 rows (D elements, Hkv * D
+  // apart) into L1 as float32, while the rows of the tile kPrefetchTiles steps ahead (same
+  // order: blocks, tiles, heads; through the block table) are prefetched into L2.
   for (int64_t b = first_block; b <= last_block; ++b) {
-    const int64_t phys = table[b];
-    const int64_t next_phys = b < last_block ? table[b + 1] : phys;
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
     const int64_t t_end = std::min(it.end, b * BS + BS) - b * BS;
-    const KV* kblock = kc + phys * block_stride;
-    const KV* vblock = vc + phys * block_stride;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, t_end - t0);
-        // Widen the tile's keys and values once: [n, D] at a stride of Hkv * D.
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t off = (t0 + t) * row_stride + h * D;
-          const KV* ks = kblock + off;
-          const KV* vs = vblock + off;
-          _mm_prefetch(reinterpret_cast<const char*>(kc + next_phys * block_stride + off),
-                       _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vc + next_phys * block_stride + off),
-                       _MM_HINT_T0);
-          for (int c = 0; c < NC; ++c) {
-            const __mmask16 m = c == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
-            _mm512_store_ps(kbuf[t] + 16 * c, load16<KV>(ks + 16 * c, m));
-            _mm512_store_ps(vbuf[t] + 16 * c, load16<KV>(vs + 16 * c, m));
+    const int64_t block_offset = table[b] * block_stride;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, t_end - t0);
+      const __mmask16 valid = tail_mask(n);
+      const __m512 distance = _mm512_add_ps(
+          iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
+      for (int64_t h = 0; h < Hkv; ++h) {
+        // The tile kPrefetchTiles ahead: head hh of tile tt (16 tokens) of block bb.
+        int64_t hh = h + p.prefetch_tiles, tt = t0 / 16, bb = b;
+        while (hh >= Hkv) {
+          hh -= Hkv;
+          if (++tt >= tiles_per_block) {
+            tt = 0;
+            ++bb;
           }
         }
-        for (int64_t t = n; t < 16; ++t) {
-          for (int c = 0; c < NC; ++c) {
-            _mm512_store_ps(kbuf[t] + 16 * c, _mm512_setzero_ps());
-            _mm512_store_ps(vbuf[t] + 16 * c, _mm512_setzero_ps());
-          }
+        int64_t pf_rows = 0;
+        int64_t pf_offset = 0;
+        if (bb <= last_block && p.prefetch_tiles > 0) {
+          pf_rows = std::min<int64_t>(16, BS - tt * 16);
+          pf_offset = table[bb] * block_stride + tt * 16 * row_stride + hh * D;
         }
-        const __mmask16 valid = tail_mask(n);
-        const __m512 distance = _mm512_add_ps(
-            iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t row = h * G + g;
-          const float* qrow = q.get() + row * DP;
-          // logits[t] = q . k[t]: 16 independent accumulators, D / 16 steps each.
-          __m512 dots[16];
-          for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
-          for (int c = 0; c < NC; ++c) {
-            const __m512 qc = _mm512_load_ps(qrow + 16 * c);
-            for (int t = 0; t < 16; ++t) {
-              dots[t] = _mm512_fmadd_ps(_mm512_load_ps(kbuf[t] + 16 * c), qc, dots[t]);
-            }
-          }
-          __m512 logits = transpose_sum16(dots);
-          if (p.cap > 0.0f) logits = soft_cap16(logits, p.cap);
-          if (p.alibi) logits = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[row]), distance, logits);
-          logits = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                                      valid, logits);
-          OnlineSoftmaxRow& state = st.rows[row];
-          const float factor = state.rescale(_mm512_reduce_max_ps(logits));
-          const __m512 pr =
-              _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(logits, _mm512_set1_ps(state.max))));
-          state.add_sum(_mm512_reduce_add_ps(pr));
-          _mm512_store_ps(probs, pr);
-          // acc = acc * factor + sum_t p[t] * v[t]: NC independent accumulators.
-          float* arow = st.acc.get() + row * DP;
-          __m512 o[NC];
-          const __m512 f = _mm512_set1_ps(factor);
-          for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(_mm512_load_ps(arow + 16 * c), f);
-          for (int64_t t = 0; t < n; ++t) {
-            const __m512 pt = _mm512_set1_ps(probs[t]);
+        const int64_t offset = block_offset + t0 * row_stride + h * D;
+        widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile, kc + pf_offset, pf_rows);
+        widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile, vc + pf_offset, pf_rows);
+        // The G query rows of this kv head, up to 4 at a time.
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          const int rg = static_cast<int>(std::min<int64_t>(4, G - g0));
+          float factor[4];
+          float* acc[4];
+          for (int r = 0; r < rg; ++r) {
+            const int64_t row = h * G + g0 + r;
+            const float* qrow = q.get() + row * DP;
+            // logits[t] = q . k[t]: 16 independent accumulators, NC steps each.
+            __m512 dots[16];
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+#pragma GCC unroll 16
             for (int c = 0; c < NC; ++c) {
-              o[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(vbuf[t] + 16 * c), o[c]);
+              const __m512 qc = _mm512_load_ps(qrow + 16 * c);
+#pragma GCC unroll 16
+              for (int t = 0; t < 16; ++t) {
+                dots[t] = _mm512_fmadd_ps(_mm512_load_ps(ktile + t * DP + 16 * c), qc, dots[t]);
+              }
             }
+            __m512 logits = transpose_sum16(dots);
+            if (p.cap > 0.0f) logits = soft_cap16(logits, p.cap);
+            if (p.alibi) logits = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[row]), distance, logits);
+            logits = _mm512_mask_mov_ps(neg_inf, valid, logits);
+            OnlineSoftmaxRow& state = st.rows[row];
+            factor[r] = state.rescale(_mm512_reduce_max_ps(logits));
+            const __m512 pr = _mm512_maskz_mov_ps(
+                valid, exp16(_mm512_sub_ps(logits, _mm512_set1_ps(state.max))));
+            state.add_sum(_mm512_reduce_add_ps(pr));
+            _mm512_store_ps(probs[r], pr);
+            acc[r] = st.acc.get() + row * DP;
           }
-          for (int c = 0; c < NC; ++c) _mm512_store_ps(arow + 16 * c, o[c]);
+          switch (rg) {
+            case 4: accumulate_values<NC, 4>(vtile, n, probs, factor, acc); break;
+            case 3: accumulate_values<NC, 3>(vtile, n, probs, factor, acc); break;
+            case 2: accumulate_values<NC, 2>(vtile, n, probs, factor, acc); break;
+            default: accumulate_values<NC, 1>(vtile, n, probs, factor, acc); break;
+          }
         }
       }
     }
@@ -438,6 +523,8 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
   p.v_scale = v_scale.typed_data()[0];
   p.window = sliding_window;
   p.cap = logits_soft_cap;
+  p.prefetch_tiles = kPrefetchTiles;
+  if (const char* env = std::getenv("JAX_ATTN_CPU_PREFETCH")) p.prefetch_tiles = std::atol(env);
   p.query = query.untyped_data();
   p.out = out->untyped_data();
   p.key_cache = key_cache.untyped_data();
