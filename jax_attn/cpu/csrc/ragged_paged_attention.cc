@@ -247,7 +247,9 @@ JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __rest
   for (int i = 0; i < R; ++i) {
     const V a = Vec::set1(alpha[r0 + i]);
 #pragma GCC unroll 4
-    for (int v = 0; v < DV; ++v) acc[i][v] = Vec::mul(Vec::load(O + (r0 + i) * ldo + d0 + v * W), a);
+    for (int v = 0; v < DV; ++v) {
+      acc[i][v] = Vec::mul(Vec::load(O + (r0 + i) * ldo + d0 + v * W), a);
+    }
   }
   for (int64_t n = 0; n < nv; ++n) {
     V x[DV];
