@@ -499,8 +499,9 @@ inline void head_values(const Problem& p, HeadState& h, const float* St, int64_t
 // One work item: a tile of tokens x the G query heads of each of the kv heads
 // [kvh, kvh + num_kv), keys [k_begin, k_end) in steps of kKeys.
 // kDot: bf16 x bf16 logits through vdpbf16ps (see qk_block_bf16); needs an even head size.
+// next: the task's next item (its queries are prefetched meanwhile), or nullptr.
 template <typename QT, typename CT, bool kDot>
-void run_item(const Problem& p, const Item& it) {
+void run_item(const Problem& p, const Item& it, const Item* next) {
   const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq, nh = it.num_kv;
   const int64_t M = it.nt * G;        // real rows per kv head
   const int64_t Mp = round_up(M, W);  // rows padded to whole vectors
@@ -594,6 +595,16 @@ void run_item(const Problem& p, const Item& it) {
         __builtin_prefetch(vr + b);
       }
     }
+    if (next != nullptr && k0 == it.k_begin) {
+      // The next item's query rows (nt tokens x its kv heads' G rows, each a run of
+      // num_kv * G * D elements), fetched while this item computes.
+      const int64_t run = next->num_kv * G * D * static_cast<int64_t>(sizeof(QT));
+      for (int64_t t = 0; t < next->nt; ++t) {
+        const char* row = reinterpret_cast<const char*>(query + ((next->t0 + t) * Hq +
+                                                                 next->kvh * G) * D);
+        for (int64_t b = 0; b < run; b += 64) __builtin_prefetch(row + b);
+      }
+    }
     const bool mask = (p.causal && k0 + nv - 1 > it.pos0) ||
                       (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
     for (int64_t h = 0; h < nh; ++h) {
@@ -666,15 +677,19 @@ void run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Item>& i
   constexpr bool kBf16 = std::is_same_v<QT, bf16_t> && std::is_same_v<CT, bf16_t>;
   if (JAX_ATTN_BF16_DOT && kBf16 && p.D % 2 == 0) {
     parallel_for(pool, static_cast<int64_t>(tasks.size()), num_workers(pool), [&](int64_t t) {
+      const Item* first = items.data() + tasks[t].first;
       for (int64_t i = 0; i < tasks[t].num_items; ++i) {
-        run_item<QT, CT, kBf16>(p, items[tasks[t].first + i]);
+        const Item* next = i + 1 < tasks[t].num_items ? first + i + 1 : nullptr;
+        run_item<QT, CT, kBf16>(p, first[i], next);
       }
     });
     return;
   }
   parallel_for(pool, static_cast<int64_t>(tasks.size()), num_workers(pool), [&](int64_t t) {
+    const Item* first = items.data() + tasks[t].first;
     for (int64_t i = 0; i < tasks[t].num_items; ++i) {
-      run_item<QT, CT, false>(p, items[tasks[t].first + i]);
+      const Item* next = i + 1 < tasks[t].num_items ? first + i + 1 : nullptr;
+      run_item<QT, CT, false>(p, first[i], next);
     }
   });
 }
