@@ -2,23 +2,33 @@
 // cached prefix and decode (SPEC section 1, `paged_attention`), tiled flash-attention style.
 //
 //   batch:  |<---- seq 0: prefill (40) ---->|<- seq 1: chunk (9) ->|s2|s3|pad|
-//   tiles (16 tokens x the G query heads of one kv head, per kv head):
+//   tiles (G = 4: 16 tokens x the 4 query heads of one kv head, per kv head):
 //           [0..15] [16..31] [32..39]        [40..48]               [49] [50]
 //
-// A work item is (tile, kv head). Its rows are the tile's tokens x the G query heads that read
-// this kv head (row r = token r / G, head r % G: the query's own memory order). It walks the
-// keys it can see, kKeys at a time, with an online softmax in float32:
+// A work item is (tile, kv head); decode-sized tiles (at most kSmallRows rows) take several kv
+// heads, so each key's rows of those heads are read as one run. Per kv head, the rows are the
+// tile's tokens x the G query heads that read it (row r = token r / G, head r % G: the query's
+// own memory order). An item walks the keys it can see, kKeys at a time, with an online
+// softmax in float32 (base 2: log2(e) folded into the scale):
 //   S^T[n][r] = q_r . k_n            (queries transposed once per item, keys broadcast)
-//   P = exp(S - running max)         (vectorized over rows: max and sum are vertical)
+//   P = exp2(S - running max)        (vectorized over rows: max and sum are vertical)
 //   O[r][:] = alpha_r * O[r][:] + sum_n P^T[n][r] v_n
 // Causal tiles stop at their last query's position, sliding-window tiles start at their first
 // query's window: the upper triangle outside a tile's own diagonal is never computed. Keys and
-// values are widened to float32 (and k_scale folded into the query, v_scale into the output)
-// into a small per-thread buffer reused by all the item's rows.
+// values are widened to float32 (k_scale folded into the query, v_scale into the output) into
+// a small per-thread buffer reused by all the item's rows; bf16 queries on a bf16 cache take
+// the keys straight from the cache into vdpbf16ps where the CPU has it (AVX512_BF16).
+// Vectors: AVX-512 when built for it (-march=native on such a CPU), else 8-float GCC vectors
+// (AVX2 + FMA code on such machines).
+//
+// Threads: tasks (runs of up to kTilesPerTask tiles of one sequence and kv head, which share
+// their keys in L2) go longest first over XLA's intra-op pool (parallel_for, the shared
+// header); JAX_ATTN_CPU_THREADS overrides the worker count.
 //
 // Only keys below seq_len are ever read, so unused cache memory (NaN included) never reaches
 // an output. Bad metadata (ids outside the cache, lengths beyond the block table, a
-// non-monotone query_start_loc) is an InvalidArgument error, checked before any read.
+// non-monotone query_start_loc, num_seqs beyond the rows) is an InvalidArgument error naming
+// the argument, checked before any read.
 
 #include <algorithm>
 #include <cstdint>
