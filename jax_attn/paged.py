@@ -14,7 +14,6 @@ on where the arrays live (`_resolves_impl`).
 """
 
 import functools
-import importlib
 import sys
 from typing import Literal
 
@@ -62,7 +61,7 @@ def cpu_kernels():
             reason = "import of jax_attn.cpu halted; None in sys.modules"
         elif reason is None:
             try:
-                cpu = importlib.import_module("jax_attn.cpu")
+                from jax_attn import cpu
             except Exception as e:  # not built into this install, or broken: say so
                 reason = _cpu_import_error = f"{type(e).__name__}: {e}"
         if cpu is None:

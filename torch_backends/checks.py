@@ -32,7 +32,7 @@ TORCH_SDPA's and XFORMERS' (about 2 s in their torch gather).
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -40,15 +40,20 @@ from torch import Tensor
 from torch_backends.abstract import AttentionType
 from torch_backends.plan import StepPlan
 
-if TYPE_CHECKING:  # layouts imports this module
-    from torch_backends.layouts import PagedCache
+
+class CacheGeometry(Protocol):
+    """What the checks read of a `layouts.PagedCache` (a protocol: layouts imports this module)."""
+
+    key_cache: Tensor
+    block_size: int
+
 
 PAD_SLOT_ID = -1
 
 
 def check_step(
     plan: StepPlan,
-    cache: "PagedCache | None",
+    cache: CacheGeometry | None,
     key: Tensor | None,
     k_scale: Tensor | float = 1.0,
     v_scale: Tensor | float = 1.0,

@@ -15,7 +15,7 @@ from tolerances import assert_close
 
 import jax_attn
 from jax_attn import cpu
-from jax_attn.workload import dense_reference, make_workload
+from interop.workload import dense_reference, make_workload
 
 REASON = cpu.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"native CPU kernels: {REASON}")
