@@ -146,6 +146,10 @@ def _resolves_impl(static_argnames: tuple[str, ...]):
         @functools.wraps(body)
         def entry(query, key_cache, *args, impl="auto", interpret=None, **kwargs):
             impl, interpret = _resolve(impl, interpret, query, key_cache)
+            if impl in ("pallas", "cpu"):  # one kernel per device: refuse sharded arrays
+                from jax_attn.sharding import check_unpartitioned
+
+                check_unpartitioned(impl, query, key_cache)
             return jitted(query, key_cache, *args, impl=impl, interpret=interpret, **kwargs)
 
         return entry
