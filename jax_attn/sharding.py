@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from jax_attn import _online_softmax as online_softmax
 from jax_attn import cache, paged
 from jax_attn.metadata import RaggedMetadata
 
@@ -316,6 +317,17 @@ def _sharded_cached(layout, kind, impl, interpret, has_alibi, static_items):
             in_specs = (heads, cache_spec, cache_spec, batch, batch, alibi_spec, P(), P())
         out_specs = heads
         donate = ()
+    if impl != "pallas":
+        # Every argument typed as varying over the whole mesh (a no-op at run time): a kernel
+        # whose inputs must agree in type (`ffi_call`'s rule) then sees them agree, even where
+        # an argument is replicated (metadata over tp, scales everywhere). Not for Pallas:
+        # its interpreter would then slice varying blocks with replicated grid indices.
+        axes = tuple(layout.mesh.axis_names)
+        per_shard = body
+
+        def body(*args):
+            return per_shard(*jax.tree.map(lambda x: _vary(x, axes), args))
+
     # JAX's Pallas interpreter evaluates the ragged kernel's body with device-varying blocks
     # and replicated indices, which `check_vma` rejects (jax 0.10); natively on GPU the kernel
     # is one custom call and the check holds. Only that combination runs unchecked.
@@ -324,6 +336,12 @@ def _sharded_cached(layout, kind, impl, interpret, has_alibi, static_items):
         body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
     )
     return jax.jit(mapped, donate_argnums=donate)
+
+
+def _vary(x, axes: tuple[str, ...]):
+    x = jnp.asarray(x)
+    missing = tuple(a for a in axes if a not in online_softmax.varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _sharded(layout, kind, impl, interpret, has_alibi, static):

@@ -265,6 +265,22 @@ def run_gspmd(case: dict, seed: int) -> dict:
     return result
 
 
+def run_refusal(case: dict, seed: int) -> dict:
+    """A kernel XLA cannot partition, handed head-sharded arrays outside shard_map: refused."""
+    layout = PagedSharding(mesh_of(4, 1), 8, 4)
+    rng = np.random.default_rng(seed)
+    md, _, _, _ = build_group(
+        rng, MIXED, hkv=4, head_size=16, block_size=16, num_blocks=24, kv_dtype=jnp.float32
+    )
+    kc = layout.put_cache(jnp.asarray(rng.standard_normal((24, 16, 4, 16)), jnp.float32))
+    q = layout.put_heads(jnp.asarray(rng.standard_normal((md.slot_mapping.shape[0], 8, 16))))
+    try:
+        jax_attn.paged_attention(q, kc, kc, md, impl="pallas")
+    except ValueError as e:
+        return dict(ok=True, message=str(e))
+    return dict(ok=False, error="no ValueError for sharded arrays with impl='pallas'")
+
+
 def cases() -> dict[str, dict]:
     out = {}
     for tp, hq, hkv in [(2, 8, 8), (4, 8, 2), (8, 8, 8), (4, 16, 4), (8, 8, 1), (4, 4, 4)]:
@@ -296,6 +312,7 @@ def cases() -> dict[str, dict]:
     )
     for tp, hq, hkv in [(2, 8, 8), (4, 8, 4), (8, 8, 8), (4, 32, 4)]:
         out[f"gspmd-tp{tp}-hq{hq}-hkv{hkv}"] = dict(tp=tp, hq=hq, hkv=hkv, gspmd=True)
+    out["refuse-pallas-on-sharded-arrays"] = dict(refusal=True)
     out["gspmd-wrong-tp4-cache-over-blocks"] = dict(
         tp=4, hq=8, hkv=4, gspmd=True, wrong="cache_over_blocks"
     )
@@ -322,6 +339,8 @@ def main(argv: list[str]) -> int:
         try:
             if case.get("needs_cpu") and (why := cpu_unavailable()):
                 result = dict(skipped=why, ok=True)
+            elif case.get("refusal"):
+                result = run_refusal(case, seed)
             elif case.get("gspmd"):
                 result = run_gspmd(case, seed)
             else:

@@ -36,6 +36,7 @@ DEFAULT = [
     "tp4-hq8-hkv4-cpu-decode",
     "gspmd-tp4-hq8-hkv4",
     "gspmd-tp8-hq8-hkv8",
+    "refuse-pallas-on-sharded-arrays",
 ]
 WRONG = ["wrong-tp4-cache-over-blocks", "gspmd-wrong-tp4-cache-over-blocks"]
 FULL = os.environ.get("JAX_ATTN_SHARDING_FULL") == "1"
@@ -73,6 +74,9 @@ def test_sharded_matches_single_device(results, case):
     if "skipped" in r:
         pytest.skip(r["skipped"])
     assert "error" not in r, f"{r['error']}\n{r.get('traceback', '')}"
+    if "message" in r:  # the refusal: names the impl and points at the shard_map API
+        assert "impl='pallas'" in r["message"] and "PagedSharding" in r["message"], r["message"]
+        return
     if "float_collectives" in r:  # plain jit: XLA's partitioner must not move float data
         assert not any(r["float_collectives"].values()), r["float_collectives"]
     else:  # shard_map: nothing at all crosses devices
