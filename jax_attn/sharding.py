@@ -350,25 +350,3 @@ def _sharded(layout, kind, impl, interpret, has_alibi, static):
         raise TypeError(f"{kind}: unexpected keyword arguments {sorted(unknown)}")
     items = tuple(sorted(static.items()))
     return _sharded_cached(layout, kind, impl, interpret, has_alibi, items)
-
-
-def check_unpartitioned(impl: str, *arrays) -> None:
-    """Raise when a kernel XLA cannot partition ("pallas", "cpu": one custom call) gets
-    arrays sharded over several devices: it would gather them onto each device."""
-    if impl not in ("pallas", "cpu"):
-        return
-    for x in arrays:
-        sharding = getattr(x, "sharding", None)
-        if (
-            isinstance(x, jax.Array)
-            and not isinstance(x, jax.core.Tracer)
-            and sharding is not None
-            and len(sharding.device_set) > 1
-            and not sharding.is_fully_replicated
-        ):
-            raise ValueError(
-                f"impl={impl!r} runs one kernel per device and XLA cannot partition it, but an "
-                f"argument is sharded over {len(sharding.device_set)} devices ({sharding}): "
-                "use jax_attn.sharding.PagedSharding (the kernel per shard under shard_map), "
-                "or impl='xla', which plain jit partitions by kv head"
-            )
