@@ -307,6 +307,10 @@ def cases() -> dict[str, dict]:
     out["tp4-hq8-hkv4-cpu-decode"] = dict(
         tp=4, hq=8, hkv=4, impl="cpu", kind="decode", needs_cpu=True
     )
+    out["dp2xtp4-hq8-hkv2-cpu"] = dict(tp=4, dp=2, hq=8, hkv=2, impl="cpu", needs_cpu=True)
+    out["tp8-hq8-hkv1-cpu-decode-fp8"] = dict(
+        tp=8, hq=8, hkv=1, impl="cpu", kind="decode", cache_dtype="float8_e4m3fn", needs_cpu=True
+    )
     out["wrong-tp4-cache-over-blocks"] = dict(
         tp=4, hq=8, hkv=4, impl="xla", wrong="cache_over_blocks"
     )

@@ -34,6 +34,8 @@ DEFAULT = [
     "tp4-hq8-hkv4-pallas-decode",
     "tp4-hq8-hkv4-cpu",
     "tp4-hq8-hkv4-cpu-decode",
+    "dp2xtp4-hq8-hkv2-cpu",
+    "tp8-hq8-hkv1-cpu-decode-fp8",
     "gspmd-tp4-hq8-hkv4",
     "gspmd-tp8-hq8-hkv8",
     "refuse-pallas-on-sharded-arrays",
