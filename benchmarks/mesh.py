@@ -82,6 +82,7 @@ def measure(sizes: dict[str, int], *, quick: bool, reps: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
+    from jax_attn import paged, sharding
     from jax_attn.sharding import PagedSharding
 
     w = workload(quick)
@@ -106,8 +107,7 @@ def measure(sizes: dict[str, int], *, quick: bool, reps: int) -> dict:
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= sizes["tp"]]
     if sizes["tp"] not in tps:
         tps.append(sizes["tp"])
-    base = None
-    meshes = []
+    prepared = []
     for tp in tps:
         mesh_devices = np.array(devices[: tp * dp]).reshape(dp, tp)
         mesh = Mesh(mesh_devices, ("dp", "tp"))
@@ -123,21 +123,27 @@ def measure(sizes: dict[str, int], *, quick: bool, reps: int) -> dict:
         t0 = time.perf_counter()
         out = layout.paged_decode(*args).block_until_ready()
         compile_s = time.perf_counter() - t0
-        from jax_attn import paged, sharding
-
         impl, interpret = paged._resolve("auto", None, args[0], args[1])
         step = sharding._sharded(layout, "paged_decode", impl, interpret, False, {})
         hlo = step.lower(*args, None, 1.0, 1.0).compile().as_text()
-        times = []
-        for _ in range(reps):
+        prepared.append((tp, layout, args, out, compile_s, impl, hlo))
+
+    # Timed in rounds, each round calling every mesh once in a rotated order, so machine noise
+    # spreads over the meshes instead of landing on one.
+    times = {tp: [] for tp in tps}
+    for r in range(reps):
+        for i in range(len(prepared)):
+            tp, layout, args, *_ = prepared[(i + r) % len(prepared)]
             t0 = time.perf_counter()
             layout.paged_decode(*args).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        got = np.asarray(out.astype(jnp.float32))
-        if base is None:
-            base = dict(out=got, median_s=float(np.median(times)))
-        err = float(np.max(np.abs(got - base["out"])))
-        median = float(np.median(times))
+            times[tp].append(time.perf_counter() - t0)
+
+    base_out = np.asarray(prepared[0][3].astype(jnp.float32))
+    base_s = float(np.median(times[tps[0]]))
+    meshes = []
+    for tp, layout, args, out, compile_s, impl, hlo in prepared:
+        err = float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - base_out)))
+        median = float(np.median(times[tp]))
         meshes.append(
             dict(
                 tp=tp,
@@ -149,10 +155,10 @@ def measure(sizes: dict[str, int], *, quick: bool, reps: int) -> dict:
                 cache_bytes_per_device=int(args[1].addressable_shards[0].data.nbytes * 2),
                 compile_s=round(compile_s, 3),
                 median_s=median,
-                iqr_s=float(np.subtract(*np.percentile(times, [75, 25]))),
+                iqr_s=float(np.subtract(*np.percentile(times[tp], [75, 25]))),
                 reps=reps,
-                speedup=base["median_s"] / median,
-                efficiency=base["median_s"] / median / tp,
+                speedup=base_s / median,
+                efficiency=base_s / median / tp,
                 collectives=sorted(set(COLLECTIVE.findall(hlo))),
                 max_err_vs_tp1=err,
                 agrees=err <= 2e-5,
