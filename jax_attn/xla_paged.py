@@ -142,10 +142,12 @@ def paged_decode_xla(
 def _gather_rows(flat_cache: Array, slot: Array) -> Array:
     """`flat_cache[slot]` as float32 `[N, Hkv, K, D]` (head-major), reading only those rows.
 
-    One gather batched over the kv head (the head is a batching dimension of the gather, not
-    an index) writes the chunk directly in the head-major layout the batched products want,
-    so XLA inserts no transposes; and XLA's partitioner keeps a head-sharded cache on its own
-    devices (indexing the heads with an iota instead makes it all-reduce the gathered chunk).
+    The gather is vmapped over the kv head: it slices each row's heads whole (an offset
+    dimension of the gather) instead of indexing them with an iota, so XLA's partitioner
+    keeps a head-sharded cache on its own devices (with the iota index it all-reduced every
+    gathered chunk). On CPU, XLA fuses the gather and the move of the head axis to second
+    place into one loop that writes the head-major `[N, Hkv, K, D]` chunk the batched products
+    want (same speed as the iota-indexed gather it replaces, NOTES.md).
     XLA on CPU has no native bf16/fp8 gather and would convert the whole cache to float32 to
     gather a chunk of it: gathering the same bits as unsigned integers reads just the chunk
     in its own width.
