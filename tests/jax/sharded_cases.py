@@ -120,10 +120,11 @@ def run_case(case: dict, seed: int) -> dict:
     cache_shape = (nb, bs, hkv, d)
 
     # One device, one dp group at a time.
-    expected, queries = [], []
+    expected, queries, single_caches = [], [], []
     for md, slots, k, v in groups:
         kc = jnp.full(cache_shape, jnp.nan, cache_dtype)
         kc, vc = jax_attn.write_kv(kc, kc, k, v, slots, **scale_kw)
+        single_caches.append((kc, vc))
         if kind == "decode":
             q = jnp.asarray(rng.standard_normal((md.seq_lens.shape[0], hq, d)), dtype)
             out = jax_attn.paged_decode(q, kc, vc, md.block_tables, md.seq_lens, **scale_kw, **kw)
@@ -138,13 +139,16 @@ def run_case(case: dict, seed: int) -> dict:
     wrong = case.get("wrong") == "cache_over_blocks"
     if wrong:  # the mistake the tests must catch: blocks split over tp instead of heads
         layout = _BlocksOverTp(mesh, hq, hkv, tp_axis="tp", dp_axis=layout.dp_axis)
-    kc = layout.put_cache(jnp.full(layout.kv_cache_shape(nb, bs, d), jnp.nan, cache_dtype))
-    k = layout.put_heads(jnp.concatenate([layout.expand_kv_heads(g[2]) for g in groups]))
-    v = layout.put_heads(jnp.concatenate([layout.expand_kv_heads(g[3]) for g in groups]))
-    slots = jax.device_put(
-        jnp.concatenate([g[1] for g in groups]), layout.sharding(layout.batch_spec)
-    )
-    kc, vc = layout.write_kv(kc, jnp.copy(kc), k, v, slots, **scale_kw)
+        # The one-device caches, every head on every device, a quarter of the blocks each.
+        kc, vc = (layout.put_cache(jnp.concatenate(c)) for c in zip(*single_caches, strict=True))
+    else:
+        kc = layout.put_cache(jnp.full(layout.kv_cache_shape(nb, bs, d), jnp.nan, cache_dtype))
+        k = layout.put_heads(jnp.concatenate([layout.expand_kv_heads(g[2]) for g in groups]))
+        v = layout.put_heads(jnp.concatenate([layout.expand_kv_heads(g[3]) for g in groups]))
+        slots = jax.device_put(
+            jnp.concatenate([g[1] for g in groups]), layout.sharding(layout.batch_spec)
+        )
+        kc, vc = layout.write_kv(kc, jnp.copy(kc), k, v, slots, **scale_kw)
     md = layout.put_metadata(layout.stack_metadata([g[0] for g in groups]))
     q = layout.put_heads(jnp.concatenate(queries))
     t0 = time.perf_counter()
@@ -173,15 +177,13 @@ def run_case(case: dict, seed: int) -> dict:
 
 
 class _BlocksOverTp(PagedSharding):
-    """The wrong layout: the cache split over its blocks on tp, every head on every device."""
+    """The wrong layout: the cache split over its blocks on tp (every kv head on every
+    device), the queries still over heads. With Hq / tp == Hkv the shapes still fit: each
+    device pairs its query heads with the wrong kv heads, over a quarter of the blocks."""
 
     @property
     def cache_spec(self):
         return P(self.tp_axis, None, None, None)
-
-    @property
-    def heads_spec(self):
-        return P(self.dp_axis, None, None)
 
 
 def layout_fn(layout, kind):
@@ -312,7 +314,7 @@ def cases() -> dict[str, dict]:
         tp=8, hq=8, hkv=1, impl="cpu", kind="decode", cache_dtype="float8_e4m3fn", needs_cpu=True
     )
     out["wrong-tp4-cache-over-blocks"] = dict(
-        tp=4, hq=8, hkv=4, impl="xla", wrong="cache_over_blocks"
+        tp=4, hq=16, hkv=4, impl="xla", wrong="cache_over_blocks"
     )
     for tp, hq, hkv in [(2, 8, 8), (4, 8, 4), (8, 8, 8), (4, 32, 4)]:
         out[f"gspmd-tp{tp}-hq{hq}-hkv{hkv}"] = dict(tp=tp, hq=hq, hkv=hkv, gspmd=True)
