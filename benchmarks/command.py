@@ -2,7 +2,8 @@
 
 `interop.cli` (the `jax-attn` entry) adds this parser and calls `run`; nothing else imports
 the benchmarks, and they never import the CLI. Importing this module is cheap: the suites
-(`benchmarks.run` on CPU, `benchmarks.gpu_decode` with `--gpu`) load when the command runs.
+(`benchmarks.run` on CPU, `benchmarks.gpu_decode` with `--gpu`,
+`benchmarks.mesh` with `--mesh`) load when the command runs.
 """
 
 import argparse
@@ -19,10 +20,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     bench.add_argument(
         "--gpu", action="store_true", help="the GPU suite (benchmarks/gpu_decode.py) instead"
     )
+    bench.add_argument(
+        "--mesh",
+        help="strong scaling of a decode step over a mesh, e.g. tp=4 or tp=4,dp=2 "
+        "(benchmarks/mesh.py; simulated CPU devices where the host has too few)",
+    )
     return bench
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "mesh", None):
+        from benchmarks import mesh
+
+        return mesh.run(args)
     if getattr(args, "gpu", False):
         from benchmarks import gpu_decode
 

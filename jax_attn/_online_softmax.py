@@ -66,13 +66,51 @@ def group_queries(
     return Queries(q=q, pos=q_pos, valid=q_valid, slopes=slopes)
 
 
-def initial_state(queries: Queries) -> State:
+def initial_state(queries: Queries, *inputs) -> State:
+    """The empty running softmax. Under `jax.shard_map` the loop carry must vary over every
+    mesh axis the chunks' results will vary over: pass the other arrays the loop reads (the
+    caches, the block tables) as `inputs`, and the state is typed like all of them together."""
     stats_shape = queries.q.shape[:-1]  # [N, Hkv, G, Q]
-    return (
+    state = (
         jnp.full(stats_shape, -jnp.inf, jnp.float32),
         jnp.zeros(stats_shape, jnp.float32),
         jnp.zeros(queries.q.shape, jnp.float32),
     )
+    sources = (queries.q, queries.pos, queries.valid, queries.slopes, inputs)
+    return tuple(vary_like(x, *sources) for x in state)
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes `x` varies over inside `jax.shard_map` (empty outside, and with
+    `check_vma=False`)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older jax
+
+
+def output_struct(shape, dtype, *refs) -> jax.ShapeDtypeStruct:
+    """The `out_shape` of a kernel (`pallas_call`, `ffi_call`) whose result is computed from
+    the arrays in `refs`: under `jax.shard_map` with `check_vma`, it varies over every mesh
+    axis they vary over (a kernel's output type must say so)."""
+    axes = frozenset().union(*(varying_axes(r) for r in jax.tree.leaves(refs)))
+    if not axes:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(
+        shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes)
+    )
+
+
+def vary_like(x: Array, *refs) -> Array:
+    """`x` typed as varying over every mesh axis any array in `refs` (pytrees) varies over.
+
+    A value built from constants (`zeros`, `full`) is invariant across devices; a loop whose
+    body mixes it with per-device data returns a varying value, and `check_vma` rejects a carry
+    whose type changes. A no-op outside `shard_map`."""
+    axes = frozenset().union(*(varying_axes(r) for r in jax.tree.leaves(refs)))
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def update(

@@ -145,11 +145,35 @@ def _resolves_impl(static_argnames: tuple[str, ...]):
         @functools.wraps(body)
         def entry(query, key_cache, *args, impl="auto", interpret=None, **kwargs):
             impl, interpret = _resolve(impl, interpret, query, key_cache)
+            if impl in ("pallas", "cpu"):  # one kernel per device: refuse sharded arrays
+                _check_unpartitioned(impl, query, key_cache)
             return jitted(query, key_cache, *args, impl=impl, interpret=interpret, **kwargs)
 
         return entry
 
     return decorate
+
+
+def _check_unpartitioned(impl: str, *arrays) -> None:
+    """Raise when a kernel XLA cannot partition ("pallas", "cpu": one custom call) gets
+    arrays sharded over several devices: it would gather them onto each device."""
+    if impl not in ("pallas", "cpu"):
+        return
+    for x in arrays:
+        sharding = getattr(x, "sharding", None)
+        if (
+            isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)
+            and sharding is not None
+            and len(sharding.device_set) > 1
+            and not sharding.is_fully_replicated
+        ):
+            raise ValueError(
+                f"impl={impl!r} runs one kernel per device and XLA cannot partition it, but an "
+                f"argument is sharded over {len(sharding.device_set)} devices ({sharding}): "
+                "use jax_attn.sharding.PagedSharding (the kernel per shard under shard_map), "
+                "or impl='xla', which plain jit partitions by kv head"
+            )
 
 
 def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:

@@ -118,7 +118,9 @@ def varlen_attention(
     # A scan of a static number of steps (the most any sequence may need) that skips those
     # past `num_iters`: unlike a while loop, `jax.grad` differentiates it.
     max_iters = -(-kv_tokens // chunk)
-    state = jax.lax.fori_loop(0, max_iters, step, online_softmax.initial_state(queries))
+    state = jax.lax.fori_loop(
+        0, max_iters, step, online_softmax.initial_state(queries, key, value, k_start, lo)
+    )
     out = online_softmax.finish(state)
     result = jnp.zeros(query.shape, query.dtype)
     return result.at[tiles.token].set(out.astype(query.dtype), mode="drop")

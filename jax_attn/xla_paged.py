@@ -142,18 +142,25 @@ def paged_decode_xla(
 def _gather_rows(flat_cache: Array, slot: Array) -> Array:
     """`flat_cache[slot]` as float32 `[N, Hkv, K, D]` (head-major), reading only those rows.
 
-    One gather indexed by (slot, kv head) writes the chunk directly in the head-major layout
-    the batched products want, so XLA inserts no transposes. XLA on CPU has no native
-    bf16/fp8 gather and would convert the whole cache to float32 to gather a chunk of it:
-    gathering the same bits as unsigned integers reads just the chunk in its own width.
+    The gather is vmapped over the kv head: it slices each row's heads whole (an offset
+    dimension of the gather) instead of indexing them with an iota, so XLA's partitioner
+    keeps a head-sharded cache on its own devices (with the iota index it all-reduced every
+    gathered chunk). On CPU, XLA fuses the gather and the move of the head axis to second
+    place into one loop that writes the head-major `[N, Hkv, K, D]` chunk the batched products
+    want (same speed as the iota-indexed gather it replaces, NOTES.md).
+    XLA on CPU has no native bf16/fp8 gather and would convert the whole cache to float32 to
+    gather a chunk of it: gathering the same bits as unsigned integers reads just the chunk
+    in its own width.
     """
-    num_kv_heads = flat_cache.shape[1]
-    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]  # [1, Hkv, 1]
     dtype = flat_cache.dtype
+    if dtype != jnp.float32:
+        flat_cache = jax.lax.bitcast_convert_type(
+            flat_cache, jnp.dtype(f"uint{8 * dtype.itemsize}")
+        )
+    # per kv head: [NB*BS, D][N, K] -> [N, K, D]; batched over the head -> [N, Hkv, K, D]
+    rows = jax.vmap(lambda cache: cache[slot], in_axes=1, out_axes=1)(flat_cache)
     if dtype == jnp.float32:
-        return flat_cache[slot[:, None, :], heads]
-    bits = jax.lax.bitcast_convert_type(flat_cache, jnp.dtype(f"uint{8 * dtype.itemsize}"))
-    rows = bits[slot[:, None, :], heads]  # [N, Hkv, K, D]
+        return rows
     return jax.lax.bitcast_convert_type(rows, dtype).astype(jnp.float32)
 
 
@@ -250,7 +257,7 @@ def _paged_tiles(
                 logits_soft_cap=logits_soft_cap,
             )
 
-        state = online_softmax.initial_state(queries)
+        state = online_softmax.initial_state(queries, tiles, flat_k, flat_v)
         # A while loop of as many steps as the tiles' longest need (not reverse-differentiable).
         return online_softmax.finish(jax.lax.fori_loop(0, tiles.iters.max(), step, state))
 

@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int32
 
 from jax_attn import checks
+from jax_attn._online_softmax import output_struct
 from jax_attn.pallas import _online_softmax as softmax
 
 # Tokens per compute block when the caller does not say: 128 keys keep the K/V tiles of one
@@ -199,6 +200,7 @@ def _paged_decode_pallas(
         (num_blocks, block_size, None, head_size), lambda s, h, k: (0, 0, h, 0)
     )
     partial_shape = (num_seqs, num_kv_heads, num_kv_splits, group_pad)
+    operands = (seq_lens, logit_scale.reshape(1), q, key_cache, value_cache, tables, slopes)
     o, row_max, row_sum = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_kv_splits),
@@ -217,14 +219,14 @@ def _paged_decode_pallas(
             pl.BlockSpec((None, None, None, group_pad), lambda s, h, k: (s, h, k, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((*partial_shape, head_size), jnp.float32),
-            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            output_struct((*partial_shape, head_size), jnp.float32, *operands),
+            output_struct(partial_shape, jnp.float32, *operands),
+            output_struct(partial_shape, jnp.float32, *operands),
         ],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="paged_decode",
-    )(seq_lens, logit_scale.reshape(1), q, key_cache, value_cache, tables, slopes)
+    )(*operands)
 
     out = _merge_splits(o, row_max, row_sum, v_scale)  # [S, Hkv, G_pad, D]
     # [S, Hkv, G_pad, D] -> [S, Hkv, G, D] -> [S, Hq, D]

@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int32
 
 from jax_attn import checks
+from jax_attn._online_softmax import output_struct
 from jax_attn.metadata import sequence_of
 from jax_attn.pallas import _online_softmax as softmax
 
@@ -241,6 +242,7 @@ def _ragged_pallas(
     )
     cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_size), lambda t, h: (0, 0, h, 0))
     num_warps = 8 if block_q * group_pad * head_size >= 128 * 128 else 4
+    operands = (tiles, scales, q, key_cache, value_cache, tables, slopes)
     out_tiles = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
@@ -258,13 +260,13 @@ def _ragged_pallas(
         out_specs=pl.BlockSpec(
             (None, block_q, None, group_pad, head_size), lambda t, h: (t, 0, h, 0, 0)
         ),
-        out_shape=jax.ShapeDtypeStruct(
-            (num_tiles, block_q, num_kv_heads, group_pad, head_size), query.dtype
+        out_shape=output_struct(
+            (num_tiles, block_q, num_kv_heads, group_pad, head_size), query.dtype, *operands
         ),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         name="ragged_paged_attention",
-    )(tiles, scales, q, key_cache, value_cache, tables, slopes)
+    )(*operands)
 
     # Token i of sequence s is row (i - qsl[s]) % block_q of tile cu_tiles[s] + (...) // block_q.
     token = jnp.arange(num_tokens, dtype=jnp.int32)
