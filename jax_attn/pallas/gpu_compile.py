@@ -206,7 +206,10 @@ class KernelConfig:
 
     @property
     def id(self) -> str:
-        return f"{self.kernel}-{self.dtype}-D{self.head_size}-BS{self.block_size}-{self.features}"
+        return (
+            f"{self.kernel}-{self.dtype}-D{self.head_size}-BS{self.block_size}-G{self.group}-"
+            f"{self.features}"
+        )
 
     @property
     def query_dtype(self):
@@ -263,9 +266,7 @@ def kernel_args(config: KernelConfig, device):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     num_heads = _NUM_KV_HEADS * config.group
-    cache = struct(
-        (_NUM_BLOCKS, config.block_size, _NUM_KV_HEADS, config.head_size), config.dtype
-    )
+    cache = struct((_NUM_BLOCKS, config.block_size, _NUM_KV_HEADS, config.head_size), config.dtype)
     tables = struct((_NUM_SEQS, _MAX_BLOCKS), jnp.int32)
     seq_lens = struct((_NUM_SEQS,), jnp.int32)
     if config.kernel == "decode":
@@ -390,9 +391,15 @@ def fp8_problem(cache_dtype, capability: tuple[int, int] | None) -> str | None:
 
 # The grid the tests and `jax-attn info --gpu-compile` compile: every kernel x dtype x head
 # size, each (kernel, dtype) meeting every block size, D=256 with block 128 (the largest page,
-# the shared-memory worst case) and with block 16 (the register worst case), and the bias
-# features taking turns so that each appears with every dtype.
-_SHAPES = ((64, 32), (128, 16), (256, 128), (256, 16), (128, 128))
+# the shared-memory worst case) and with block 16 (the register worst case), GQA groups of 1,
+# 4 and 8, and the bias features taking turns so that each appears with every dtype.
+_SHAPES = (  # (head_size, block_size, group)
+    (64, 32, 1),
+    (128, 16, 4),
+    (256, 128, 4),
+    (256, 16, 4),
+    (128, 128, 8),
+)
 _FEATURES = (
     dict(),
     dict(alibi=True),
@@ -411,16 +418,18 @@ def default_grid(target: GpuTarget) -> list[KernelConfig]:
         for d, dtype in enumerate(GRID_DTYPES):
             if fp8_problem(dtype, target.compute_capability):
                 continue
-            for s, (head_size, block_size) in enumerate(_SHAPES):
+            for s, (head_size, block_size, group) in enumerate(_SHAPES):
                 features = _FEATURES[(d + s) % len(_FEATURES)]
-                configs.append(KernelConfig(kernel, dtype, head_size, block_size, **features))
+                configs.append(
+                    KernelConfig(kernel, dtype, head_size, block_size, group=group, **features)
+                )
     return configs
 
 
 def format_table(reports: list[CompileReport]) -> str:
     """One line per compile: target, config, grid, warps, shared memory, registers, spills."""
     header = (
-        f"{'gpu':5} {'kernel':7} {'dtype':14} {'D':>4} {'BS':>4} {'bias':21} {'grid':12} "
+        f"{'gpu':5} {'kernel':7} {'dtype':14} {'D':>4} {'BS':>4} {'G':>2} {'bias':21} {'grid':12} "
         f"{'warps':>5} {'smem KiB':>8} {'regs':>4} {'spill B':>8} {'s':>5}  verdict"
     )
     lines = [header, "-" * len(header)]
@@ -430,13 +439,13 @@ def format_table(reports: list[CompileReport]) -> str:
         if r.error is not None:
             lines.append(
                 f"{r.target:5} {c.kernel:7} {c.dtype:14} {c.head_size:4} {c.block_size:4} "
-                f"{c.features:21} {verdict}"
+                f"{c.group:2} {c.features:21} {verdict}"
             )
             continue
         grid = "x".join(str(g) for g in r.grid)
         lines.append(
             f"{r.target:5} {c.kernel:7} {c.dtype:14} {c.head_size:4} {c.block_size:4} "
-            f"{c.features:21} {grid:12} {r.warps:5} {r.shared_memory / KiB:8.1f} "
+            f"{c.group:2} {c.features:21} {grid:12} {r.warps:5} {r.shared_memory / KiB:8.1f} "
             f"{r.registers:4} {r.spill_stores + r.spill_loads:8} {r.seconds:5.1f}  {verdict}"
         )
     return "\n".join(lines)
