@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_attn import checks
+
 # Registers a thread may use on every NVIDIA GPU since Kepler: a kernel at this many is at
 # the ceiling, where ptxas spills instead of growing.
 MAX_REGISTERS = 255
@@ -163,18 +165,6 @@ def compile_device(target: str):
         platform="cuda", target_config=TARGETS[target].target_config(), topology="1x1x1"
     )
     return topology.devices[0]
-
-
-def compute_capability(device) -> tuple[int, int] | None:
-    """A CUDA device's compute capability (concrete or compile-only), else None."""
-    cc = getattr(device, "compute_capability", None)
-    if not cc:
-        return None
-    major, _, minor = str(cc).partition(".")
-    try:
-        return int(major), int(minor or 0)
-    except ValueError:
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,20 +365,6 @@ def _ptxas_usage(ptx: str) -> tuple[int, int, int]:
     return int(registers.group(1)), int(spills.group(1)), int(spills.group(2))
 
 
-def fp8_problem(cache_dtype, capability: tuple[int, int] | None) -> str | None:
-    """Why a GPU of `capability` cannot run the native kernels on a cache of `cache_dtype`:
-    e4m3 needs sm_89 or newer (Ada, Hopper) for Triton's fp8e4nv; e5m2 converts everywhere."""
-    if capability is None or jnp.dtype(cache_dtype) != jnp.dtype(jnp.float8_e4m3fn):
-        return None
-    if capability < (8, 9):
-        major, minor = capability
-        return (
-            f"key_cache.dtype=float8_e4m3fn needs compute capability >= 8.9 for the native "
-            f"GPU kernel; this GPU has {major}.{minor}"
-        )
-    return None
-
-
 # The grid the tests and `jax-attn info --gpu-compile` compile: every kernel x dtype x head
 # size, each (kernel, dtype) meeting every block size, D=256 with block 128 (the largest page,
 # the shared-memory worst case) and with block 16 (the register worst case), GQA groups of 1,
@@ -411,12 +387,12 @@ GRID_DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 
 
 def default_grid(target: GpuTarget) -> list[KernelConfig]:
-    """The covering grid for `target`; e4m3 caches are left out where `fp8_problem` refuses
-    them (the tests check that refusal instead)."""
+    """The covering grid for `target`; e4m3 caches are left out where the dispatch refuses
+    them (`checks.native_dtype_problem`: before sm_89; the tests check that refusal)."""
     configs = []
     for kernel in ("decode", "ragged"):
         for d, dtype in enumerate(GRID_DTYPES):
-            if fp8_problem(dtype, target.compute_capability):
+            if checks.native_dtype_problem(dtype, target.compute_capability):
                 continue
             for s, (head_size, block_size, group) in enumerate(_SHAPES):
                 features = _FEATURES[(d + s) % len(_FEATURES)]

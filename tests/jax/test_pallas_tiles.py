@@ -20,13 +20,13 @@ from test_pallas_ragged import make_ragged_batch, ragged_oracle
 from tolerances import assert_close
 
 from jax_attn.checks import MIN_DOT
+from jax_attn.pallas import _online_softmax as softmax
 from jax_attn.pallas import (
     paged_decode,
     paged_decode_reference,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from jax_attn.pallas import _online_softmax as softmax
 from jax_attn.pallas.paged_decode import _split_block_range
 from jax_attn.pallas.ragged_paged_attention import _key_block_range
 
