@@ -43,6 +43,36 @@ except ImportError as e:  # pragma: no cover - exercised only without xformers
 _warned_cpu = False
 
 
+def compiled_ops_problem() -> str | None:
+    """Why xformers' compiled (C++/CUDA) ops did not load here, or None when they did.
+
+    Each xformers wheel is built against one torch: 0.0.35's against torch 2.10 with CUDA 12.8
+    (its `cpp_lib.json`). With another torch its extension fails to load, xformers logs a
+    warning and goes on without kernels: on a CUDA host the XFORMERS prefill would then fail at
+    the first call. Install the pair it was built for (the `xformers-cuda` extra)."""
+    from xformers import _cpp_lib
+
+    error = _cpp_lib._cpp_library_load_exception
+    if error is None:
+        return None
+    info = getattr(error, "build_info", None)
+    built = (
+        "" if info is None else f" (built for torch {info.torch_version}, CUDA {info.cuda_version})"
+    )
+    return (
+        f"xformers {xformers_version()}'s compiled ops did not load{built} with torch "
+        f"{torch.__version__}: {type(error).__name__}. XFORMERS runs its CPU reference path "
+        "only; on a CUDA host install the torch it was built for: pip install "
+        "'jax-attn[xformers-cuda]' (torch 2.10 + xformers 0.0.35)"
+    )
+
+
+def xformers_version() -> str:
+    import xformers
+
+    return getattr(xformers, "__version__", "?")
+
+
 def _warn_cpu_once() -> None:
     global _warned_cpu
     if not _warned_cpu:

@@ -97,3 +97,21 @@ def test_alibi_bias_values(rng):
     expected = torch.tensor(slopes)[:, None, None] * (p_k - p_q)[None].float()
     expected = expected.masked_fill((p_k > p_q)[None], float("-inf"))
     torch.testing.assert_close(tensor[0], expected, rtol=0, atol=0)
+
+
+def test_compiled_ops_problem_says_what_to_install(monkeypatch):
+    """`jax-attn info` says when xformers' C++/CUDA ops did not load, and which pair to
+    install; nothing when they did."""
+    from xformers import _cpp_lib
+
+    from torch_backends import xformers as xf
+
+    build = _cpp_lib._BuildInfo({"version": {"torch": "2.10.0+cu128", "cuda": 1208}})
+    monkeypatch.setattr(
+        _cpp_lib, "_cpp_library_load_exception", _cpp_lib.xFormersInvalidLibException(build)
+    )
+    problem = xf.compiled_ops_problem()
+    assert "compiled ops did not load (built for torch 2.10.0+cu128, CUDA 1208)" in problem
+    assert "jax-attn[xformers-cuda]" in problem
+    monkeypatch.setattr(_cpp_lib, "_cpp_library_load_exception", None)
+    assert xf.compiled_ops_problem() is None
