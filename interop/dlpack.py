@@ -137,6 +137,39 @@ def to_torch(array: Shaped[Array, "*shape"], *, copy: bool = False) -> Shaped[Te
     return tensor.clone() if copy else tensor
 
 
+def index_to_jax(tensor: Shaped[Tensor, "*shape"], name: str) -> Shaped[Array, "*shape"]:
+    """An index tensor (ids, lengths, offsets; any integer dtype) as a JAX int32 array, the
+    index dtype of `jax_attn`'s metadata, whatever x64 says.
+
+    A value outside int32 raises `OverflowError` naming `name`: a plain cast would wrap it
+    (2**32 + 3 becomes 3, a valid-looking block id). int32 tensors cross as `to_jax` does.
+    """
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {tensor.dtype}")
+    if tensor.dtype != torch.int32:
+        if tensor.numel():
+            if tensor.dtype == torch.uint64:  # no min/max kernels: int64 bits, >= 2**63 < 0
+                wide = tensor.view(torch.int64)
+                lo, hi = int(wide.min()), int(wide.max())
+                if lo < 0:
+                    lo = hi = lo + 2**64
+            else:
+                wide = tensor.to(torch.int64)
+                lo, hi = int(wide.min()), int(wide.max())
+            info = torch.iinfo(torch.int32)
+            if lo < info.min or hi > info.max:
+                bad = hi if hi > info.max else lo
+                wrapped = (bad - info.min) % 2**32 + info.min
+                raise OverflowError(
+                    f"{name} holds {bad}, outside int32 [{info.min}, {info.max}] (the index "
+                    f"dtype of jax_attn's metadata); a cast would wrap it to {wrapped}"
+                )
+        tensor = tensor.to(torch.int32)
+    return to_jax(tensor)
+
+
 def copy_reason(tensor: Tensor) -> str | None:
     """Why DLPack cannot share `tensor`'s memory with JAX as it stands, or None if it can.
 
@@ -205,4 +238,11 @@ def _narrow(tensor: Tensor) -> Tensor:
     return tensor.to(narrow)
 
 
-__all__ = ["FLOAT8_ZERO_COPY", "copy_reason", "shares_memory", "to_jax", "to_torch"]
+__all__ = [
+    "FLOAT8_ZERO_COPY",
+    "copy_reason",
+    "index_to_jax",
+    "shares_memory",
+    "to_jax",
+    "to_torch",
+]

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 import jax_attn
-from interop.dlpack import to_jax, to_torch
+from interop.dlpack import index_to_jax, to_jax, to_torch
 from torch_backends.abstract import AttentionType
 from torch_backends.host_batch import cumsum
 from torch_backends.layouts import NhdLayout, PagedCache
@@ -57,13 +57,14 @@ def paged_attention_op(
 ) -> torch.Tensor:
     """`jax_attn.paged_attention` over torch tensors: query `[T, Hq, D]`, caches
     `[NB, BS, Hkv, D]`, query_start_loc i32 `[S + 1]`, seq_lens i32 `[S]`, block_tables i32
-    `[S, max_blocks]`, alibi_slopes f32 `[Hq]`; returns `[T, Hq, D]`. (torch.library infers
+    `[S, max_blocks]` (any integer dtype: int64 values outside int32 raise `OverflowError`
+    rather than wrap), alibi_slopes f32 `[Hq]`; returns `[T, Hq, D]`. (torch.library infers
     the op's schema from plain `torch.Tensor` annotations: the shapes live here.)"""
     num_seqs = seq_lens.shape[0]
     metadata = jax_attn.RaggedMetadata(
-        query_start_loc=to_jax(query_start_loc.to(torch.int32)),
-        seq_lens=to_jax(seq_lens.to(torch.int32)),
-        block_tables=to_jax(block_tables.to(torch.int32)),
+        query_start_loc=index_to_jax(query_start_loc, "query_start_loc"),
+        seq_lens=index_to_jax(seq_lens, "seq_lens"),
+        block_tables=index_to_jax(block_tables, "block_tables"),
         slot_mapping=jnp.full((query.shape[0],), -1, jnp.int32),  # already written
         num_seqs=jnp.asarray(num_seqs, jnp.int32),
     )
@@ -123,8 +124,8 @@ def varlen_attention_op(
         to_jax(query),
         to_jax(key),
         to_jax(value),
-        to_jax(cu_seqlens_q.to(torch.int32)),
-        to_jax(cu_seqlens_k.to(torch.int32)),
+        index_to_jax(cu_seqlens_q, "cu_seqlens_q"),
+        index_to_jax(cu_seqlens_k, "cu_seqlens_k"),
         causal=causal,
         scale=scale,
         alibi_slopes=None if alibi_slopes is None else to_jax(alibi_slopes.float()),
@@ -168,7 +169,7 @@ class JaxAttnBackendImpl(PagedImpl[TorchSDPAMetadata]):
                 step.prefill_query.contiguous(),
                 key.contiguous(),
                 value.contiguous(),
-                plan.prefill_query_start_loc.to(torch.int32),
+                plan.prefill_query_start_loc,
                 cumsum(plan.kv_lens),
                 self.scale,
                 plan.causal,
@@ -192,9 +193,9 @@ class JaxAttnBackendImpl(PagedImpl[TorchSDPAMetadata]):
             query.contiguous(),
             cache.key_cache,
             cache.value_cache,
-            query_start_loc.to(torch.int32),
-            seq_lens.to(torch.int32),
-            block_tables.to(torch.int32),
+            query_start_loc,
+            seq_lens,
+            block_tables,
             self.scale,
             self.attn_type == AttentionType.DECODER,
             k_scale=k_scale,

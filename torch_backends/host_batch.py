@@ -42,6 +42,29 @@ def slots_of(table: list[int], positions, block_size: int) -> list[int]:
     return [table[p // block_size] * block_size + p % block_size for p in positions]
 
 
+def _check_tables(
+    name: str, tables: list[list[int]], len_name: str, lens: list[int], block_size: int
+) -> None:
+    """Each sequence's table covers its tokens with block ids >= 0 (the cache's size is not
+    known here: the impl checks ids against it). A -1 would otherwise become a negative slot,
+    a pad that writes nothing, and the sequence would read back another block."""
+    for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        if n < 0:
+            raise ValueError(f"{len_name}[{i}]={n} must be >= 0")
+        needed = -(-n // block_size)
+        if len(table) < needed:
+            raise ValueError(
+                f"{name}[{i}] has {len(table)} blocks of {block_size} for "
+                f"{len_name}[{i}]={n} tokens (needs {needed})"
+            )
+        for j, block in enumerate(table[:needed]):
+            if block < 0:
+                raise ValueError(
+                    f"{name}[{i}][{j}]={block} must be a block id >= 0 (sequence {i} uses its "
+                    f"first {needed} blocks)"
+                )
+
+
 @dataclasses.dataclass(frozen=True)
 class HostBatch:
     """One step described by per-sequence Python lists, validated; what builders start from.
@@ -76,14 +99,14 @@ class HostBatch:
                 f"seq_lens ({len(seq_lens)}), query_lens ({len(query_lens)}) and "
                 f"block_tables ({len(block_tables)}) need one entry per sequence"
             )
-        for i, (s, q, table) in enumerate(zip(seq_lens, query_lens, block_tables, strict=True)):
+        if int(block_size) < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        for i, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+            if q < 0:
+                raise ValueError(f"query_lens[{i}]={q} must be >= 0")
             if q > s:
                 raise ValueError(f"query_lens[{i}]={q} must be <= seq_lens[{i}]={s}")
-            if len(table) * block_size < s:
-                raise ValueError(
-                    f"block_tables[{i}] has {len(table)} blocks of {block_size} for "
-                    f"seq_lens[{i}]={s} tokens"
-                )
+        _check_tables("block_tables", block_tables, "seq_lens", seq_lens, block_size)
         is_decode = [q == 1 and s > 1 for q, s in zip(query_lens, seq_lens, strict=True)]
         num_prefills = is_decode.index(True) if any(is_decode) else len(seq_lens)
         if not all(is_decode[num_prefills:]):
@@ -99,12 +122,25 @@ class HostBatch:
         if cross_block_tables is not None:
             if encoder_seq_lens is None:
                 raise ValueError("cross_block_tables needs encoder_seq_lens")
+            cross_block_tables = [list(map(int, t)) for t in cross_block_tables]
+            encoder_seq_lens = [int(n) for n in encoder_seq_lens]
+            if len(cross_block_tables) != len(encoder_seq_lens):
+                raise ValueError(
+                    f"cross_block_tables ({len(cross_block_tables)}) and encoder_seq_lens "
+                    f"({len(encoder_seq_lens)}) need one entry per sequence"
+                )
+            _check_tables(
+                "cross_block_tables",
+                cross_block_tables,
+                "encoder_seq_lens",
+                encoder_seq_lens,
+                block_size,
+            )
             cross_slots = [
                 slot
                 for n, table in zip(encoder_seq_lens, cross_block_tables, strict=True)
                 for slot in slots_of(table, range(n), block_size)
             ]
-            cross_block_tables = [list(map(int, t)) for t in cross_block_tables]
         return cls(
             num_prefills=num_prefills,
             seq_lens=seq_lens,

@@ -158,7 +158,7 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         with a window or soft cap, torch with ALiBi); chunked prefill and decodes through the
         paged kernels over the cache."""
         plan, out = step.plan, torch.empty_like(step.query)
-        if plan.has_cached_prefix:
+        if plan.num_prefill_tokens and plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
         elif plan.num_prefill_tokens:
             out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)

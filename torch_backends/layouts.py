@@ -27,6 +27,7 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
+from torch_backends.checks import check_slot_mapping
 from torch_backends.shapes import BlockTables, KeysValues, SlotMapping
 
 # The fp8 cache dtypes by vLLM's `kv_cache_dtype` strings ("fp8" is e4m3, as in vLLM).
@@ -242,23 +243,24 @@ class PagedCache:
         """(k_scale, v_scale) as floats; (1.0, 1.0) for a cache that is not fp8."""
         return self.layout.scales(self.k_scale, self.v_scale)
 
-    def write(self, key: KeysValues, value: KeysValues, slot_mapping: SlotMapping) -> None:
+    def write(
+        self, key: KeysValues, value: KeysValues, slot_mapping: SlotMapping, *, check: bool = True
+    ) -> None:
         """Scatter `key[t]`, `value[t]` to slot `slot_mapping[t]`, in place (quantized for
-        fp8). Slots < 0 are skipped; nothing else in the caches changes."""
+        fp8). Slots of -1 (PAD_SLOT_ID) are skipped; nothing else in the caches changes.
+        The slots are checked first (`checks.check_slot_mapping`: in range, -1 the only
+        negative, none twice) unless `check=False` (the caller checked them already)."""
         layout, num_blocks, block_size = self.layout, self.key_cache.shape[0], self.block_size
         if key.shape[1:] != (layout.num_kv_heads, layout.head_size):
             raise ValueError(
                 f"key has shape {tuple(key.shape)}, expected [num_tokens, "
                 f"{layout.num_kv_heads}, {layout.head_size}] to match the cache"
             )
+        if value.shape != key.shape:
+            raise ValueError(f"value has shape {tuple(value.shape)}, key {tuple(key.shape)}")
+        if check:
+            check_slot_mapping("slot_mapping", slot_mapping, key.shape[0], num_blocks, block_size)
         slots = slot_mapping.flatten().long()
-        if slots.numel() != key.shape[0]:
-            raise ValueError(f"slot_mapping has {slots.numel()} entries for {key.shape[0]} tokens")
-        if slots.numel() and int(slots.max()) >= num_blocks * block_size:
-            raise ValueError(
-                f"slot_mapping value {int(slots.max())} is out of range: the cache has "
-                f"{num_blocks * block_size} slots"
-            )
         keep = slots >= 0
         key = layout.quantize(key[keep], self.k_scale)
         value = layout.quantize(value[keep], self.v_scale)

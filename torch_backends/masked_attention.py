@@ -78,6 +78,10 @@ def ragged_masked_attention(
     out = torch.empty_like(query)
     q0 = k0 = 0
     for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
+        if q_len == 0 or kv_len == 0:  # no query (empty sequence), or no key: zeros
+            out[q0 : q0 + q_len] = 0
+            q0, k0 = q0 + q_len, k0 + kv_len
+            continue
         k_pos = torch.arange(kv_len, device=query.device)[None]
         out[q0 : q0 + q_len] = masked_attention(
             query[None, q0 : q0 + q_len].float(),

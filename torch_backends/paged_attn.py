@@ -86,7 +86,9 @@ class PagedAttention:
     ) -> None:
         """Scatter `key[t]`, `value[t]` to slot `slot_mapping[t]`, in place.
 
-        Slots < 0 (PAD_SLOT_ID) are skipped; nothing else in the caches changes.
+        Slots of -1 (PAD_SLOT_ID) are skipped; nothing else in the caches changes. A slot
+        past the cache, below -1 or given twice raises `ValueError` before anything is
+        written (vLLM's kernel wrote out of bounds, or let one of the writes win).
         """
         _cache(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale).write(
             key, value, slot_mapping

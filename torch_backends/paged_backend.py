@@ -4,8 +4,9 @@ A backend names its layout (`torch_backends.layouts`) and implements one method,
 `attend(step)`, over the whole step. `PagedImpl.forward` (vLLM's `AttentionImpl.forward`)
 does what is the same everywhere:
 
-    check the metadata -> plan the step (`StepPlan`) -> write the new K/V into the cache
-    -> attend(step) -> [T, Hq * D]
+    plan the step (`StepPlan`) -> check it against the cache (`checks.check_step`: every
+    check runs before the write, so a bad step leaves the cache bit-identical) -> write the
+    new K/V into the cache -> attend(step) -> [T, Hq * D]
 
 for every attention type:
 
@@ -35,6 +36,7 @@ from torch_backends.abstract import (
     T,
     check_attn_type,
 )
+from torch_backends.checks import check_step
 from torch_backends.layouts import CacheLayout, PagedCache, fp8_dtype
 from torch_backends.masked_attention import ragged_masked_attention
 from torch_backends.paged_attn import PagedAttention
@@ -251,7 +253,11 @@ class PagedImpl(AttentionImpl[T]):
         """query `[T, Hq*D]`; key/value `[T or encoder tokens, Hkv*D]`, or None when their K/V
         are already cached (cross attention after the first step, or decodes); kv_cache
         `[2, NB, BS*Hkv*D]` (empty: write nothing, as in vLLM's profiling run). Returns
-        `[T, Hq*D]`: prefill tokens first, then one per decode sequence."""
+        `[T, Hq*D]`: prefill tokens first, then one per decode sequence.
+
+        Metadata that does not fit the cache (`checks.check_step`: slots, block tables,
+        lengths, token counts, scales) raises `ValueError` / `TypeError` before anything is
+        written: a step either runs whole or leaves the cache bit-identical."""
         attn_type = self.attn_type
         num_heads, head_size, num_kv_heads = self.num_heads, self.head_size, self.num_kv_heads
         if attn_metadata is None:
@@ -281,39 +287,30 @@ class PagedImpl(AttentionImpl[T]):
                 f"query has {query.shape[0]} tokens but the metadata describes "
                 f"{plan.num_prefill_tokens} prefill + {plan.num_decode_tokens} decode tokens"
             )
-        cache = None
+        if (output is not None and output.shape[0] != num_tokens) or (
+            output is not None and output.numel() != query.numel()
+        ):
+            raise ValueError(
+                f"output has shape {tuple(output.shape)}, expected [{num_tokens}, "
+                f"{num_heads * head_size}] like the query"
+            )
+        cache, k_scale, v_scale = None, 1.0, 1.0
         if kv_cache.numel() > 0 and not encoder:
             k_scale = getattr(layer, "_k_scale", 1.0)
             v_scale = getattr(layer, "_v_scale", 1.0)
             cache = PagedCache.of(self.layout, kv_cache, k_scale, v_scale)
-            if key is not None:
-                cache.write(key, value, plan.slot_mapping)
-                # Attention reads what the cache holds: with an fp8 cache the new tokens'
-                # K/V are rounded the same way, so prefill, chunked prefill and decode (and
-                # every backend) see identical keys. vLLM V0 used the unrounded new K/V.
-                key, value = cache.read_back(key, value)
-        _check_step(plan, cache, key)
+        # Every check before the write: a step that raises leaves the cache bit-identical.
+        plan = check_step(plan, cache, key, k_scale, v_scale)
+        if cache is not None and key is not None:
+            cache.write(key, value, plan.slot_mapping, check=False)
+            # Attention reads what the cache holds: with an fp8 cache the new tokens'
+            # K/V are rounded the same way, so prefill, chunked prefill and decode (and
+            # every backend) see identical keys. vLLM V0 used the unrounded new K/V.
+            key, value = cache.read_back(key, value)
         out = self.attend(Step(plan, query, key, value, cache))
         if output is not None:
             out = output.view(-1, num_heads, head_size).copy_(out)
         return out.view(-1, num_heads * head_size)
-
-
-def _check_step(plan: StepPlan, cache: PagedCache | None, key: Tensor | None) -> None:
-    """What `attend` may rely on: every K/V it needs is either given or cached."""
-    if any(c < 0 for c in plan.ctx_lens) and plan.attn_type != AttentionType.ENCODER_DECODER:
-        raise ValueError(f"prefill query lengths {plan.q_lens} exceed kv lengths {plan.kv_lens}")
-    if plan.num_prefill_tokens and plan.has_cached_prefix:
-        if cache is None or plan.prefill_block_tables is None or key is None:
-            raise ValueError(
-                "prefill with a cached prefix (query_len < seq_len) needs a kv_cache, "
-                "the new key/value and block tables for the prefill sequences"
-            )
-    elif plan.num_prefill_tokens and key is None:
-        if cache is None or plan.prefill_block_tables is None:
-            raise ValueError("prefill without key/value needs a kv_cache and block tables")
-    if plan.num_decode_tokens and cache is None:
-        raise ValueError("decode needs a kv_cache")
 
 
 def forward_decode(impl: PagedImpl, step: Step) -> Float[Tensor, "num_decodes num_heads head_size"]:

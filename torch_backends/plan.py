@@ -23,6 +23,37 @@ from torch_backends.shapes import BlockTables, SlotMapping
 
 
 @dataclasses.dataclass(frozen=True)
+class MetadataFields:
+    """Which metadata field each of a plan's tensors came from, and the field's row of the
+    plan's first row (an int, or "num_prefills"), so an error names what the caller wrote:
+    `attn_metadata.block_tables[3, 1]=-1`, not a position in an internal tensor."""
+
+    slot_mapping: str = "slot_mapping"
+    prefill_block_tables: tuple[str, int | str] = ("block_tables", 0)
+    decode_block_tables: tuple[str, int | str] = ("block_tables", "num_prefills")
+    kv_lens: str = "seq_lens"
+    decode_seq_lens: tuple[str, int | str] = ("seq_lens_tensor", "num_prefills")
+
+
+# vLLM XFORMERS' (and IPEX's here): one row per sequence, prefills first.
+PER_SEQUENCE_FIELDS = MetadataFields()
+# TORCH_SDPA's: decode fields describe only the decodes, prefill fields only the prefills.
+SPLIT_FIELDS = MetadataFields(
+    prefill_block_tables=("prefill_block_tables", 0),
+    decode_block_tables=("block_tables", 0),
+    decode_seq_lens=("seq_lens_tensor", 0),
+)
+# Cross attention: the encoder's slots, tables and lengths.
+CROSS_FIELDS = MetadataFields(
+    slot_mapping="cross_slot_mapping",
+    prefill_block_tables=("cross_block_tables", 0),
+    decode_block_tables=("cross_block_tables", "num_prefills"),
+    kv_lens="encoder_seq_lens",
+    decode_seq_lens=("encoder_seq_lens_tensor", "num_prefills"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """One step for one attention type.
 
@@ -52,6 +83,8 @@ class StepPlan:
     decode_block_tables: Int[Tensor, "num_decodes max_blocks"] | None
     decode_seq_lens: Int[Tensor, " num_decodes"] | None
     max_decode_seq_len: int
+    # Where these came from in the metadata (for error messages).
+    fields: MetadataFields = PER_SEQUENCE_FIELDS
 
     @property
     def causal(self) -> bool:
@@ -184,6 +217,7 @@ def cross_plan(attn_metadata, attn_type: AttentionType, q_lens: list[int]) -> St
         decode_block_tables=None if cross is None else cross[num_prefills:],
         decode_seq_lens=decode_lens,
         max_decode_seq_len=int(decode_lens.max()) if attn_metadata.num_decode_tokens else 0,
+        fields=CROSS_FIELDS,
     )
 
 
@@ -200,7 +234,7 @@ def per_sequence_plan(attn_metadata, attn_type: AttentionType) -> StepPlan:
         return encoder_plan(attn_metadata, attn_type)
     num_prefills, num_decodes = attn_metadata.num_prefills, attn_metadata.num_decode_tokens
     q_lens = seq_lens = []
-    if attn_metadata.num_prefill_tokens:
+    if attn_metadata.num_prefill_tokens or num_prefills:  # empty sequences count too
         require(attn_metadata.seq_lens, "seq_lens", attn_type)
         seq_lens = q_lens = list(attn_metadata.seq_lens[:num_prefills])
         if attn_metadata.query_start_loc is not None:

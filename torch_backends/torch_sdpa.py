@@ -33,6 +33,7 @@ from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
 from torch_backends.plan import (
+    SPLIT_FIELDS,
     CrossAttentionMetadata,
     StepPlan,
     cross_plan,
@@ -109,7 +110,9 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttentio
         attn_type = check_attn_type(attn_type)
         if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
             return encoder_plan(self, attn_type)
-        q_lens, kv_lens = self.get_seq_lens(attn_type) if self.num_prefill_tokens else ([], [])
+        # Prefills with no new token (empty sequences) still count: their rows are in the tables.
+        prefills = self.num_prefill_tokens or self.num_prefills
+        q_lens, kv_lens = self.get_seq_lens(attn_type) if prefills else ([], [])
         if attn_type == AttentionType.ENCODER_DECODER:
             return cross_plan(self, attn_type, q_lens)
         return StepPlan(
@@ -125,6 +128,7 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttentio
             decode_block_tables=self.block_tables,
             decode_seq_lens=self.seq_lens_tensor,
             max_decode_seq_len=self.max_decode_seq_len,
+            fields=SPLIT_FIELDS,
         )
 
 
@@ -178,7 +182,7 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
 
     def attend(self, step: Step) -> Queries:
         plan, out = step.plan, torch.empty_like(step.query)
-        if plan.has_cached_prefix:
+        if plan.num_prefill_tokens and plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
         elif plan.num_prefill_tokens:
             out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from interop.dlpack import FLOAT8_ZERO_COPY, copy_reason, shares_memory, to_jax, to_torch
+from interop.dlpack import (
+    FLOAT8_ZERO_COPY,
+    copy_reason,
+    index_to_jax,
+    shares_memory,
+    to_jax,
+    to_torch,
+)
 
 # dtypes that cross both ways unchanged and without a copy
 SHARED_DTYPES = [
@@ -123,6 +130,47 @@ def test_uint64_checked_like_int64():
     huge = torch.tensor([-1]).view(torch.uint64)  # 2**64 - 1
     with pytest.raises(OverflowError, match=r"holds 18446744073709551615"):
         to_jax(huge)
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x64-off", "x64-on"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.uint8, torch.int32], ids=_name)
+def test_index_to_jax_is_int32_exact(dtype, x64, rng):
+    """Index tensors (ids, lengths) cross as int32 whatever their dtype and x64 say."""
+    info = torch.iinfo(dtype)
+    t = torch.from_numpy(rng.integers(max(info.min, -(2**31)), min(info.max, 2**31 - 1), 99))
+    t = t.to(dtype)
+    with jax.enable_x64(x64):
+        a = index_to_jax(t, "block_tables")
+    assert a.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(a), t.long().numpy())
+    if dtype == torch.int32:
+        assert shares_memory(t, a)
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x64-off", "x64-on"])
+@pytest.mark.parametrize(
+    "value, shown, wrapped",
+    [(2**32 + 3, "4294967299", "3"), (2**31, "2147483648", "-2147483648"),
+     (-(2**31) - 1, "-2147483649", "2147483647")],
+)  # fmt: skip
+def test_index_to_jax_past_int32_raises(value, shown, wrapped, x64, rng):
+    """A cast would wrap 2**32 + 3 to 3 (a valid-looking id): it raises instead, naming the
+    argument, with x64 on as well (where `to_jax` itself would keep int64)."""
+    t = torch.from_numpy(rng.integers(0, 100, size=20))
+    t[11] = value
+    with (
+        jax.enable_x64(x64),
+        pytest.raises(
+            OverflowError,
+            match=rf"seq_lens holds {shown}, outside int32 .* a cast would wrap it to {wrapped}$",
+        ),
+    ):
+        index_to_jax(t, "seq_lens")
+    big = torch.tensor([2**32 + 3]).to(torch.uint64)
+    with pytest.raises(OverflowError, match="slot_mapping holds 4294967299"):
+        index_to_jax(big, "slot_mapping")
+    with pytest.raises(TypeError, match=r"block_tables must be an integer tensor, got torch"):
+        index_to_jax(t.float(), "block_tables")
 
 
 def test_float64_without_and_with_x64(rng):

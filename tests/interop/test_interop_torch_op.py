@@ -112,6 +112,36 @@ def _op_args(rng):
     )
 
 
+@pytest.mark.parametrize(
+    "index, name", [(3, "query_start_loc"), (4, "seq_lens"), (5, "block_tables")]
+)
+def test_paged_op_int64_past_int32_raises(index, name, rng):
+    """int64 index tensors cross checked: 2**32 + 3 raises instead of becoming 3 (block 3,
+    a valid id here); in-range int64 gives the int32 result exactly."""
+    args = list(_op_args(rng))
+    want = paged_attention_op(*args)
+    wide = [a.long() if i in (3, 4, 5) else a for i, a in enumerate(args)]
+    torch.testing.assert_close(paged_attention_op(*wide), want, rtol=0, atol=0)
+    bad = args[index].long().clone()
+    bad.view(-1)[-1] = 2**32 + int(bad.view(-1)[-1])  # wraps to the original value
+    wide[index] = bad
+    with pytest.raises(OverflowError, match=rf"^{name} holds \d+, outside int32"):
+        paged_attention_op(*wide)
+    with pytest.raises(OverflowError, match=rf"^{name} holds"):
+        torch.ops.jax_attn.paged_attention(*wide)
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_varlen_op_int64_past_int32_raises(name, rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, k, v = (torch.randn(7, h, 64, generator=gen) for h in (4, 2, 2))
+    cu = {n: torch.tensor([0, 3, 7]) for n in ("cu_seqlens_q", "cu_seqlens_k")}
+    cu[name] = torch.tensor([0, 2**32 + 3, 7])
+    with pytest.raises(OverflowError, match=rf"^{name} holds 4294967299, outside int32"):
+        varlen_attention_op(q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], 0.125, False,
+                            None, -1, -1.0)  # fmt: skip
+
+
 def test_opcheck(rng):
     torch.library.opcheck(paged_attention_op, _op_args(rng))
     gen = torch.Generator().manual_seed(0)
