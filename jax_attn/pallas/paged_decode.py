@@ -8,8 +8,12 @@ Design (Triton-backed Pallas on GPU; the same code runs on CPU with `interpret=T
   Triton's dot needs at least 16 rows; the extra rows are zeros and are sliced away.
 - The cache keeps its own `[NB, BS, Hkv, D]` layout: the BlockSpec squeezes the kv-head axis,
   so the kernel sees this head's `[NB, BS, D]` pages (strided, no transposed copy).
-- Keys are visited in compute blocks of `pages_per_compute_block` pages; the block table slice
-  of a compute block is read inside the loop and the pages gathered with it.
+- Keys are visited in compute blocks of `block_k` keys: whole pages (`pages_per_compute_block`
+  of them), or a part of one page when a page is larger than the tile budget (block 128 with
+  D=256 in float32 walks each page 32 keys at a time). The block table entries of a compute
+  block are read inside the loop, never past the table's end (`seq_len` larger than the table
+  can hold ends the loop at the table's last key). float32 dots reduce over at most 32 values
+  (see `_online_softmax`), so that IEEE float32 FMA loops do not spill.
 - Split-K: a sequence's compute blocks are shared out evenly among the splits, sized by that
   sequence's own length. With a sliding window only the blocks that touch the window are
   shared out (`_split_block_range`): blocks wholly before it are never loaded, not just

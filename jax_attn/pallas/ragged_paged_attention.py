@@ -15,9 +15,11 @@ Design (Triton-backed Pallas on GPU; the same code runs on CPU with `interpret=T
   (seq 1, token 5), (seq 2, tokens 6-8).
 - A program computes one tile against one kv head for all `G` query heads of that head's
   group: its `block_q * G_pad` rows (token-major) share every K/V tile it loads.
-- Keys are visited in compute blocks of `pages_per_compute_block` pages, from the first block
-  the sliding window reaches to the last key the tile's last query may see (bottom-right
-  causal), so blocks wholly outside the window or above the diagonal are never loaded.
+- Keys are visited in compute blocks of `block_k` keys (whole pages, or a part of one page
+  when a page is larger than the tile budget), from the first block the sliding window
+  reaches to the last key the tile's last query may see (bottom-right causal), so blocks
+  wholly outside the window or above the diagonal are never loaded, nor any past the block
+  table's end.
 - Queries are read at any token offset (tiles need not be aligned), so the query is padded by
   `block_q` tokens; outputs are written per tile, never across a sequence boundary, and the
   wrapper gathers each token's row back, zeros for padding tokens.
