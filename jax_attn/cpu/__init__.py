@@ -1,0 +1,37 @@
+"""Native CPU kernels through XLA's FFI (issue 10): paged decode and ragged paged attention.
+
+Importing this package never builds or raises. The kernels (csrc/*.cc) are compiled on first
+use with the system C++ compiler and cached (see `_build`); `unavailable_reason()` says why
+they cannot be used, `available()` whether they can, and `shape_problem(...)` why given dtypes
+or sizes are refused.
+
+Environment: `JAX_ATTN_CPU_THREADS` sets the worker count (default: XLA's intra-op pool size),
+`JAX_ATTN_CPU_DISABLE=1` turns the kernels off (to exercise the XLA fallback),
+`JAX_ATTN_CACHE_DIR` moves the build cache (default ~/.cache/jax-attn),
+`JAX_ATTN_CPU_EXTRA_FLAGS` adds compiler flags (e.g. `-march=x86-64-v3` for the portable
+kernels, `-fsanitize=address,undefined`), `JAX_ATTN_CPU_PREFETCH` sets the decode kernel's
+prefetch distance in kv-head tiles (0: off). `python -m jax_attn.cpu.build` builds eagerly.
+"""
+
+from jax_attn.cpu._build import unavailable_reason
+from jax_attn.cpu._shapes import shape_problem
+from jax_attn.cpu.paged_decode import paged_decode
+
+try:  # written on a parallel branch (h-cpu2); present once merged
+    from jax_attn.cpu.ragged_paged_attention import ragged_paged_attention
+except ImportError:  # pragma: no cover
+    pass
+
+
+def available() -> bool:
+    """Whether the native kernels are built and registered (building them on first call)."""
+    return unavailable_reason() is None
+
+
+__all__ = [
+    "available",
+    "paged_decode",
+    "ragged_paged_attention",
+    "shape_problem",
+    "unavailable_reason",
+]

@@ -1,0 +1,246 @@
+"""Build the native CPU kernels (csrc/*.cc) into one shared library, lazily, cached.
+
+The library is compiled with the system C++ compiler ($CXX, else c++, else g++) on first use,
+for the building machine (`-march=native`), into
+`${JAX_ATTN_CACHE_DIR:-~/.cache/jax-attn}/cpu-kernels/<key>/`, where the key hashes the
+sources, the flags, the compiler's version, jaxlib's version and the CPU's feature flags: any
+change rebuilds, nothing else does. The compiler writes a temporary file that is renamed into
+place, under a file lock, so concurrent processes (pytest-xdist workers) build at most once
+and never load a half-written library.
+
+`python -m jax_attn.cpu._build` builds eagerly and prints the library's path and build time.
+"""
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c++17",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Wextra",
+)
+LIB_NAME = "libjax_attn_cpu.so"
+DISABLE_ENV = "JAX_ATTN_CPU_DISABLE"
+# Extra compiler flags, appended (part of the cache key): e.g. "-march=x86-64-v3" to build the
+# portable (no AVX-512) kernels on an AVX-512 machine, or "-fsanitize=address,undefined".
+EXTRA_FLAGS_ENV = "JAX_ATTN_CPU_EXTRA_FLAGS"
+
+# Handler symbols exported by csrc/*.cc, registered as XLA FFI targets of the same name.
+# A kernel file adds its symbol here; a symbol missing from the library is skipped (so the
+# list can name kernels that land on another branch first).
+HANDLERS = (
+    "jax_attn_cpu_paged_decode",
+    "jax_attn_cpu_ragged_paged_attention",
+)
+
+_lock = threading.Lock()
+_state: dict = {}  # "reason" (str | None), "lib", "path", "registered" (set)
+
+
+def cache_root() -> Path:
+    root = os.environ.get("JAX_ATTN_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jax-attn"
+    )
+    return Path(root) / "cpu-kernels"
+
+
+def find_compiler() -> str | None:
+    """$CXX if set (its first word must be on PATH or a path), else c++, else g++."""
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else []
+    candidates += ["c++", "g++"]
+    for cand in candidates:
+        found = shutil.which(cand.split()[0]) if cand.split() else None
+        if found:
+            return found
+        if os.environ.get("CXX") == cand:
+            return None  # an explicit $CXX that does not exist: say so, do not guess
+    return None
+
+
+def _first_line(text: str) -> str:
+    for line in text.splitlines():
+        if "error" in line.lower():
+            return line.strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else "(no output)"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"compiler {cxx} does not run: {e}") from e
+    if out.returncode != 0:
+        raise RuntimeError(f"compiler {cxx} --version failed: {_first_line(out.stderr)}")
+    return out.stdout
+
+
+def flags() -> tuple[str, ...]:
+    return (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
+
+
+def sources() -> list[Path]:
+    return sorted([*CSRC.glob("*.cc"), *CSRC.glob("*.h")])
+
+
+def _include_dir() -> str:
+    import jax
+
+    return jax.ffi.include_dir()
+
+
+def build_key(cxx: str) -> str:
+    import jaxlib
+
+    h = hashlib.sha256()
+    for src in sources():
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    h.update(" ".join(flags()).encode())
+    h.update(_compiler_version(cxx).encode())
+    h.update(jaxlib.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:20]
+
+
+def build(verbose: bool = False) -> tuple[Path, float]:
+    """Build (or find cached) the library; returns (path, seconds spent compiling: 0 if cached).
+
+    Raises RuntimeError with a one-line reason when no compiler is found or the build fails.
+    """
+    cxx = find_compiler()
+    if cxx is None:
+        tried = f"$CXX={os.environ['CXX']!r}, " if os.environ.get("CXX") else "$CXX (unset), "
+        raise RuntimeError(f"no C++ compiler found (tried {tried}c++, g++)")
+    out_dir = cache_root() / build_key(cxx)
+    lib_path = out_dir / LIB_NAME
+    if lib_path.exists():
+        return lib_path, 0.0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
+        if lib_path.exists():
+            return lib_path, 0.0
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=out_dir) as tmp_dir:
+            tmp = os.path.join(tmp_dir, LIB_NAME)
+            _compile_and_link(cxx, tmp, verbose)
+            seconds = time.perf_counter() - start
+            os.replace(tmp, lib_path)  # atomic: readers see no library or a whole one
+        return lib_path, seconds
+
+
+def _run_tool(cmd: list[str], cxx: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"build failed ({Path(cxx).name}): {e}") from e
+
+
+def _compile_and_link(cxx: str, out: str, verbose: bool) -> None:
+    """Each .cc into an object, all at once (one kernel per file: they compile in parallel),
+    then one shared library at `out`. Raises RuntimeError with the first error line."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    units = [s for s in sources() if s.suffix == ".cc"]
+    out_dir = os.path.dirname(out)
+    objects = [os.path.join(out_dir, f"{unit.stem}.o") for unit in units]
+    common = [cxx, *flags(), "-isystem", _include_dir(), f"-I{CSRC}"]
+    jobs = [[*common, "-c", str(u), "-o", o] for u, o in zip(units, objects, strict=True)]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        results = list(pool.map(lambda cmd: _run_tool(cmd, cxx), jobs))
+    if all(r.returncode == 0 for r in results):
+        results.append(_run_tool([cxx, *flags(), *objects, "-o", out], cxx))
+    for proc in results:
+        if proc.returncode != 0:
+            message = _first_line(proc.stderr + proc.stdout)
+            raise RuntimeError(f"build failed ({Path(cxx).name}): {message}")
+        if verbose and proc.stderr.strip():
+            print(proc.stderr, file=sys.stderr)
+    if not os.path.exists(out) or os.path.getsize(out) == 0:
+        raise RuntimeError(f"build failed ({Path(cxx).name}): no library written")
+
+
+def _load_and_register() -> None:
+    import jax
+
+    path, seconds = build()
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    registered = set()
+    for name in HANDLERS:
+        try:
+            symbol = getattr(lib, name)
+        except AttributeError:
+            continue
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
+        registered.add(name)
+    _state.update(lib=lib, path=path, build_seconds=seconds, registered=registered)
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels are built and registered (building them on first call), else a
+    one-line reason. Never raises. `JAX_ATTN_CPU_DISABLE=1` forces a reason (to test the
+    fallback)."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    with _lock:
+        if "reason" not in _state:
+            try:
+                _load_and_register()
+                _state["reason"] = None
+            except Exception as e:  # the contract: a reason, never an exception
+                _state["reason"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return _state["reason"]
+
+
+def registered(name: str) -> bool:
+    """Whether handler `name` is in the built library (after unavailable_reason() is None)."""
+    return unavailable_reason() is None and name in _state["registered"]
+
+
+def library_path() -> Path | None:
+    return _state.get("path") if unavailable_reason() is None else None
+
+
+def main() -> int:
+    start = time.perf_counter()
+    try:
+        path, seconds = build(verbose=True)
+    except RuntimeError as e:
+        print(f"jax_attn.cpu: {e}", file=sys.stderr)
+        return 1
+    total = time.perf_counter() - start
+    status = f"built in {seconds:.1f} s" if seconds else f"cached (checked in {total:.2f} s)"
+    print(f"{path}\n{status}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

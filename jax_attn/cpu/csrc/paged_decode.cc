@@ -1,0 +1,652 @@
+// Paged decode on the CPU: one new query token per sequence against its paged KV cache.
+//
+// Semantics are jax_attn.paged_decode's (SPEC section 1): query [S, Hq, D] at position
+// seq_len - 1 of each sequence, caches [NB, BS, Hkv, D], block_tables [S, max_blocks],
+// seq_lens [S]; soft cap, ALiBi, sliding window; rows with seq_len 0 give zeros.
+//
+// Work split: an item is one sequence, or one part of a long sequence (split-K: the parts'
+// online-softmax states are merged in float32 by whichever part finishes last); items go to
+// XLA's intra-op pool (ffi::ThreadPool) and the calling thread. Inside an item the kernel
+// walks the sequence's blocks in table order, each block in tiles of up to 16 tokens, and kv
+// heads in turn: a head's 16 rows are widened to float32 once into an L1-resident tile (bf16
+// by a shift, fp8 through the fp16 converter), which then serves all G query rows of its GQA
+// group. Logits of a tile come out as one 16-lane vector per query row (a transpose-and-add
+// tree), so the online softmax (max, exp, sum) runs on whole vectors; values are accumulated
+// for up to 4 query rows at once, so each value chunk is loaded once per 4 rows. Keys outside
+// the visible range (past seq_len, before the sliding window) are never loaded: tiles cover
+// only the visible range, and a tile's unused rows are zeros in the widened copy, so NaN in
+// unused cache memory cannot reach an output.
+//
+// Measured on the 2-core AMD EPYC (AVX-512) dev machine, one thread, B=32 ctx=1024 Hq=32
+// Hkv=8 D=128 BS=16: the math alone (cache resident in L2) takes ~6.6 ms (f32) / ~5.2 ms (bf16)
+// of CPU time, widening alone from DRAM ~15 ms (f32), a jitted XLA sum of the same f32 cache
+// ~8 ms: the limit is how fast one core pulls the strided rows out of DRAM, not the FMAs.
+// Software prefetch of the tile 4 kv-head steps ahead (into L2) gains ~20% (f32) to ~30%
+// (bf16); whole-block sequential widening (all heads of a tile into one 128 KB buffer) and
+// reading f32 caches in place (4 KB-aliased rows thrash L1) were both slower.
+//
+// Bad input (block ids outside [0, NB) among the blocks a sequence reads, seq_len outside
+// [0, max_blocks * BS], wrong shapes or dtypes) returns ffi::Error::InvalidArgument before
+// anything is read or written.
+
+#include <cstdio>
+#include <vector>
+
+#include "attention_common.h"
+
+namespace jax_attn_cpu {
+namespace {
+
+// An aligned float scratch array (64-byte aligned, zero-initialized).
+class FloatBuffer {
+ public:
+  explicit FloatBuffer(size_t n) : raw_(new float[n + 16]()) {
+    const auto addr = reinterpret_cast<uintptr_t>(raw_.get());
+    data_ = reinterpret_cast<float*>((addr + 63) & ~static_cast<uintptr_t>(63));
+  }
+  float* get() const { return data_; }
+
+ private:
+  std::unique_ptr<float[]> raw_;
+  float* data_;
+};
+
+// How far ahead (in kv-head tiles of 16 tokens, in processing order) the kernel prefetches;
+// $JAX_ATTN_CPU_PREFETCH overrides (0: no software prefetch).
+constexpr int64_t kPrefetchTiles = 4;
+
+struct Problem {
+  int64_t num_seqs, num_heads, num_kv_heads, group, head_size;
+  int64_t num_blocks, block_size, max_blocks;
+  const int32_t* tables;    // [S, max_blocks]
+  const int32_t* seq_lens;  // [S]
+  const float* alibi;       // [Hq] or nullptr
+  float qk_scale;           // scale * k_scale (* the fp8 widening factor, already in load16)
+  float v_scale;
+  int64_t window;  // <= 0: none
+  float cap;       // <= 0: none
+  int64_t prefetch_tiles;
+  ffi::DataType query_type;
+  const void* query;
+  void* out;
+  const void* key_cache;
+  const void* value_cache;
+};
+
+struct Item {
+  int64_t seq;
+  int64_t part, num_parts;
+  int64_t begin, end;   // key positions of this part
+  int64_t scratch_row;  // first scratch row of this sequence's parts (num_parts > 1)
+};
+
+// Query row `row` of sequence `seq`, widened and multiplied by `scale`, into dst[D].
+void load_query_row(const Problem& p, int64_t seq, int64_t row, float* dst) {
+  const int64_t offset = (seq * p.num_heads + row) * p.head_size;
+  const int64_t D = p.head_size;
+  switch (p.query_type) {
+    case ffi::DataType::F32: {
+      const float* q = static_cast<const float*>(p.query) + offset;
+      for (int64_t d = 0; d < D; ++d) dst[d] = q[d] * p.qk_scale;
+      break;
+    }
+    case ffi::DataType::BF16: {
+      const bf16_t* q = static_cast<const bf16_t*>(p.query) + offset;
+      for (int64_t d = 0; d < D; ++d) dst[d] = widen(q[d]) * p.qk_scale;
+      break;
+    }
+    default: {
+      const f16_t* q = static_cast<const f16_t*>(p.query) + offset;
+      for (int64_t d = 0; d < D; ++d) dst[d] = widen(q[d]) * p.qk_scale;
+      break;
+    }
+  }
+}
+
+// out[seq, row, :] = vals[:] * factor, narrowed to the query's dtype.
+void store_output_row(const Problem& p, int64_t seq, int64_t row, const float* vals,
+                      float factor) {
+  const int64_t offset = (seq * p.num_heads + row) * p.head_size;
+  const int64_t D = p.head_size;
+  switch (p.query_type) {
+    case ffi::DataType::F32: {
+      float* o = static_cast<float*>(p.out) + offset;
+      for (int64_t d = 0; d < D; ++d) o[d] = vals[d] * factor;
+      break;
+    }
+    case ffi::DataType::BF16: {
+      bf16_t* o = static_cast<bf16_t*>(p.out) + offset;
+      for (int64_t d = 0; d < D; ++d) o[d] = narrow<bf16_t>(vals[d] * factor);
+      break;
+    }
+    default: {
+      f16_t* o = static_cast<f16_t*>(p.out) + offset;
+      for (int64_t d = 0; d < D; ++d) o[d] = narrow<f16_t>(vals[d] * factor);
+      break;
+    }
+  }
+}
+
+// Per-item accumulators: for each query row, the online-softmax state and sum p * v.
+struct RowsState {
+  FloatBuffer acc;  // [Hq, DP]
+  std::vector<OnlineSoftmaxRow> rows;
+  RowsState(int64_t num_heads, int64_t padded_d)
+      : acc(static_cast<size_t>(num_heads * padded_d)), rows(num_heads) {}
+};
+
+
+// The end of an item: a whole sequence writes its output rows; a part of a split sequence
+// stores its state in `scratch`, and the last part to arrive merges all parts (float32) and
+// writes the output. Scratch rows: [max, sum, 14 unused, acc[DP]] per (part, query row).
+void finish_item(const Problem& p, const Item& it, RowsState& st, int64_t padded_d,
+                 float* scratch, std::atomic<int32_t>* arrivals) {
+  const int64_t Hq = p.num_heads;
+  if (it.num_parts == 1) {
+    for (int64_t r = 0; r < Hq; ++r) {
+      store_output_row(p, it.seq, r, st.acc.get() + r * padded_d,
+                       st.rows[r].inverse_sum() * p.v_scale);
+    }
+    return;
+  }
+  const int64_t stride = padded_d + 16;
+  float* mine = scratch + (it.scratch_row + it.part * Hq) * stride;
+  for (int64_t r = 0; r < Hq; ++r) {
+    mine[r * stride] = st.rows[r].max;
+    mine[r * stride + 1] = st.rows[r].sum;
+    std::memcpy(mine + r * stride + 16, st.acc.get() + r * padded_d, padded_d * sizeof(float));
+  }
+  if (arrivals[it.seq].fetch_add(1, std::memory_order_acq_rel) + 1 < it.num_parts) return;
+  // Last part in: every other part's scratch rows are visible (acq_rel on the counter).
+  const int64_t parts = it.num_parts;
+  std::vector<float> maxes(parts), sums(parts), merged(padded_d);
+  std::vector<const float*> accs(parts);
+  const float* all = scratch + it.scratch_row * stride;
+  for (int64_t r = 0; r < Hq; ++r) {
+    for (int64_t i = 0; i < parts; ++i) {
+      const float* row = all + (i * Hq + r) * stride;
+      maxes[i] = row[0];
+      sums[i] = row[1];
+      accs[i] = row + 16;
+    }
+    merge_partials(static_cast<int>(parts), maxes.data(), sums.data(), accs.data(),
+                   static_cast<int>(p.head_size), p.v_scale, merged.data());
+    store_output_row(p, it.seq, r, merged.data(), 1.0f);
+  }
+}
+
+// One item, portable scalar code (machines without AVX-512; same algorithm and order).
+template <typename KV>
+void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
+                        std::atomic<int32_t>* arrivals) {
+  const int64_t D = p.head_size, G = p.group, Hq = p.num_heads, Hkv = p.num_kv_heads;
+  const int64_t BS = p.block_size;
+  const int64_t DP = (D + 15) / 16 * 16;
+  const int64_t q_pos = p.seq_lens[it.seq] - 1;
+  const int32_t* table = p.tables + it.seq * p.max_blocks;
+  const KV* kc = static_cast<const KV*>(p.key_cache);
+  const KV* vc = static_cast<const KV*>(p.value_cache);
+  const int64_t row_stride = Hkv * D;
+  const int64_t block_stride = BS * row_stride;
+  FloatBuffer q(static_cast<size_t>(Hq * DP));
+  for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
+  RowsState st(Hq, DP);
+  std::vector<float> kv(2 * D);
+  // Memory order: blocks in table order; block b: [BS, Hkv, D]; tokens, then kv heads.
+  for (int64_t pos = it.begin; pos < it.end; ++pos) {
+    const int64_t b = pos / BS;
+    const int64_t off = table[b] * block_stride + (pos - b * BS) * row_stride;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t d = 0; d < D; ++d) {
+        kv[d] = widen(kc[off + h * D + d]);
+        kv[D + d] = widen(vc[off + h * D + d]);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = h * G + g;
+        const float* qrow = q.get() + row * DP;
+        float logit = 0.0f;
+        for (int64_t d = 0; d < D; ++d) logit += qrow[d] * kv[d];
+        logit = soft_cap(logit, p.cap);
+        if (p.alibi) logit += alibi_bias(p.alibi[row], pos, q_pos);
+        OnlineSoftmaxRow& state = st.rows[row];
+        const float factor = state.rescale(logit);
+        const float prob = std::exp(logit - state.max);
+        state.add_sum(prob);
+        float* arow = st.acc.get() + row * DP;
+        for (int64_t d = 0; d < D; ++d) arow[d] = arow[d] * factor + prob * kv[D + d];
+      }
+    }
+  }
+  finish_item(p, it, st, DP, scratch, arrivals);
+}
+
+#if JAX_ATTN_AVX512
+
+
+// Widen one kv head's rows [0, n) of a tile into dst [16, DP] float32 (rows >= n: zeros, so
+// unused cache bytes never reach the math), prefetching the rows of a later tile into L2.
+template <typename KV, int NC>
+inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 last_mask,
+                       float* dst, const KV* prefetch, int64_t prefetch_rows) {
+  constexpr int64_t DP = NC * 16;
+  constexpr int64_t kLineElems = 64 / sizeof(KV);
+  const bool full = n == 16 && last_mask == static_cast<__mmask16>(0xffff);
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t < prefetch_rows) {
+      const KV* pf = prefetch + t * row_stride;
+      for (int64_t e = 0; e < NC * 16; e += kLineElems) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf + e), _MM_HINT_T1);
+      }
+    }
+    const KV* row = src + t * row_stride;
+    if (full) {
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        _mm512_store_ps(dst + t * DP + 16 * c, load16<KV>(row + 16 * c, 0xffff));
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        const __mmask16 m = t >= n ? static_cast<__mmask16>(0)
+                            : c == NC - 1 ? last_mask
+                                          : static_cast<__mmask16>(0xffff);
+        _mm512_store_ps(dst + t * DP + 16 * c, load16<KV>(row + 16 * c, m));
+      }
+    }
+  }
+}
+
+// acc[r] = acc[r] * factor[r] + sum_t probs[r][t] * v[t] for RG query rows at once, so each
+// value chunk is loaded once per RG rows: 4 chunks x RG rows of accumulators in registers.
+template <int NC, int RG>
+inline void accumulate_values(const float* vt, int64_t n, const float (*probs)[16],
+                              const float* factor, float* const* acc) {
+  constexpr int64_t DP = NC * 16;
+#pragma GCC unroll 4
+  for (int cb = 0; cb < NC; cb += 4) {
+    constexpr int kMaxCB = 4;
+    __m512 o[RG][kMaxCB];
+#pragma GCC unroll 4
+    for (int r = 0; r < RG; ++r) {
+      const __m512 f = _mm512_set1_ps(factor[r]);
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) o[r][j] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (cb + j)), f);
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 v[kMaxCB];
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) v[j] = _mm512_load_ps(vt + t * DP + 16 * (cb + j));
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < RG; ++r) {
+        const __m512 pr = _mm512_set1_ps(probs[r][t]);
+#pragma GCC unroll 4
+        for (int j = 0; j < kMaxCB; ++j) {
+          if (cb + j < NC) o[r][j] = _mm512_fmadd_ps(pr, v[j], o[r][j]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RG; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) _mm512_store_ps(acc[r] + 16 * (cb + j), o[r][j]);
+      }
+    }
+  }
+}
+
+// All G query rows of kv head h against one widened tile (n valid tokens): logits, online
+// softmax, values. Independent of the cache dtype: instantiated once per head size.
+template <int NC>
+__attribute__((noinline)) void attend_tile(const Problem& p, const float* q, RowsState& st,
+                                           const float* ktile, const float* vtile, int64_t h,
+                                           int64_t n, __mmask16 valid, __m512 distance) {
+  constexpr int64_t DP = NC * 16;
+  const int64_t G = p.group;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float probs[4][16];
+  // The G query rows of this kv head, up to 4 at a time.
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int rg = static_cast<int>(std::min<int64_t>(4, G - g0));
+    float factor[4];
+    float* acc[4];
+    for (int r = 0; r < rg; ++r) {
+      const int64_t row = h * G + g0 + r;
+      const float* qrow = q + row * DP;
+      // logits[t] = q . k[t]: 16 independent accumulators, NC steps each.
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        const __m512 qc = _mm512_load_ps(qrow + 16 * c);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; ++t) {
+          dots[t] = _mm512_fmadd_ps(_mm512_load_ps(ktile + t * DP + 16 * c), qc, dots[t]);
+        }
+      }
+      __m512 logits = transpose_sum16(dots);
+      if (p.cap > 0.0f) logits = soft_cap16(logits, p.cap);
+      if (p.alibi) logits = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[row]), distance, logits);
+      logits = _mm512_mask_mov_ps(neg_inf, valid, logits);
+      OnlineSoftmaxRow& state = st.rows[row];
+      factor[r] = state.rescale(_mm512_reduce_max_ps(logits));
+      const __m512 pr = _mm512_maskz_mov_ps(
+          valid, exp16(_mm512_sub_ps(logits, _mm512_set1_ps(state.max))));
+      state.add_sum(_mm512_reduce_add_ps(pr));
+      _mm512_store_ps(probs[r], pr);
+      acc[r] = st.acc.get() + row * DP;
+    }
+    switch (rg) {
+      case 4: accumulate_values<NC, 4>(vtile, n, probs, factor, acc); break;
+      case 3: accumulate_values<NC, 3>(vtile, n, probs, factor, acc); break;
+      case 2: accumulate_values<NC, 2>(vtile, n, probs, factor, acc); break;
+      default: accumulate_values<NC, 1>(vtile, n, probs, factor, acc); break;
+    }
+  }
+}
+
+// One item on AVX-512. NC = ceil(D / 16) 16-float chunks per row; the last may be partial.
+template <typename KV, int NC>
+void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<int32_t>* arrivals) {
+  constexpr int64_t DP = NC * 16;
+  const int64_t D = p.head_size, Hq = p.num_heads, Hkv = p.num_kv_heads;
+  const int64_t BS = p.block_size;
+  const __mmask16 last_mask = tail_mask(D - (NC - 1) * 16);
+  const int64_t q_pos = p.seq_lens[it.seq] - 1;
+  const int32_t* table = p.tables + it.seq * p.max_blocks;
+  const KV* kc = static_cast<const KV*>(p.key_cache);
+  const KV* vc = static_cast<const KV*>(p.value_cache);
+  const int64_t row_stride = Hkv * D;            // token t -> t + 1 inside a block
+  const int64_t block_stride = BS * row_stride;  // one physical block
+  const int64_t tiles_per_block = (BS + 15) / 16;
+
+  FloatBuffer q(static_cast<size_t>(Hq * DP));  // [Hq, DP], scaled, zero-padded
+  for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
+  RowsState st(Hq, DP);
+  // One kv head's widened tile: [16, DP] keys and values, L1-resident, reused by the G query
+  // rows of its group.
+  alignas(64) float ktile[16 * DP];
+  alignas(64) float vtile[16 * DP];
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+  const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
+  // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous, in
+  // tiles of <= 16 tokens; kv heads in turn read their tile's 16 rows (D elements, Hkv * D
+  // apart) into L1 as float32, while the rows of the tile kPrefetchTiles steps ahead (same
+  // order: blocks, tiles, heads; through the block table) are prefetched into L2.
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
+    const int64_t t_end = std::min(it.end, b * BS + BS) - b * BS;
+    const int64_t block_offset = table[b] * block_stride;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, t_end - t0);
+      const __mmask16 valid = tail_mask(n);
+      const __m512 distance = _mm512_add_ps(
+          iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
+      for (int64_t h = 0; h < Hkv; ++h) {
+        // The tile kPrefetchTiles ahead: head hh of tile tt (16 tokens) of block bb.
+        int64_t hh = h + p.prefetch_tiles, tt = t0 / 16, bb = b;
+        while (hh >= Hkv) {
+          hh -= Hkv;
+          if (++tt >= tiles_per_block) {
+            tt = 0;
+            ++bb;
+          }
+        }
+        int64_t pf_rows = 0;
+        int64_t pf_offset = 0;
+        if (bb <= last_block && p.prefetch_tiles > 0) {
+          pf_rows = std::min<int64_t>(16, BS - tt * 16);
+          pf_offset = table[bb] * block_stride + tt * 16 * row_stride + hh * D;
+        }
+        const int64_t offset = block_offset + t0 * row_stride + h * D;
+        widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile, kc + pf_offset, pf_rows);
+        widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile, vc + pf_offset, pf_rows);
+        attend_tile<NC>(p, q.get(), st, ktile, vtile, h, n, valid, distance);
+      }
+    }
+  }
+  finish_item(p, it, st, DP, scratch, arrivals);
+}
+
+#endif  // JAX_ATTN_AVX512
+
+using ItemFn = void (*)(const Problem&, const Item&, float*, std::atomic<int32_t>*);
+
+// The item function for a cache dtype and head size, chosen once per call. Building with
+// -DJAX_ATTN_CPU_FEW_HEAD_SIZES instantiates the vector kernel for head sizes 32, 64, 80,
+// 128, 256 only (others run the scalar kernel): for quick sanitizer builds.
+template <typename KV>
+ItemFn pick_item_fn(int64_t head_size) {
+  if (head_size < 1 || head_size > kMaxHeadSize) return nullptr;
+#if JAX_ATTN_AVX512
+#ifdef JAX_ATTN_CPU_FEW_HEAD_SIZES
+  switch ((head_size + 15) / 16) {
+    case 2: return decode_item<KV, 2>;
+    case 4: return decode_item<KV, 4>;
+    case 5: return decode_item<KV, 5>;
+    case 8: return decode_item<KV, 8>;
+    case 16: return decode_item<KV, 16>;
+    default: return decode_item_scalar<KV>;
+  }
+#else
+  switch ((head_size + 15) / 16) {
+    case 1: return decode_item<KV, 1>;
+    case 2: return decode_item<KV, 2>;
+    case 3: return decode_item<KV, 3>;
+    case 4: return decode_item<KV, 4>;
+    case 5: return decode_item<KV, 5>;
+    case 6: return decode_item<KV, 6>;
+    case 7: return decode_item<KV, 7>;
+    case 8: return decode_item<KV, 8>;
+    case 9: return decode_item<KV, 9>;
+    case 10: return decode_item<KV, 10>;
+    case 11: return decode_item<KV, 11>;
+    case 12: return decode_item<KV, 12>;
+    case 13: return decode_item<KV, 13>;
+    case 14: return decode_item<KV, 14>;
+    case 15: return decode_item<KV, 15>;
+    default: return decode_item<KV, 16>;
+  }
+#endif
+#else
+  return decode_item_scalar<KV>;
+#endif
+}
+
+ItemFn pick_item_fn(ffi::DataType cache_type, int64_t head_size) {
+  switch (cache_type) {
+    case ffi::DataType::F32: return pick_item_fn<float>(head_size);
+    case ffi::DataType::BF16: return pick_item_fn<bf16_t>(head_size);
+    case ffi::DataType::F16: return pick_item_fn<f16_t>(head_size);
+    case ffi::DataType::F8E4M3FN: return pick_item_fn<e4m3_t>(head_size);
+    case ffi::DataType::F8E5M2: return pick_item_fn<e5m2_t>(head_size);
+    default: return nullptr;
+  }
+}
+
+std::string dims_str(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + (dims.size() == 1 ? ",)" : ")");
+}
+
+ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
+                       ffi::AnyBuffer value_cache, ffi::Buffer<ffi::S32> block_tables,
+                       ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> alibi_slopes,
+                       ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                       ffi::Result<ffi::AnyBuffer> out, float scale, int64_t sliding_window,
+                       float logits_soft_cap, int64_t split_tokens) {
+  const auto qd = query.dimensions();
+  const auto kd = key_cache.dimensions();
+  if (qd.size() != 3) {
+    return ffi::Error::InvalidArgument("query must be [num_seqs, num_heads, head_size], got " +
+                                       dims_str(qd));
+  }
+  if (kd.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got " +
+        dims_str(kd));
+  }
+  const auto vd = value_cache.dimensions();
+  if (dims_str(vd) != dims_str(kd) || value_cache.element_type() != key_cache.element_type()) {
+    return ffi::Error::InvalidArgument("value_cache must match key_cache: shape " +
+                                       dims_str(vd) + " vs " + dims_str(kd));
+  }
+  Problem p{};
+  p.num_seqs = qd[0];
+  p.num_heads = qd[1];
+  p.head_size = qd[2];
+  p.num_blocks = kd[0];
+  p.block_size = kd[1];
+  p.num_kv_heads = kd[2];
+  if (kd[3] != p.head_size) {
+    return ffi::Error::InvalidArgument("key_cache head_size=" + std::to_string(kd[3]) +
+                                       " must equal query head_size=" +
+                                       std::to_string(p.head_size));
+  }
+  if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) {
+    return ffi::Error::InvalidArgument("num_heads=" + std::to_string(p.num_heads) +
+                                       " must be divisible by num_kv_heads=" +
+                                       std::to_string(p.num_kv_heads));
+  }
+  p.group = p.num_heads / p.num_kv_heads;
+  const auto td = block_tables.dimensions();
+  if (td.size() != 2 || td[0] != p.num_seqs) {
+    return ffi::Error::InvalidArgument("block_tables must be [num_seqs, max_blocks], got " +
+                                       dims_str(td));
+  }
+  p.max_blocks = td[1];
+  if (seq_lens.element_count() != static_cast<size_t>(p.num_seqs)) {
+    return ffi::Error::InvalidArgument("seq_lens must be [num_seqs], got " +
+                                       dims_str(seq_lens.dimensions()));
+  }
+  const size_t num_slopes = alibi_slopes.element_count();
+  if (num_slopes != 0 && num_slopes != static_cast<size_t>(p.num_heads)) {
+    return ffi::Error::InvalidArgument("alibi_slopes must be [num_heads] or empty, got " +
+                                       dims_str(alibi_slopes.dimensions()));
+  }
+  if (k_scale.element_count() != 1 || v_scale.element_count() != 1) {
+    return ffi::Error::InvalidArgument("k_scale and v_scale must be scalars");
+  }
+  p.query_type = query.element_type();
+  if (p.query_type != ffi::DataType::F32 && p.query_type != ffi::DataType::BF16 &&
+      p.query_type != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument(std::string("query dtype ") + dtype_name(p.query_type) +
+                                       " must be float32, bfloat16 or float16");
+  }
+  if (out->element_type() != p.query_type || dims_str(out->dimensions()) != dims_str(qd)) {
+    return ffi::Error::InvalidArgument("output must have the query's shape and dtype");
+  }
+  const ItemFn item_fn = pick_item_fn(key_cache.element_type(), p.head_size);
+  if (item_fn == nullptr) {
+    return ffi::Error::InvalidArgument(
+        std::string("unsupported key_cache dtype ") + dtype_name(key_cache.element_type()) +
+        " or head_size=" + std::to_string(p.head_size) + " (1..256)");
+  }
+  p.tables = block_tables.typed_data();
+  p.seq_lens = seq_lens.typed_data();
+  p.alibi = num_slopes ? alibi_slopes.typed_data() : nullptr;
+  p.qk_scale = scale * k_scale.typed_data()[0];
+  p.v_scale = v_scale.typed_data()[0];
+  p.window = sliding_window;
+  p.cap = logits_soft_cap;
+  p.prefetch_tiles = kPrefetchTiles;
+  if (const char* env = std::getenv("JAX_ATTN_CPU_PREFETCH")) p.prefetch_tiles = std::atol(env);
+  p.query = query.untyped_data();
+  p.out = out->untyped_data();
+  p.key_cache = key_cache.untyped_data();
+  p.value_cache = value_cache.untyped_data();
+
+  // Value checks, all before any read of the caches: lengths, then every block id read.
+  const int64_t BS = p.block_size;
+  std::vector<KeyRange> ranges(p.num_seqs);
+  int64_t total_keys = 0;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t len = p.seq_lens[s];
+    if (len < 0 || len > p.max_blocks * BS) {
+      return ffi::Error::InvalidArgument(
+          "seq_lens[" + std::to_string(s) + "]=" + std::to_string(len) +
+          " must be in [0, max_blocks * block_size = " + std::to_string(p.max_blocks * BS) + "]");
+    }
+    ranges[s] = len > 0 ? visible_keys(len - 1, len, p.window) : KeyRange{0, 0};
+    if (ranges[s].end <= ranges[s].begin) continue;
+    for (int64_t b = ranges[s].begin / BS; b <= (ranges[s].end - 1) / BS; ++b) {
+      const int32_t id = p.tables[s * p.max_blocks + b];
+      if (id < 0 || id >= p.num_blocks) {
+        return ffi::Error::InvalidArgument(
+            "block_tables[" + std::to_string(s) + ", " + std::to_string(b) + "]=" +
+            std::to_string(id) + " must be in [0, num_blocks=" + std::to_string(p.num_blocks) +
+            ") (the block holds keys of seq_lens[" + std::to_string(s) + "]=" +
+            std::to_string(len) + ")");
+      }
+    }
+    total_keys += ranges[s].end - ranges[s].begin;
+  }
+
+  // Items: each sequence, long ones in parts of whole blocks (split-K) so every worker has
+  // several items; rows of empty sequences are zeros right away.
+  const int64_t workers = num_workers(pool);
+  int64_t part_keys = split_tokens > 0 ? split_tokens
+                                       : std::max<int64_t>(512, total_keys / (4 * workers) + 1);
+  const int64_t part_blocks = std::max<int64_t>(1, (part_keys + BS - 1) / BS);
+  std::vector<Item> items;
+  items.reserve(p.num_seqs);
+  int64_t scratch_rows = 0;
+  const int64_t DP = (p.head_size + 15) / 16 * 16;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const KeyRange r = ranges[s];
+    if (r.end <= r.begin) {
+      const std::vector<float> zeros(p.head_size, 0.0f);
+      for (int64_t h = 0; h < p.num_heads; ++h) store_output_row(p, s, h, zeros.data(), 0.0f);
+      continue;
+    }
+    const int64_t first = r.begin / BS, last = (r.end - 1) / BS;
+    const int64_t parts = (last - first + 1 + part_blocks - 1) / part_blocks;
+    for (int64_t i = 0; i < parts; ++i) {
+      const int64_t begin = std::max(r.begin, (first + i * part_blocks) * BS);
+      const int64_t end = std::min(r.end, (first + (i + 1) * part_blocks) * BS);
+      items.push_back(Item{s, i, parts, begin, end, scratch_rows});
+    }
+    if (parts > 1) scratch_rows += parts * p.num_heads;
+  }
+  std::vector<float> scratch(static_cast<size_t>(scratch_rows * (DP + 16)));
+  std::unique_ptr<std::atomic<int32_t>[]> arrivals(new std::atomic<int32_t>[p.num_seqs]);
+  for (int64_t s = 0; s < p.num_seqs; ++s) arrivals[s].store(0, std::memory_order_relaxed);
+  parallel_for(pool, static_cast<int64_t>(items.size()), workers, [&](int64_t i) {
+    item_fn(p, items[i], scratch.data(), arrivals.get());
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_attn_cpu
+
+// Arguments: query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes ([Hq], or
+// [0] for none), k_scale, v_scale (f32 scalars); attributes: scale, sliding_window (0: none),
+// logits_soft_cap (0: none), split_tokens (keys per split-K part; 0: automatic).
+JAX_ATTN_EXPORT_HANDLER(jax_attn_cpu_paged_decode);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_paged_decode, jax_attn_cpu::PagedDecode,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // query
+                                  .Arg<xla::ffi::AnyBuffer>()  // key_cache
+                                  .Arg<xla::ffi::AnyBuffer>()  // value_cache
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block_tables
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seq_lens
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // alibi_slopes
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // k_scale
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_scale
+                                  .Ret<xla::ffi::AnyBuffer>()              // output
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("logits_soft_cap")
+                                  .Attr<int64_t>("split_tokens"));

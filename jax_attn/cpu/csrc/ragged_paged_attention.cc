@@ -1,0 +1,890 @@
+// Ragged paged attention on CPU: one call for a batch mixing prefill, chunked prefill with a
+// cached prefix and decode (SPEC section 1, `paged_attention`), tiled flash-attention style.
+//
+//   batch:  |<---- seq 0: prefill (40) ---->|<- seq 1: chunk (9) ->|s2|s3|pad|
+//   tiles (G = 4: 16 tokens x the 4 query heads of one kv head, per kv head):
+//           [0..15] [16..31] [32..39]        [40..48]               [49] [50]
+//
+// A work item is (tile, kv head); decode-sized tiles (at most kSmallRows rows) take several kv
+// heads, so each key's rows of those heads are read as one run. Per kv head, the rows are the
+// tile's tokens x the G query heads that read it (row r = token r / G, head r % G: the query's
+// own memory order). An item walks the keys it can see, kKeys at a time, with an online
+// softmax in float32 (base 2: log2(e) folded into the scale):
+//   S^T[n][r] = q_r . k_n            (queries transposed once per item, keys broadcast)
+//   P = exp2(S - running max)        (vectorized over rows: max and sum are vertical)
+//   O[r][:] = alpha_r * O[r][:] + sum_n P^T[n][r] v_n
+// Causal tiles stop at their last query's position, sliding-window tiles start at their first
+// query's window: the upper triangle outside a tile's own diagonal is never computed. Keys and
+// values are widened to float32 (k_scale folded into the query, v_scale into the output) into
+// a small per-thread buffer reused by all the item's rows; bf16 queries on a bf16 cache take
+// the keys straight from the cache into vdpbf16ps where the CPU has it (AVX512_BF16).
+// Vectors: AVX-512 when built for it (-march=native on such a CPU), else 8-float GCC vectors
+// (AVX2 + FMA code on such machines).
+//
+// Threads: tasks (runs of up to kTilesPerTask tiles of one sequence and kv head, which share
+// their keys in L2) go longest first over XLA's intra-op pool (parallel_for, the shared
+// header); JAX_ATTN_CPU_THREADS overrides the worker count.
+//
+// Only keys below seq_len are ever read, so unused cache memory (NaN included) never reaches
+// an output. Bad metadata (ids outside the cache, lengths beyond the block table, a
+// non-monotone query_start_loc, num_seqs beyond the rows) is an InvalidArgument error naming
+// the argument, checked before any read.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attention_common.h"
+
+namespace jax_attn_cpu {
+namespace {
+
+constexpr int kKeys = 32;         // keys per online-softmax step
+constexpr int kTargetRows = 64;   // query rows (tokens x G) per tile
+constexpr int kTilesPerTask = 8;  // tiles of one (sequence, kv head) per thread task
+// Tiles of at most kSmallRows rows per kv head (decode, short chunks) are memory-bound: one
+// item takes up to kMaxHeadsPerItem kv heads, so each key's rows are read as one run.
+constexpr int kSmallRows = 16;
+constexpr int kMaxHeadsPerItem = 16;
+// Logits are kept in base 2 (log2(e) folded into the query scale, the soft cap and the ALiBi
+// slopes), so the softmax needs exp2 only. Masked logits are kMasked, a finite stand-in for
+// -inf: exp2(kMasked - anything real) is exactly 0 and no lane ever sees inf - inf. A row
+// whose running max is still below kNoKey has seen no visible key: it exponentiates against
+// kNoKey, so its masked entries give 0 as well and its sum stays 0 (output zeros).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kMasked = -1e30f;
+constexpr float kNoKey = -1e29f;
+
+// ---------------------------------------------------------------------------------------------
+// Vector type: AVX-512 (16 floats) when built for it, else GCC vectors of 8 floats (AVX2+FMA
+// on such machines, plain SSE or scalar code elsewhere: correct everywhere, fast on AVX-512).
+// ---------------------------------------------------------------------------------------------
+#if JAX_ATTN_AVX512
+struct Vec {
+  using T = __m512;
+  static constexpr int W = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  // 2^x for x <= 0 (logits live in base 2 here); x = -1e30 (masked) gives exactly 0.
+  // Degree-5 fit on [-1/2, 1/2], relative error 2.4e-7 in float32.
+  static T exp2(T x) {
+    const T n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const T r = _mm512_sub_ps(x, n);
+    T p = _mm512_set1_ps(1.327647129e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.675540961e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550713092e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402212024e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931469440e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.000000119f));
+    return _mm512_scalef_ps(p, n);
+  }
+  static T soft_cap(T x, float cap) { return soft_cap16(x, cap); }
+  // a <= b ? x : y, a < b ? x : y
+  static T if_le(T a, T b, T x, T y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), y, x);
+  }
+  static T if_lt(T a, T b, T x, T y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
+  }
+};
+
+// One row of D cache elements widened to float32 into dst[0, Dp) (lanes D..Dp zero).
+template <typename CT>
+inline void widen_row(const CT* src, float* dst, int64_t D, int64_t Dp) {
+  for (int64_t d = 0; d < Dp; d += 16) {
+    _mm512_storeu_ps(dst + d, load16<CT>(src + d, tail_mask(D - d)));
+  }
+}
+#else
+struct Vec {
+  typedef float T __attribute__((vector_size(32)));
+  typedef int32_t I __attribute__((vector_size(32)));
+  static constexpr int W = 8;
+  static T zero() { return T{}; }
+  static T load(const float* p) {
+    T v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static void store(float* p, T v) { std::memcpy(p, &v, sizeof(v)); }
+  static T set1(float x) { return T{} + x; }
+  static T fmadd(T a, T b, T c) { return a * b + c; }
+  static T mul(T a, T b) { return a * b; }
+  static T add(T a, T b) { return a + b; }
+  static T sub(T a, T b) { return a - b; }
+  static T max(T a, T b) { return a > b ? a : b; }
+  static T exp2(T x) {
+    for (int i = 0; i < W; ++i) x[i] = std::exp2(x[i]);
+    return x;
+  }
+  static T soft_cap(T x, float cap) {
+    for (int i = 0; i < W; ++i) x[i] = cap * std::tanh(x[i] / cap);
+    return x;
+  }
+  static T if_le(T a, T b, T x, T y) { return a <= b ? x : y; }
+  static T if_lt(T a, T b, T x, T y) { return a < b ? x : y; }
+};
+
+template <typename CT>
+inline void widen_row(const CT* src, float* dst, int64_t D, int64_t Dp) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
+  for (int64_t d = D; d < Dp; ++d) dst[d] = 0.0f;
+}
+#endif
+using V = Vec::T;
+constexpr int W = Vec::W;
+
+// Register blocking. QK: RV row vectors x KB keys of accumulators; PV: R rows x DV vectors.
+#if JAX_ATTN_AVX512
+constexpr int kQkKeys2 = 8;   // with 2 row vectors: 16 accumulators
+constexpr int kQkKeys1 = 16;  // with 1 row vector: 16 accumulators
+constexpr int kPvRows = 6;    // 6 rows x 4 vectors: 24 accumulators
+constexpr int kPvVecs = 4;
+#else
+constexpr int kQkKeys2 = 4;
+constexpr int kQkKeys1 = 8;
+constexpr int kPvRows = 4;
+constexpr int kPvVecs = 2;
+#endif
+static_assert(kKeys % kQkKeys1 == 0 && kKeys % kQkKeys2 == 0, "key step must hold key blocks");
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The inner kernels, inlined; -DJAX_ATTN_PROFILE keeps them apart for `perf`.
+#ifdef JAX_ATTN_PROFILE
+#define JAX_ATTN_HOT __attribute__((noinline))
+#else
+#define JAX_ATTN_HOT inline
+#endif
+
+// S^T[n][r] for keys [n0, n0 + KB) and rows [r0, r0 + RV * W):
+// Qt: [D][Mp] (row-contiguous per d), Kw: [kKeys][ldk] (d-contiguous per key); the d loop
+// streams one Qt line per step and broadcasts one float of each of the KB keys.
+template <int RV, int KB>
+JAX_ATTN_HOT void qk_block(const float* __restrict Qt, int64_t Mp, const float* __restrict Kw,
+                     int64_t ldk, int64_t D, float* __restrict St, int64_t r0, int64_t n0) {
+  V acc[KB][RV];
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) {
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) acc[j][v] = Vec::zero();
+  }
+  const float* k = Kw + n0 * ldk;
+  for (int64_t d = 0; d < D; ++d) {
+    V q[RV];
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) q[v] = Vec::load(Qt + d * Mp + r0 + v * W);
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j) {
+      const V kb = Vec::set1(k[j * ldk + d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < RV; ++v) acc[j][v] = Vec::fmadd(q[v], kb, acc[j][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) {
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) Vec::store(St + (n0 + j) * Mp + r0 + v * W, acc[j][v]);
+  }
+}
+
+#if JAX_ATTN_AVX512 && defined(__AVX512BF16__)
+#define JAX_ATTN_BF16_DOT 1
+// bf16 queries and a bf16 cache: S^T[n][r] = qk_scale * sum over d pairs with vdpbf16ps, which
+// multiplies bf16 pairs exactly and accumulates in float32: half the instructions of the f32
+// kernel and no widened copy of the keys. Qt2: [D/2][Mp] pairs (q[r][2i], q[r][2i+1]);
+// keys: kp[n] points at key n's [D] bf16 row in the cache, read as D/2 pairs (broadcast).
+template <int RV, int KB>
+JAX_ATTN_HOT void qk_block_bf16(const uint32_t* __restrict Qt2, int64_t Mp,
+                                const uint32_t* const* kp, int64_t D2, float qk_scale,
+                                float* __restrict St, int64_t r0, int64_t n0) {
+  __m512 acc[KB][RV];
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) {
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_setzero_ps();
+  }
+  const uint32_t* k[KB];
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) k[j] = kp[n0 + j];
+  for (int64_t i = 0; i < D2; ++i) {
+    __m512bh q[RV];
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) {
+      q[v] = (__m512bh)_mm512_loadu_si512(Qt2 + i * Mp + r0 + v * 16);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[j][i]));
+#pragma GCC unroll 4
+      for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], q[v], kb);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(qk_scale);
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) {
+#pragma GCC unroll 4
+    for (int v = 0; v < RV; ++v) {
+      _mm512_storeu_ps(St + (n0 + j) * Mp + r0 + v * 16, _mm512_mul_ps(acc[j][v], sc));
+    }
+  }
+}
+#else
+#define JAX_ATTN_BF16_DOT 0
+#endif
+
+// O[r][d0 .. d0 + DV*W) = alpha[r] * O[r][..] + sum_{n < nv} P^T[n][r] * Vw[n][..] for rows
+// [r0, r0 + R): walks keys n in order; per key DV vector loads of Vw[n] and R broadcasts of P.
+template <int R, int DV>
+JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __restrict Pt, int64_t Mp,
+                     const float* __restrict Vw, int64_t ldv, int64_t nv, int64_t r0, int64_t d0,
+                     const float* __restrict alpha) {
+  V acc[R][DV];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    const V a = Vec::set1(alpha[r0 + i]);
+#pragma GCC unroll 4
+    for (int v = 0; v < DV; ++v) {
+      acc[i][v] = Vec::mul(Vec::load(O + (r0 + i) * ldo + d0 + v * W), a);
+    }
+  }
+  for (int64_t n = 0; n < nv; ++n) {
+    V x[DV];
+#pragma GCC unroll 4
+    for (int v = 0; v < DV; ++v) x[v] = Vec::load(Vw + n * ldv + d0 + v * W);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const V p = Vec::set1(Pt[n * Mp + r0 + i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < DV; ++v) acc[i][v] = Vec::fmadd(p, x[v], acc[i][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < DV; ++v) Vec::store(O + (r0 + i) * ldo + d0 + v * W, acc[i][v]);
+  }
+}
+
+// All rows [0, M) for the vectors [d0, d0 + DV*W): blocks of kPvRows rows, then the rest.
+template <int DV>
+inline void pv_rows(float* O, int64_t ldo, const float* Pt, int64_t Mp, const float* Vw,
+                    int64_t ldv, int64_t nv, int64_t M, int64_t d0, const float* alpha) {
+  int64_t r0 = 0;
+  for (; r0 + kPvRows <= M; r0 += kPvRows) {
+    pv_block<kPvRows, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+  }
+  switch (M - r0) {
+#if JAX_ATTN_AVX512
+    case 5:
+      pv_block<5, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      break;
+    case 4:
+      pv_block<4, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      break;
+#endif
+    case 3:
+      pv_block<3, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      break;
+    case 2:
+      pv_block<2, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      break;
+    case 1:
+      pv_block<1, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      break;
+    default:
+      break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Problem description and work items.
+// ---------------------------------------------------------------------------------------------
+struct Problem {
+  const void* query;      // [T, Hq, D]
+  const void* key_cache;  // [NB, BS, Hkv, D]
+  const void* value_cache;
+  void* out;              // [T, Hq, D]
+  const int32_t* block_tables;  // [S, MB]
+  const float* slopes;          // [Hq] or nullptr
+  int64_t Hq, Hkv, G, D, Dp, BS, MB;
+  float qk_scale;  // scale * k_scale * log2(e), folded into the queries
+  float v_scale;   // folded into the output
+  float cap;       // soft cap * log2(e), <= 0: none
+  int64_t window;  // sliding window, <= 0: none
+  bool causal;
+};
+
+struct Item {
+  int64_t seq;
+  int64_t t0;      // first token (row of query/out)
+  int64_t nt;      // tokens in the tile
+  int64_t kvh;     // first kv head
+  int64_t num_kv;  // kv heads [kvh, kvh + num_kv), processed together
+  int64_t pos0;    // position of the first token in its sequence
+  int64_t k_begin, k_end;  // keys the tile reads: [k_begin, k_end)
+};
+
+struct Task {  // items [first, first + num_items), run in order by one thread
+  int64_t first, num_items, cost;
+};
+
+// One online-softmax step over keys [k0, k0 + nv) for rows [0, M), a vector of rows at a time:
+// St[n][r] (base-2 logits in, probabilities out) walked key by key for each row vector, so the
+// row max and row sum are vertical vector ops. alpha[r] gets the factor for the row's
+// accumulator. Template flags drop the soft cap / ALiBi / mask code when a step needs none
+// (interior steps of a causal tile are fully visible).
+template <bool kTransform, bool kMask>
+JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t Mp, int64_t M,
+                               int64_t nv, int64_t k0, const float* q_pos, const float* slope,
+                               float* row_max, float* row_sum, float* alpha) {
+  const V masked = Vec::set1(kMasked);
+  const V window = Vec::set1(static_cast<float>(p.window));
+  for (int64_t rv = 0; rv < M; rv += W) {
+    const V pq = Vec::load(q_pos + rv);
+    const V sl = Vec::load(slope + rv);
+    V chunk_max = masked;
+    for (int64_t n = 0; n < nv; ++n) {
+      V s = Vec::load(St + n * Mp + rv);
+      if (kTransform || kMask) {
+        const V pk = Vec::set1(static_cast<float>(k0 + n));
+        if (kTransform) {
+          if (p.cap > 0.0f) s = Vec::soft_cap(s, p.cap);
+          if (p.slopes) s = Vec::fmadd(sl, Vec::sub(pk, pq), s);
+        }
+        if (kMask) {
+          if (p.causal) s = Vec::if_le(pk, pq, s, masked);                        // p_k <= p_q
+          if (p.window > 0) s = Vec::if_lt(Vec::sub(pq, pk), window, s, masked);  // p_q - p_k < W
+        }
+        Vec::store(St + n * Mp + rv, s);
+      }
+      chunk_max = Vec::max(chunk_max, s);
+    }
+    const V old_max = Vec::load(row_max + rv);
+    const V new_max = Vec::max(old_max, chunk_max);
+    const V ref = Vec::max(new_max, Vec::set1(kNoKey));
+    const V a = Vec::exp2(Vec::sub(old_max, ref));
+    V sum = Vec::zero();
+    for (int64_t n = 0; n < nv; ++n) {
+      const V e = Vec::exp2(Vec::sub(Vec::load(St + n * Mp + rv), ref));
+      Vec::store(St + n * Mp + rv, e);
+      sum = Vec::add(sum, e);
+    }
+    Vec::store(row_max + rv, new_max);
+    Vec::store(row_sum + rv, Vec::fmadd(Vec::load(row_sum + rv), a, sum));
+    Vec::store(alpha + rv, a);
+  }
+}
+
+inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int64_t nv,
+                         int64_t k0, bool mask, const float* q_pos, const float* slope,
+                         float* row_max, float* row_sum, float* alpha) {
+  const bool transform = p.cap > 0.0f || p.slopes != nullptr;
+  if (transform) {
+    if (mask) {
+      softmax_rows<true, true>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+    } else {
+      softmax_rows<true, false>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+    }
+  } else if (mask) {
+    softmax_rows<false, true>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+  } else {
+    softmax_rows<false, false>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+  }
+}
+
+// Per-thread scratch, grown on demand and reused across calls (64-byte aligned).
+struct Scratch {
+  float* data = nullptr;
+  size_t size = 0;
+  ~Scratch() { std::free(data); }
+  float* get(size_t floats) {
+    if (floats > size) {
+      std::free(data);
+      size = round_up(static_cast<int64_t>(floats), 1024);
+      data = static_cast<float*>(std::aligned_alloc(64, size * sizeof(float)));
+      if (data == nullptr) throw std::bad_alloc();
+      std::memset(data, 0, size * sizeof(float));
+    }
+    return data;
+  }
+};
+thread_local Scratch tls_scratch;
+
+// The running state of one kv head's rows in an item, in the thread's scratch.
+struct HeadState {
+  float* Qt;       // [D][Mp] scaled queries, transposed (bf16 dot: [D/2][Mp] bf16 pairs)
+  float* O;        // [M][Dp] unnormalized output rows
+  float* Kw;       // [kKeys][Dp] widened keys (bf16 dot: kKeys pointers to cache rows)
+  float* Vw;       // [kKeys][Dp] widened values
+  float* row_max;  // [Mp] each below
+  float* row_sum;
+  float* alpha;
+  float* q_pos;
+  float* slope;
+};
+
+inline int64_t head_state_floats(int64_t D, int64_t Dp, int64_t M, int64_t Mp) {
+  return D * Mp + M * Dp + 2 * kKeys * Dp + 5 * Mp;
+}
+
+// S^T = K Q^T for one head: row-vector pairs outer (their Qt slice stays in L1), key blocks
+// inner. Keys nv..nc of the last block are computed from zero rows and never read.
+template <bool kDot>
+inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, int64_t nv,
+                        const float* zero_row) {
+  const int64_t nc1 = round_up(nv, kQkKeys1), nc2 = round_up(nv, kQkKeys2);
+  int64_t r0 = 0;
+  if constexpr (kDot) {
+#if JAX_ATTN_BF16_DOT
+    const uint32_t* Qt2 = reinterpret_cast<const uint32_t*>(h.Qt);
+    const uint32_t** kp = reinterpret_cast<const uint32_t**>(h.Kw);
+    for (int64_t n = nv; n < nc1; ++n) kp[n] = reinterpret_cast<const uint32_t*>(zero_row);
+    for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
+      for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
+        qk_block_bf16<2, kQkKeys2>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0);
+      }
+    }
+    for (; r0 < Mp; r0 += W) {
+      for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
+        qk_block_bf16<1, kQkKeys1>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0);
+      }
+    }
+#endif
+  } else {
+    (void)zero_row;
+    for (int64_t n = nv; n < nc1; ++n) std::memset(h.Kw + n * p.Dp, 0, sizeof(float) * p.D);
+    for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
+      for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
+        qk_block<2, kQkKeys2>(h.Qt, Mp, h.Kw, p.Dp, p.D, St, r0, n0);
+      }
+    }
+    for (; r0 < Mp; r0 += W) {
+      for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
+        qk_block<1, kQkKeys1>(h.Qt, Mp, h.Kw, p.Dp, p.D, St, r0, n0);
+      }
+    }
+  }
+}
+
+// O = alpha O + P V for one head: vector columns of O outer (their Vw slice stays in L1),
+// rows inner.
+inline void head_values(const Problem& p, HeadState& h, const float* St, int64_t Mp, int64_t M,
+                        int64_t nv) {
+  const int64_t Dp = p.Dp;
+  int64_t d0 = 0;
+  for (; d0 + kPvVecs * W <= Dp; d0 += kPvVecs * W) {
+    pv_rows<kPvVecs>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+  }
+  switch ((Dp - d0) / W) {
+#if JAX_ATTN_AVX512
+    case 3:
+      pv_rows<3>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+      break;
+    case 2:
+      pv_rows<2>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+      break;
+#endif
+    case 1:
+      pv_rows<1>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+      break;
+    default:
+      break;
+  }
+}
+
+// One work item: a tile of tokens x the G query heads of each of the kv heads
+// [kvh, kvh + num_kv), keys [k_begin, k_end) in steps of kKeys.
+// kDot: bf16 x bf16 logits through vdpbf16ps (see qk_block_bf16); needs an even head size.
+// next: the task's next item (its queries are prefetched meanwhile), or nullptr.
+template <typename QT, typename CT, bool kDot>
+void run_item(const Problem& p, const Item& it, const Item* next) {
+  const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq, nh = it.num_kv;
+  const int64_t M = it.nt * G;        // real rows per kv head
+  const int64_t Mp = round_up(M, W);  // rows padded to whole vectors
+  const int64_t per_head = head_state_floats(D, Dp, M, Mp);
+  float* base = tls_scratch.get(static_cast<size_t>(nh * per_head + kKeys * Mp + Dp + 64));
+  float* St = base;              // [kKeys][Mp]: logits, then probabilities (one head at a time)
+  float* zero_row = St + kKeys * Mp;  // [Dp] zeros: the bf16 dot's stand-in for missing keys
+  std::memset(zero_row, 0, sizeof(float) * Dp);
+  HeadState heads[kMaxHeadsPerItem];
+  for (int64_t h = 0; h < nh; ++h) {
+    float* hb = zero_row + Dp + h * per_head;
+    heads[h] = HeadState{hb,
+                         hb + D * Mp,
+                         hb + D * Mp + M * Dp,
+                         hb + D * Mp + M * Dp + kKeys * Dp,
+                         hb + D * Mp + M * Dp + 2 * kKeys * Dp,
+                         nullptr, nullptr, nullptr, nullptr};
+    heads[h].row_sum = heads[h].row_max + Mp;
+    heads[h].alpha = heads[h].row_sum + Mp;
+    heads[h].q_pos = heads[h].alpha + Mp;
+    heads[h].slope = heads[h].q_pos + Mp;
+  }
+
+  const QT* query = static_cast<const QT*>(p.query);
+  // Per kv head h: query rows [t0, t0 + nt) x heads [h*G, h*G + G): row r -> token r / G,
+  // head r % G; read row-major (d fastest), written transposed into Qt[d][r] (bf16 dot:
+  // Qt2[d/2][r], unscaled bf16 pairs).
+  for (int64_t h = 0; h < nh; ++h) {
+    HeadState& hs = heads[h];
+    const int64_t kvh = it.kvh + h;
+    [[maybe_unused]] uint32_t* Qt2 = reinterpret_cast<uint32_t*>(hs.Qt);
+    for (int64_t r = 0; r < Mp; ++r) {
+      if (r < M) {
+        const QT* q = query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D;
+        if constexpr (kDot) {
+          for (int64_t i = 0; i < D / 2; ++i) {
+            Qt2[i * Mp + r] = static_cast<uint32_t>(q[2 * i].bits) |
+                              (static_cast<uint32_t>(q[2 * i + 1].bits) << 16);
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = widen(q[d]) * p.qk_scale;
+        }
+        hs.q_pos[r] = static_cast<float>(it.pos0 + r / G);
+        hs.slope[r] = p.slopes ? p.slopes[kvh * G + r % G] * kLog2e : 0.0f;
+      } else {
+        if constexpr (kDot) {
+          for (int64_t i = 0; i < D / 2; ++i) Qt2[i * Mp + r] = 0;
+        } else {
+          for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = 0.0f;
+        }
+        hs.q_pos[r] = 0.0f;
+        hs.slope[r] = 0.0f;
+      }
+      hs.row_max[r] = kMasked;
+      hs.row_sum[r] = 0.0f;
+    }
+    std::memset(hs.O, 0, sizeof(float) * M * Dp);
+  }
+
+  const CT* kc = static_cast<const CT*>(p.key_cache);
+  const CT* vc = static_cast<const CT*>(p.value_cache);
+  const int32_t* table = p.block_tables + it.seq * p.MB;
+  const int64_t run_bytes = nh * D * static_cast<int64_t>(sizeof(CT));
+  for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kKeys) {
+    const int64_t nv = std::min<int64_t>(kKeys, it.k_end - k0);
+    // Keys k0 .. k0+nv through the block table: key n's slot holds [Hkv, D]; the item's kv
+    // heads [kvh, kvh + nh) are one contiguous run of nh * D elements, read in order.
+    for (int64_t n = 0; n < nv; ++n) {
+      const int64_t pos = k0 + n;
+      const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
+      const int64_t off = (slot * p.Hkv + it.kvh) * D;
+      for (int64_t h = 0; h < nh; ++h) {
+        if constexpr (kDot) {
+          reinterpret_cast<const uint32_t**>(heads[h].Kw)[n] =
+              reinterpret_cast<const uint32_t*>(kc + off + h * D);
+        } else {
+          widen_row<CT>(kc + off + h * D, heads[h].Kw + n * Dp, D, Dp);
+        }
+        widen_row<CT>(vc + off + h * D, heads[h].Vw + n * Dp, D, Dp);
+      }
+    }
+    // Ask for the next step's key and value runs now; they arrive while this step computes
+    // (runs of different keys are Hkv * D apart: the hardware prefetcher does not follow).
+    const int64_t next_end = std::min<int64_t>(k0 + nv + kKeys, it.k_end);
+    for (int64_t pos = k0 + nv; pos < next_end; ++pos) {
+      const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
+      const char* kr = reinterpret_cast<const char*>(kc + (slot * p.Hkv + it.kvh) * D);
+      const char* vr = reinterpret_cast<const char*>(vc + (slot * p.Hkv + it.kvh) * D);
+      for (int64_t b = 0; b < run_bytes; b += 64) {
+        __builtin_prefetch(kr + b);
+        __builtin_prefetch(vr + b);
+      }
+    }
+    if (next != nullptr && k0 == it.k_begin) {
+      // The next item's query rows (nt tokens x its kv heads' G rows, each a run of
+      // num_kv * G * D elements), fetched while this item computes.
+      const int64_t run = next->num_kv * G * D * static_cast<int64_t>(sizeof(QT));
+      for (int64_t t = 0; t < next->nt; ++t) {
+        const char* row = reinterpret_cast<const char*>(query + ((next->t0 + t) * Hq +
+                                                                 next->kvh * G) * D);
+        for (int64_t b = 0; b < run; b += 64) __builtin_prefetch(row + b);
+      }
+    }
+    const bool mask = (p.causal && k0 + nv - 1 > it.pos0) ||
+                      (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
+    for (int64_t h = 0; h < nh; ++h) {
+      HeadState& hs = heads[h];
+      head_logits<kDot>(p, hs, St, Mp, nv, zero_row);
+      softmax_step(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, hs.row_max, hs.row_sum,
+                   hs.alpha);
+      head_values(p, hs, St, Mp, M, nv);
+    }
+  }
+
+  // Output rows: O / sum * v_scale; rows that saw no key (sum 0) are zeros.
+  QT* out = static_cast<QT*>(p.out);
+  for (int64_t h = 0; h < nh; ++h) {
+    const HeadState& hs = heads[h];
+    for (int64_t r = 0; r < M; ++r) {
+      const float inv = hs.row_sum[r] > 0.0f ? p.v_scale / hs.row_sum[r] : 0.0f;
+      QT* o = out + ((it.t0 + r / G) * Hq + (it.kvh + h) * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = narrow<QT>(hs.O[r * Dp + d] * inv);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metadata checks: every index is validated before any cache read.
+// ---------------------------------------------------------------------------------------------
+ffi::Error invalid(const std::string& message) { return ffi::Error::InvalidArgument(message); }
+
+ffi::Error check_metadata(const int32_t* qsl, const int32_t* seq_lens, const int32_t* tables,
+                          int64_t num_seqs, int64_t S, int64_t T, int64_t NB, int64_t BS,
+                          int64_t MB) {
+  if (num_seqs < 0 || num_seqs > S) {
+    return invalid("num_seqs=" + std::to_string(num_seqs) + " must be in [0, " +
+                   std::to_string(S) + "] (the length of seq_lens)");
+  }
+  if (qsl[0] < 0) {
+    return invalid("query_start_loc[0]=" + std::to_string(qsl[0]) + " must be >= 0");
+  }
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t start = qsl[i], end = qsl[i + 1], seq_len = seq_lens[i];
+    if (end < start) {
+      return invalid("query_start_loc must be non-decreasing: query_start_loc[" +
+                     std::to_string(i) + "]=" + std::to_string(start) + " > query_start_loc[" +
+                     std::to_string(i + 1) + "]=" + std::to_string(end));
+    }
+    if (end > T) {
+      return invalid("query_start_loc[" + std::to_string(i + 1) + "]=" + std::to_string(end) +
+                     " is beyond the " + std::to_string(T) + " query tokens");
+    }
+    if (seq_len < end - start || seq_len > MB * BS) {
+      return invalid("seq_lens[" + std::to_string(i) + "]=" + std::to_string(seq_len) +
+                     " must be in [q_len=" + std::to_string(end - start) +
+                     ", max_blocks * block_size=" + std::to_string(MB * BS) + "]");
+    }
+    for (int64_t b = 0; b < (seq_len + BS - 1) / BS; ++b) {
+      const int64_t id = tables[i * MB + b];
+      if (id < 0 || id >= NB) {
+        return invalid("block_tables[" + std::to_string(i) + ", " + std::to_string(b) +
+                       "]=" + std::to_string(id) + " is not a block id in [0, num_blocks=" +
+                       std::to_string(NB) + ")");
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+template <typename QT, typename CT>
+void run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Item>& items,
+             const std::vector<Task>& tasks) {
+  constexpr bool kBf16 = std::is_same_v<QT, bf16_t> && std::is_same_v<CT, bf16_t>;
+  if (JAX_ATTN_BF16_DOT && kBf16 && p.D % 2 == 0) {
+    parallel_for(pool, static_cast<int64_t>(tasks.size()), num_workers(pool), [&](int64_t t) {
+      const Item* first = items.data() + tasks[t].first;
+      for (int64_t i = 0; i < tasks[t].num_items; ++i) {
+        const Item* next = i + 1 < tasks[t].num_items ? first + i + 1 : nullptr;
+        run_item<QT, CT, kBf16>(p, first[i], next);
+      }
+    });
+    return;
+  }
+  parallel_for(pool, static_cast<int64_t>(tasks.size()), num_workers(pool), [&](int64_t t) {
+    const Item* first = items.data() + tasks[t].first;
+    for (int64_t i = 0; i < tasks[t].num_items; ++i) {
+      const Item* next = i + 1 < tasks[t].num_items ? first + i + 1 : nullptr;
+      run_item<QT, CT, false>(p, first[i], next);
+    }
+  });
+}
+
+template <typename QT>
+ffi::Error dispatch_cache(ffi::DataType cache_dtype, ffi::ThreadPool& pool, const Problem& p,
+                          const std::vector<Item>& items, const std::vector<Task>& tasks) {
+  switch (cache_dtype) {
+    case ffi::DataType::F32:
+      run_all<QT, float>(pool, p, items, tasks);
+      break;
+    case ffi::DataType::BF16:
+      run_all<QT, bf16_t>(pool, p, items, tasks);
+      break;
+    case ffi::DataType::F16:
+      run_all<QT, f16_t>(pool, p, items, tasks);
+      break;
+    case ffi::DataType::F8E4M3FN:
+      run_all<QT, e4m3_t>(pool, p, items, tasks);
+      break;
+    case ffi::DataType::F8E5M2:
+      run_all<QT, e5m2_t>(pool, p, items, tasks);
+      break;
+    default:
+      return invalid(std::string("key_cache dtype ") + dtype_name(cache_dtype) +
+                     " is not supported (float32, bfloat16, float16, float8_e4m3fn, "
+                     "float8_e5m2)");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
+                                    ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache,
+                                    ffi::Buffer<ffi::S32> query_start_loc,
+                                    ffi::Buffer<ffi::S32> seq_lens,
+                                    ffi::Buffer<ffi::S32> block_tables,
+                                    ffi::Buffer<ffi::S32> num_seqs_buf,
+                                    ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                                    ffi::Buffer<ffi::F32> alibi_slopes,
+                                    ffi::Result<ffi::AnyBuffer> out, float scale, int64_t causal,
+                                    int64_t sliding_window, float logits_soft_cap) {
+  const auto qd = query.dimensions();
+  const auto kd = key_cache.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || !(value_cache.dimensions() == kd)) {
+    return invalid("query must be [T, Hq, D] and key_cache/value_cache the same [NB, BS, Hkv, D]");
+  }
+  if (key_cache.element_type() != value_cache.element_type()) {
+    return invalid("key_cache and value_cache must have the same dtype");
+  }
+  const int64_t T = qd[0], Hq = qd[1], D = qd[2];
+  const int64_t NB = kd[0], BS = kd[1], Hkv = kd[2];
+  const auto td = block_tables.dimensions();
+  if (kd[3] != D || Hkv <= 0 || Hq % Hkv != 0 || td.size() != 2) {
+    return invalid("shapes: query [T, Hq, D], caches [NB, BS, Hkv, D] with Hq % Hkv == 0, "
+                   "block_tables [S, max_blocks]");
+  }
+  const int64_t S = td[0], MB = td[1];
+  if (seq_lens.element_count() != static_cast<size_t>(S) ||
+      query_start_loc.element_count() != static_cast<size_t>(S + 1)) {
+    return invalid("seq_lens must be [S] and query_start_loc [S + 1] for block_tables [S, _]");
+  }
+  const size_t num_slopes = alibi_slopes.element_count();
+  if (num_slopes != 0 && num_slopes != static_cast<size_t>(Hq)) {
+    return invalid("alibi_slopes must have num_heads=" + std::to_string(Hq) + " entries, got " +
+                   std::to_string(num_slopes));
+  }
+  const int64_t num_seqs = num_seqs_buf.typed_data()[0];
+  const int32_t* qsl = query_start_loc.typed_data();
+  const int32_t* lens = seq_lens.typed_data();
+  const int32_t* tables = block_tables.typed_data();
+  if (S == 0) {
+    if (num_seqs != 0) return invalid("num_seqs=" + std::to_string(num_seqs) + " with no rows");
+  } else if (ffi::Error e = check_metadata(qsl, lens, tables, num_seqs, S, T, NB, BS, MB);
+             e.failure()) {
+    return e;
+  }
+
+  // Rows outside the real sequences (padding tokens) are zeros.
+  const ffi::DataType qt = query.element_type();
+  const size_t row_bytes = static_cast<size_t>(Hq * D) * ffi::ByteWidth(qt);
+  char* out_bytes = static_cast<char*>(out->untyped_data());
+  const int64_t first = S == 0 ? 0 : qsl[0], last = S == 0 ? 0 : qsl[num_seqs];
+  if (first > 0) std::memset(out_bytes, 0, row_bytes * first);
+  if (last < T) std::memset(out_bytes + row_bytes * last, 0, row_bytes * (T - last));
+
+  Problem p;
+  p.query = query.untyped_data();
+  p.key_cache = key_cache.untyped_data();
+  p.value_cache = value_cache.untyped_data();
+  p.out = out->untyped_data();
+  p.block_tables = tables;
+  p.slopes = num_slopes ? alibi_slopes.typed_data() : nullptr;
+  p.Hq = Hq;
+  p.Hkv = Hkv;
+  p.G = Hq / Hkv;
+  p.D = D;
+  p.Dp = round_up(D, W);
+  p.BS = BS;
+  p.MB = MB;
+  p.qk_scale = scale * k_scale.typed_data()[0] * kLog2e;
+  p.v_scale = v_scale.typed_data()[0];
+  p.cap = logits_soft_cap > 0.0f ? logits_soft_cap * kLog2e : 0.0f;
+  p.window = sliding_window;
+  p.causal = causal != 0;
+
+  // Tiles: up to tile_tokens tokens of one sequence x the G heads of one kv head. A task is a
+  // run of up to kTilesPerTask tiles of the same (sequence, kv head), last tile first: they
+  // read the same keys, which the first one leaves in this core's L2 for the others.
+  // A sequence whose only tile has at most kSmallRows rows (a decode) instead gets items of
+  // heads_per_small kv heads each: as many heads as keep every worker busy.
+  const int64_t tile_tokens = std::max<int64_t>(1, kTargetRows / p.G);
+  const int64_t workers = num_workers(pool);
+  int64_t num_small = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    num_small += (q_len > 0 && q_len * p.G <= kSmallRows) ? 1 : 0;
+  }
+  const int64_t heads_per_small = std::clamp<int64_t>(
+      num_small * Hkv / std::max<int64_t>(1, 4 * workers), 1,
+      std::min<int64_t>(Hkv, kMaxHeadsPerItem));
+  std::vector<Item> items;
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s], seq_len = lens[s];
+    const int64_t num_tiles = (q_len + tile_tokens - 1) / tile_tokens;
+    const bool small = q_len * p.G <= kSmallRows;
+    const int64_t heads_per_item = small ? heads_per_small : 1;
+    for (int64_t h = 0; h < Hkv; h += heads_per_item) {
+      const int64_t num_kv = std::min(heads_per_item, Hkv - h);
+      for (int64_t j = num_tiles - 1; j >= 0; --j) {
+        const int64_t j0 = j * tile_tokens, nt = std::min(tile_tokens, q_len - j0);
+        const int64_t pos0 = seq_len - q_len + j0, pos_last = pos0 + nt - 1;
+        const int64_t k_end = p.causal ? pos_last + 1 : seq_len;
+        const int64_t k_begin = p.window > 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
+        const int64_t cost = (std::max<int64_t>(0, k_end - k_begin) + kKeys) * nt * num_kv;
+        if ((num_tiles - 1 - j) % kTilesPerTask == 0) {
+          tasks.push_back(Task{static_cast<int64_t>(items.size()), 0, 0});
+        }
+        items.push_back(
+            Item{s, qsl[s] + j0, nt, h, num_kv, pos0, k_begin, std::max(k_begin, k_end)});
+        tasks.back().num_items += 1;
+        tasks.back().cost += cost;
+      }
+    }
+  }
+  // Longest first, so the last tasks handed out are short ones (balance across threads).
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+
+  switch (qt) {
+    case ffi::DataType::F32:
+      return dispatch_cache<float>(key_cache.element_type(), pool, p, items, tasks);
+    case ffi::DataType::BF16:
+      return dispatch_cache<bf16_t>(key_cache.element_type(), pool, p, items, tasks);
+    case ffi::DataType::F16:
+      return dispatch_cache<f16_t>(key_cache.element_type(), pool, p, items, tasks);
+    default:
+      return invalid(std::string("query dtype ") + dtype_name(qt) +
+                     " is not supported (float32, bfloat16, float16)");
+  }
+}
+
+}  // namespace
+}  // namespace jax_attn_cpu
+
+// query [T, Hq, D], key_cache/value_cache [NB, BS, Hkv, D], query_start_loc i32[S + 1],
+// seq_lens i32[S], block_tables i32[S, max_blocks], num_seqs i32[], k_scale f32[], v_scale f32[],
+// alibi_slopes f32[Hq] or f32[0] -> out [T, Hq, D] in the query dtype.
+JAX_ATTN_EXPORT_HANDLER(jax_attn_cpu_ragged_paged_attention);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_ragged_paged_attention,
+                              jax_attn_cpu::RaggedPagedAttentionImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("logits_soft_cap"));

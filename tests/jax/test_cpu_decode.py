@@ -1,0 +1,225 @@
+"""jax_attn.cpu.paged_decode (the native FFI kernel) against the float64 oracles.
+
+Every case: random block placement, NaN in unused blocks and tail slots, the new tokens
+written through `write_kv` (fp8 scales included), two padding rows with seq_len 0 and NaN
+queries that must come out as zeros, odd lengths (1, 3, 17, 513), and split-K forced on.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_close
+
+import jax_attn
+from jax_attn import cpu
+from jax_attn.workload import dense_reference, make_workload
+
+REASON = cpu.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"native CPU kernels: {REASON}")
+
+CONTEXT_LENS = [0, 2, 16, 512]  # + 1 new token each: seq lens 1, 3, 17, 513
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    block_size: int = 16
+    head_size: int = 64
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    dtype: str = "float32"
+    cache_dtype: str | None = None
+    alibi: bool = False
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    split_tokens: int | None = None  # None: the kernel's choice
+
+    def __str__(self):
+        base = Case()
+        return (
+            "-".join(
+                f"{f.name}={getattr(self, f.name)}"
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)
+            )
+            or "base"
+        )
+
+
+CASES = [
+    *(Case(block_size=bs) for bs in (1, 8, 16, 32, 128)),
+    Case(block_size=8, split_tokens=8),  # split-K with one block per part
+    Case(block_size=32, split_tokens=64),
+    *(Case(num_heads=h, num_kv_heads=kv) for h, kv in [(4, 4), (8, 2), (7, 1), (16, 2)]),
+    *(Case(head_size=d) for d in (32, 72, 80, 128, 256)),
+    Case(head_size=128, num_heads=32, num_kv_heads=8, split_tokens=128),
+    *(Case(dtype=d) for d in ("bfloat16", "float16")),
+    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn"),
+    Case(dtype="float32", cache_dtype="float8_e5m2"),
+    Case(dtype="float16", cache_dtype="float8_e5m2", alibi=True, block_size=8),
+    Case(dtype="float32", cache_dtype="float8_e4m3fn", head_size=80, num_heads=7, num_kv_heads=1),
+    Case(alibi=True),
+    Case(num_heads=6, num_kv_heads=2, alibi=True, split_tokens=32),
+    *(Case(sliding_window=w) for w in (1, 5, 16, 40)),
+    Case(sliding_window=100, block_size=8, split_tokens=16),
+    Case(soft_cap=2.0),
+    Case(soft_cap=3.0, alibi=True, sliding_window=7, dtype="bfloat16"),
+    Case(soft_cap=5.0, alibi=True, sliding_window=33, split_tokens=16, block_size=1),
+]
+
+
+def _run(case: Case, rng: np.random.Generator):
+    fp8 = case.cache_dtype is not None and "float8" in case.cache_dtype
+    k_scale, v_scale = (0.37, 0.61) if fp8 else (1.0, 1.0)
+    w = make_workload(
+        rng,
+        [1] * len(CONTEXT_LENS),
+        CONTEXT_LENS,
+        num_heads=case.num_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_size=case.head_size,
+        block_size=case.block_size,
+        dtype=case.dtype,
+        cache_dtype=case.cache_dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    kc, vc = jax_attn.write_kv(
+        jnp.asarray(w.key_cache),
+        jnp.asarray(w.value_cache),
+        jnp.asarray(w.new_key),
+        jnp.asarray(w.new_value),
+        jnp.asarray(w.slot_mapping),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    # Two padding rows: seq_len 0, NaN queries, garbage (but in-range) tables.
+    num_seqs = len(CONTEXT_LENS)
+    pad_q = np.full((2, case.num_heads, case.head_size), np.nan, np.float32)
+    query = jnp.asarray(np.concatenate([w.query, pad_q.astype(w.query.dtype)]))
+    tables = np.concatenate([w.block_tables, np.zeros((2, w.block_tables.shape[1]), np.int32)])
+    seq_lens = np.array([*w.seq_lens, 0, 0], np.int32)
+    slopes = jax_attn.alibi_slopes(case.num_heads) if case.alibi else None
+    bias = dict(sliding_window=case.sliding_window, logits_soft_cap=case.soft_cap)
+    expected = dense_reference(w, alibi_slopes=slopes, **bias)
+    kwargs = dict(alibi_slopes=slopes, k_scale=k_scale, v_scale=v_scale, **bias)
+    assert len(expected) == num_seqs
+    return query, kc, vc, jnp.asarray(tables), jnp.asarray(seq_lens), kwargs, expected
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_cpu_paged_decode_matches_float64(case: Case, rng):
+    query, kc, vc, tables, seq_lens, kwargs, expected = _run(case, rng)
+    kc_before, vc_before = np.asarray(kc).copy(), np.asarray(vc).copy()
+    out = cpu.paged_decode(
+        query,
+        kc,
+        vc,
+        tables,
+        seq_lens,
+        scale=case.head_size**-0.5,
+        split_tokens=case.split_tokens,
+        **kwargs,
+    )
+    assert out.dtype == query.dtype and out.shape == query.shape
+    num_real = len(expected)
+    assert_close(out[:num_real], expected, case.dtype, case.cache_dtype)
+    np.testing.assert_array_equal(np.asarray(out[num_real:], np.float32), 0.0)
+    # The caches are inputs only (NaN poison included, compared bit for bit).
+    np.testing.assert_array_equal(np.asarray(kc).view(np.uint8), kc_before.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(vc).view(np.uint8), vc_before.view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "case", [Case(alibi=True, sliding_window=9, soft_cap=4.0), Case(dtype="bfloat16")], ids=str
+)
+def test_cpu_paged_decode_matches_jax_oracle(case: Case, rng):
+    """The JAX oracle named in the wrapper's docstring, in float64."""
+    query, kc, vc, tables, seq_lens, kwargs, _ = _run(case, rng)
+    out = cpu.paged_decode(query, kc, vc, tables, seq_lens, scale=0.1, **kwargs)
+    with jax.enable_x64(True):
+        expected = jax_attn.reference.paged_decode(
+            query, kc, vc, tables, seq_lens, scale=0.1, **kwargs
+        )
+    assert_close(out, expected, case.dtype)
+
+
+def test_threads_and_splits_agree(rng, monkeypatch):
+    """One worker, the default workers, and split-K parts of one block give the same rows."""
+    query, kc, vc, tables, seq_lens, kwargs, expected = _run(Case(block_size=8), rng)
+    outs = []
+    for threads, split in [("1", None), ("", None), ("3", 8)]:
+        if threads:
+            monkeypatch.setenv("JAX_ATTN_CPU_THREADS", threads)
+        else:
+            monkeypatch.delenv("JAX_ATTN_CPU_THREADS", raising=False)
+        outs.append(cpu.paged_decode(query, kc, vc, tables, seq_lens, split_tokens=split, **kwargs))
+    for out in outs:
+        assert_close(out[: len(expected)], expected, "float32")
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
+def test_bad_block_id_is_an_error_naming_block_tables(rng):
+    query, kc, vc, tables, seq_lens, _, _ = _run(Case(), rng)
+    num_blocks = kc.shape[0]
+    for bad in (num_blocks, -1, 2**31 - 1):
+        broken = tables.at[3, 1].set(bad)
+        with pytest.raises(Exception, match=r"block_tables\[3, 1\]=.*num_blocks"):
+            jax.block_until_ready(cpu.paged_decode(query, kc, vc, broken, seq_lens))
+    # An out-of-range id in a block the sequence never reads (past seq_len) is padding.
+    unused = tables.at[0, 5].set(num_blocks + 7)
+    out = cpu.paged_decode(query, kc, vc, unused, seq_lens)
+    np.testing.assert_array_equal(
+        np.asarray(out), np.asarray(cpu.paged_decode(query, kc, vc, tables, seq_lens))
+    )
+
+
+def test_seq_len_beyond_the_table_is_an_error(rng):
+    query, kc, vc, tables, seq_lens, _, _ = _run(Case(), rng)
+    too_long = seq_lens.at[1].set(tables.shape[1] * kc.shape[1] + 1)
+    with pytest.raises(Exception, match=r"seq_lens\[1\]=.*max_blocks \* block_size"):
+        jax.block_until_ready(cpu.paged_decode(query, kc, vc, tables, too_long))
+    with pytest.raises(Exception, match=r"seq_lens\[2\]=-1"):
+        jax.block_until_ready(cpu.paged_decode(query, kc, vc, tables, seq_lens.at[2].set(-1)))
+
+
+def test_shape_and_dtype_errors(rng):
+    query, kc, vc, tables, seq_lens, _, _ = _run(Case(), rng)
+    with pytest.raises(ValueError, match="num_heads=8 must be divisible by num_kv_heads=3"):
+        cpu.paged_decode(
+            query, kc[:, :, :1].repeat(3, 2), vc[:, :, :1].repeat(3, 2), tables, seq_lens
+        )
+    with pytest.raises(TypeError, match="query dtype int32"):
+        cpu.paged_decode(query.astype(jnp.int32), kc, vc, tables, seq_lens)
+    with pytest.raises(ValueError, match=r"seq_lens must be \[num_seqs=6\]"):
+        cpu.paged_decode(query, kc, vc, tables, seq_lens[:3])
+    with pytest.raises(TypeError, match=r"block_tables\.dtype=float32 must be int32"):
+        cpu.paged_decode(query, kc, vc, tables.astype(jnp.float32), seq_lens)
+
+
+def test_jit_traces_once_for_new_values(rng):
+    query, kc, vc, tables, seq_lens, _, _ = _run(Case(), rng)
+    fn = jax.jit(lambda q, t, s: cpu.paged_decode(q, kc, vc, t, s, scale=0.125))
+    fn(query, tables, seq_lens)
+    fn(query * 2, tables, jnp.maximum(seq_lens - 1, 0))
+    assert fn._cache_size() == 1
+
+
+def test_vmap_runs_the_kernel_per_batch_element(rng):
+    query, kc, vc, tables, seq_lens, kwargs, _ = _run(Case(), rng)
+    queries = jnp.stack([query, -query])
+    out = jax.vmap(lambda q: cpu.paged_decode(q, kc, vc, tables, seq_lens, **kwargs))(queries)
+    for i in range(2):
+        np.testing.assert_array_equal(
+            np.asarray(out[i]),
+            np.asarray(cpu.paged_decode(queries[i], kc, vc, tables, seq_lens, **kwargs)),
+        )
+
+
+def test_grad_names_the_differentiable_path(rng):
+    query, kc, vc, tables, seq_lens, _, _ = _run(Case(), rng)
+    loss = lambda q: cpu.paged_decode(q, kc, vc, tables, seq_lens).sum()
+    with pytest.raises(TypeError, match="varlen_attention"):
+        jax.grad(loss)(query)

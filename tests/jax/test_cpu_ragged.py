@@ -1,0 +1,295 @@
+"""jax_attn.cpu.ragged_paged_attention (the native FFI kernel) against the float64 oracles.
+
+Every case: random block placement, NaN in unused blocks and tail slots, the new tokens written
+through `write_kv` (fp8 scales included), padded metadata (`num_seqs` below the rows, padding
+tokens with NaN queries that must come out as zeros), odd lengths, and batches mixing decode,
+prefill and chunked prefill. Long prefills cross several tiles and several tasks per
+(sequence, kv head), so tile edges, the causal diagonal inside a tile and the windows of the
+tiles' first rows are all exercised.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_close
+
+import jax_attn
+from jax_attn import cpu
+from jax_attn.workload import dense_reference, make_workload
+
+REASON = cpu.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"native CPU kernels: {REASON}")
+
+BATCHES = {
+    # name: (query_lens, context_lens)
+    "decode": ([1, 1, 1, 1], [0, 2, 16, 512]),  # seq lens 1, 3, 17, 513
+    "prefill": ([1, 3, 17, 33], [0, 0, 0, 0]),
+    "chunked": ([3, 17, 8], [16, 496, 8]),  # 19, 513, 16 (block boundary)
+    "mixed": ([17, 1, 3, 1, 16, 70], [0, 31, 14, 0, 16, 45]),
+    # 577 new tokens: with G = 1, 10 tiles of 64 rows, two tasks of one (sequence, kv head).
+    "long": ([577, 1, 130], [0, 700, 67]),
+    # Enough decodes that one item takes several kv heads (each key's heads read as one run).
+    "decodes": ([1] * 12 + [20, 2], [5, 17, 0, 100, 31, 64, 2, 9, 200, 15, 40, 77, 3, 30]),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: str = "mixed"
+    block_size: int = 16
+    head_size: int = 64
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    dtype: str = "float32"
+    cache_dtype: str | None = None
+    causal: bool = True
+    alibi: bool = False
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+    def __str__(self):
+        base = Case()
+        return (
+            "-".join(
+                f"{f.name}={getattr(self, f.name)}"
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)
+            )
+            or "base"
+        )
+
+
+CASES = [
+    *(Case(batch=b) for b in BATCHES),
+    *(Case(block_size=bs) for bs in (1, 8, 32, 128)),
+    Case(batch="chunked", block_size=1),
+    Case(batch="long", block_size=128, num_heads=4, num_kv_heads=4),
+    # GQA groups 1, 4, 7, 8 (rows per tile 64, 64, 63, 64), MQA.
+    *(Case(num_heads=h, num_kv_heads=kv) for h, kv in [(4, 4), (8, 2), (7, 1), (16, 2), (8, 1)]),
+    Case(batch="decodes", num_heads=16, num_kv_heads=4, block_size=8),
+    Case(batch="decodes", num_heads=8, num_kv_heads=8, dtype="bfloat16", head_size=128),
+    Case(batch="decodes", num_heads=12, num_kv_heads=4, alibi=True, sliding_window=33),
+    Case(batch="decodes", num_heads=16, num_kv_heads=4, cache_dtype="float8_e4m3fn", soft_cap=3.0),
+    *(Case(head_size=d) for d in (32, 72, 80, 128, 256)),
+    Case(batch="long", head_size=128, num_heads=32, num_kv_heads=8),
+    *(Case(dtype=d) for d in ("bfloat16", "float16")),
+    Case(dtype="bfloat16", cache_dtype="bfloat16", batch="chunked"),
+    Case(dtype="float32", cache_dtype="bfloat16"),
+    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn"),
+    Case(dtype="float32", cache_dtype="float8_e5m2"),
+    Case(dtype="float16", cache_dtype="float8_e5m2", batch="decode", block_size=8, alibi=True),
+    Case(dtype="float32", cache_dtype="float8_e4m3fn", head_size=80, num_heads=7, num_kv_heads=1),
+    Case(alibi=True),
+    Case(num_heads=6, num_kv_heads=2, alibi=True),  # non-power-of-two head count
+    *(Case(sliding_window=w) for w in (1, 5, 16, 40)),
+    Case(batch="long", sliding_window=100, block_size=8, num_heads=4, num_kv_heads=1),
+    Case(batch="chunked", sliding_window=40, block_size=8),
+    Case(soft_cap=2.0),
+    Case(causal=False),
+    Case(batch="long", causal=False, block_size=32, num_heads=4, num_kv_heads=2),
+    Case(batch="chunked", causal=False, alibi=True, sliding_window=20, soft_cap=5.0),
+    Case(batch="decode", alibi=True, sliding_window=7, soft_cap=3.0, dtype="bfloat16"),
+    Case(
+        batch="long",
+        alibi=True,
+        sliding_window=70,
+        soft_cap=4.0,
+        num_heads=14,
+        num_kv_heads=2,
+        head_size=80,
+        block_size=1,
+    ),
+]
+
+PAD_SEQS, PAD_TOKENS = 2, 5
+
+
+def _run(case: Case, rng: np.random.Generator):
+    q_lens, ctx_lens = BATCHES[case.batch]
+    fp8 = case.cache_dtype is not None and "float8" in case.cache_dtype
+    k_scale, v_scale = (0.37, 0.61) if fp8 else (1.0, 1.0)
+    w = make_workload(
+        rng,
+        q_lens,
+        ctx_lens,
+        num_heads=case.num_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_size=case.head_size,
+        block_size=case.block_size,
+        dtype=case.dtype,
+        cache_dtype=case.cache_dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    num_tokens, num_seqs = len(w.slot_mapping), len(q_lens)
+    md = w.metadata(pad_to=(num_seqs + PAD_SEQS, num_tokens + PAD_TOKENS))
+    # Padding tokens carry NaN queries: their rows must come out as zeros anyway.
+    pad = np.full((PAD_TOKENS, case.num_heads, case.head_size), np.nan, np.float32)
+    pad = pad.astype(w.query.dtype)
+    query = jnp.asarray(np.concatenate([w.query, pad]))
+    kc, vc = jax_attn.write_kv(
+        jnp.asarray(w.key_cache),
+        jnp.asarray(w.value_cache),
+        jnp.asarray(np.concatenate([w.new_key, pad[:, : case.num_kv_heads]])),
+        jnp.asarray(np.concatenate([w.new_value, pad[:, : case.num_kv_heads]])),
+        md.slot_mapping,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    slopes = jax_attn.alibi_slopes(case.num_heads) if case.alibi else None
+    bias = dict(
+        causal=case.causal, sliding_window=case.sliding_window, logits_soft_cap=case.soft_cap
+    )
+    expected = dense_reference(w, alibi_slopes=slopes, **bias)
+    kwargs = dict(alibi_slopes=slopes, k_scale=k_scale, v_scale=v_scale, **bias)
+    return md, query, kc, vc, kwargs, expected
+
+
+def _call(query, kc, vc, md, **kwargs):
+    kwargs.setdefault("scale", query.shape[-1] ** -0.5)
+    return cpu.ragged_paged_attention(
+        query,
+        kc,
+        vc,
+        md.query_start_loc,
+        md.seq_lens,
+        md.block_tables,
+        md.num_seqs,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_cpu_ragged_matches_float64(case: Case, rng):
+    md, query, kc, vc, kwargs, expected = _run(case, rng)
+    kc_before, vc_before = np.asarray(kc).copy(), np.asarray(vc).copy()
+    out = _call(query, kc, vc, md, **kwargs)
+    assert out.dtype == query.dtype and out.shape == query.shape
+    num_real = len(expected)
+    assert_close(out[:num_real], expected, case.dtype, case.cache_dtype)
+    np.testing.assert_array_equal(np.asarray(out[num_real:], np.float32), 0.0)
+    # The caches are inputs only (NaN poison included, compared bit for bit).
+    np.testing.assert_array_equal(np.asarray(kc).view(np.uint8), kc_before.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(vc).view(np.uint8), vc_before.view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(alibi=True, sliding_window=9, soft_cap=4.0), Case(dtype="bfloat16", causal=False)],
+    ids=str,
+)
+def test_cpu_ragged_matches_jax_oracle(case: Case, rng):
+    """The JAX oracle named in the wrapper's docstring, in float64, with a non-default scale."""
+    md, query, kc, vc, kwargs, _ = _run(case, rng)
+    out = _call(query, kc, vc, md, scale=0.1, **kwargs)
+    with jax.enable_x64(True):
+        expected = jax_attn.reference.paged_attention(query, kc, vc, md, scale=0.1, **kwargs)
+    assert_close(out, expected, case.dtype)
+
+
+def test_threads_agree(rng, monkeypatch):
+    """One worker and the default workers give the same rows, bit for bit."""
+    md, query, kc, vc, kwargs, expected = _run(Case(batch="long", num_heads=4), rng)
+    outs = []
+    for threads in ("1", "", "3"):
+        if threads:
+            monkeypatch.setenv("JAX_ATTN_CPU_THREADS", threads)
+        else:
+            monkeypatch.delenv("JAX_ATTN_CPU_THREADS", raising=False)
+        outs.append(_call(query, kc, vc, md, **kwargs))
+    assert_close(outs[0][: len(expected)], expected, "float32")
+    for out in outs[1:]:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
+
+
+def test_num_seqs_zero_gives_zeros(rng):
+    md, query, kc, vc, kwargs, _ = _run(Case(), rng)
+    out = _call(query, kc, vc, dataclasses.replace(md, num_seqs=jnp.int32(0)), **kwargs)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def _broken(md, **fields):
+    return dataclasses.replace(md, **{k: jnp.asarray(v) for k, v in fields.items()})
+
+
+def test_bad_metadata_is_an_error_naming_the_argument(rng):
+    md, query, kc, vc, _, _ = _run(Case(), rng)
+    num_blocks, block_size = kc.shape[:2]
+    tables, lens, qsl = md.block_tables, md.seq_lens, md.query_start_loc
+    cases = [
+        (dict(block_tables=tables.at[5, 4].set(num_blocks)), r"block_tables\[5, 4\]=.*num_blocks"),
+        (dict(block_tables=tables.at[0, 0].set(-1)), r"block_tables\[0, 0\]=-1"),
+        (dict(block_tables=tables.at[1, 1].set(2**31 - 1)), r"block_tables\[1, 1\]=2147483647"),
+        (
+            dict(seq_lens=lens.at[1].set(tables.shape[1] * block_size + 1)),
+            r"seq_lens\[1\]=.*max_blocks \* block_size",
+        ),
+        (dict(seq_lens=lens.at[2].set(2)), r"seq_lens\[2\]=2 .*q_len=3"),
+        (dict(seq_lens=lens.at[3].set(-1)), r"seq_lens\[3\]=-1"),
+        (dict(query_start_loc=qsl.at[2].set(0)), r"query_start_loc.*non-decreasing"),
+        (dict(query_start_loc=qsl.at[6].set(10_000)), r"query_start_loc\[6\]=10000 .*query tokens"),
+        (dict(num_seqs=jnp.int32(99)), r"num_seqs=99"),
+        (dict(num_seqs=jnp.int32(-1)), r"num_seqs=-1"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(_call(query, kc, vc, _broken(md, **fields)))
+    # Out-of-range ids in blocks no sequence reads (past seq_len, or past num_seqs) are padding.
+    unused = _broken(md, block_tables=tables.at[1, 7].set(num_blocks + 7).at[-1, 0].set(-5))
+    np.testing.assert_array_equal(
+        np.asarray(_call(query, kc, vc, unused)), np.asarray(_call(query, kc, vc, md))
+    )
+
+
+def test_shape_and_dtype_errors(rng):
+    md, query, kc, vc, _, _ = _run(Case(), rng)
+    with pytest.raises(ValueError, match="num_heads=8 must be divisible by num_kv_heads=3"):
+        _call(query, kc[:, :, :1].repeat(3, 2), vc[:, :, :1].repeat(3, 2), md)
+    with pytest.raises(TypeError, match="query dtype int32"):
+        _call(query.astype(jnp.int32), kc, vc, md)
+    with pytest.raises(ValueError, match=r"seq_lens must be \[num_seqs=8\]"):
+        _call(query, kc, vc, dataclasses.replace(md, seq_lens=md.seq_lens[:3]))
+    with pytest.raises(ValueError, match=r"query_start_loc must be \[num_seqs \+ 1=9\]"):
+        _call(query, kc, vc, dataclasses.replace(md, query_start_loc=md.query_start_loc[:3]))
+    with pytest.raises(TypeError, match=r"block_tables\.dtype=float32 must be int32"):
+        _call(query, kc, vc, _broken(md, block_tables=md.block_tables.astype(jnp.float32)))
+    with pytest.raises(ValueError, match=r"alibi_slopes must be \[num_heads=8\]"):
+        _call(query, kc, vc, md, alibi_slopes=jnp.ones(3, jnp.float32))
+    with pytest.raises(ValueError, match="sliding_window=0 must be >= 1"):
+        _call(query, kc, vc, md, sliding_window=0)
+
+
+def test_jit_compiles_once_across_batch_lengths(rng):
+    """Shapes depend only on T, S and max_blocks: new lengths and num_seqs reuse the program."""
+    md, query, kc, vc, _, _ = _run(Case(), rng)
+    fn = jax.jit(
+        lambda q, qsl, lens, tables, n: cpu.ragged_paged_attention(
+            q, kc, vc, qsl, lens, tables, n, scale=0.125
+        )
+    )
+    fn(query, md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs)
+    # Same shapes, other lengths: 3 sequences of 4 tokens each, decodes at other positions.
+    qsl = jnp.asarray([0, 4, 8, 12, 12, 12, 12, 12, 12], jnp.int32)
+    lens = jnp.asarray([4, 20, 9, 0, 0, 0, 0, 0], jnp.int32)
+    out = fn(query, qsl, lens, md.block_tables, jnp.int32(3))
+    assert fn._cache_size() == 1
+    np.testing.assert_array_equal(np.asarray(out[12:], np.float32), 0.0)
+
+
+def test_vmap_runs_the_kernel_per_batch_element(rng):
+    md, query, kc, vc, kwargs, _ = _run(Case(), rng)
+    queries = jnp.stack([query, -query])
+    out = jax.vmap(lambda q: _call(q, kc, vc, md, **kwargs))(queries)
+    for i in range(2):
+        np.testing.assert_array_equal(
+            np.asarray(out[i]), np.asarray(_call(queries[i], kc, vc, md, **kwargs))
+        )
+
+
+def test_grad_names_the_differentiable_path(rng):
+    md, query, kc, vc, _, _ = _run(Case(), rng)
+    with pytest.raises(TypeError, match="varlen_attention"):
+        jax.grad(lambda q: _call(q, kc, vc, md).sum())(query)
