@@ -69,12 +69,17 @@ def head_chunk(head_size: int, dtype) -> int:
 
 def default_block_k(block_size: int, max_blocks: int, head_size: int, dtype, *, target: int):
     """Keys per loop step when the caller does not say: about `target`, fewer for large heads
-    and float32 (`max_block_k`), no more than the tables hold, at least 16 (Triton's dot needs
-    16 columns). Either whole pages (`block_k % block_size == 0`) or a part of one page
-    (`block_size % block_k == 0`): both are powers of two."""
+    and float32 (`max_block_k`), at least 16 (Triton's dot needs 16 columns). Either a part of
+    one page (`block_size % block_k == 0`: a page larger than the budget) or whole pages, no
+    more than the tables hold (`block_k % block_size == 0`; block sizes that are not powers of
+    two, which only interpret mode takes, always step in whole pages)."""
     block_k = min(target, max_block_k(head_size, dtype))
-    block_k = min(block_k, next_pow2(max_blocks) * block_size)
-    return max(block_k, MIN_DOT)
+    if block_k < block_size and block_size % block_k == 0:
+        return block_k
+    pages = max(1, block_k // block_size)
+    pages = min(pages, next_pow2(max_blocks))
+    pages = max(pages, next_pow2(-(-MIN_DOT // block_size)))
+    return pages * block_size
 
 
 def pages_per_step(block_k: int, block_size: int) -> int:

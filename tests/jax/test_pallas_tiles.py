@@ -43,11 +43,20 @@ def test_tile_budget_holds_for_every_page_size(block_size, head_size, dtype):
     tile_bytes = block_k * head_size * jnp.dtype(dtype).itemsize
     assert tile_bytes <= softmax.MAX_KV_TILE_BYTES or block_k == MIN_DOT, (block_k, tile_bytes)
     assert block_k % block_size == 0 or block_size % block_k == 0
+    assert block_k >= MIN_DOT
     if dtype == "float32":
         assert block_k <= softmax.FLOAT32_DOT_REDUCTION
         assert softmax.head_chunk(head_size, dtype) <= softmax.FLOAT32_DOT_REDUCTION
     else:
         assert softmax.head_chunk(head_size, dtype) == head_size
+
+
+@pytest.mark.parametrize("block_size", [3, 12, 24, 80, 100])
+def test_odd_block_sizes_step_in_whole_pages(block_size):
+    """Interpret mode takes any block size: a step is then whole pages, never a part."""
+    for dtype in ("float32", "bfloat16"):
+        block_k = softmax.default_block_k(block_size, 7, 64, dtype, target=128)
+        assert block_k % block_size == 0 and block_k >= MIN_DOT, (block_size, dtype, block_k)
 
 
 # Pages larger than a loop step (float32: 32 keys; bf16 D=256: 64 keys), float32 heads in
