@@ -45,7 +45,10 @@ def cmd_info(args) -> int:
         versions.add_row("jax devices", ", ".join(str(d) for d in jax.devices()))
     except Exception as e:
         versions.add_row("jax devices", f"unavailable: {e}")
+    versions.add_row("xformers compiled ops", escape(_xformers_ops()))
     console.print(versions)
+    if getattr(args, "gpu_compile", False):
+        return _gpu_compile_report(console)
 
     backends = Table(title="backends on this machine")
     backends.add_column("backend")
@@ -157,6 +160,38 @@ def check_legend(specs, backends) -> list[str]:
     return lines
 
 
+def _xformers_ops() -> str:
+    """Whether xformers' C++/CUDA ops loaded, and what to do when they did not."""
+    try:
+        from torch_backends import xformers
+    except ImportError as e:
+        return f"not available: {e}"
+    problem = xformers.compiled_ops_problem()
+    return "loaded" if problem is None else f"NOT loaded: {problem}"
+
+
+def _gpu_compile_report(console) -> int:
+    """`info --gpu-compile`: compile both Pallas kernels over the grid for an H100 and an
+    A100 description (no GPU needed) and print grid, warps, shared memory, registers, spills."""
+    from jax_attn.pallas import gpu_compile
+
+    reason = gpu_compile.unavailable_reason()
+    if reason is not None:
+        console.print(f"[red]no GPU compile here:[/red] {reason}")
+        return 2
+    reports = []
+    for target in gpu_compile.TARGETS.values():
+        for config in gpu_compile.default_grid(target):
+            reports.append(gpu_compile.compile_kernel(config, target))
+            # Plain print: rich would wrap the 120-column rows at the terminal's width.
+            print(gpu_compile.format_table(reports[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(gpu_compile.format_table(reports))
+    bad = [r for r in reports if r.problems()]
+    console.print(f"{len(reports) - len(bad)} of {len(reports)} compiles within the limits")
+    return 1 if bad else 0
+
+
 def dataclasses_asdict(cell) -> dict:
     return {"error": cell.error, "ok": cell.ok, "note": cell.note}
 
@@ -164,7 +199,13 @@ def dataclasses_asdict(cell) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jax-attn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, devices, which backends run here and why not")
+    info = sub.add_parser("info", help="versions, devices, which backends run here and why not")
+    info.add_argument(
+        "--gpu-compile",
+        action="store_true",
+        help="also compile the Pallas kernels for an H100 and an A100 description (no GPU "
+        "needed; the gpu-aot environment) and print launch, shared memory, registers, spills",
+    )
     check = sub.add_parser("check", help="cross-check every backend against the float64 oracle")
     check.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
     check.add_argument("--quick", action="store_true", help="a smaller grid")

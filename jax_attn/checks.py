@@ -229,6 +229,21 @@ def native_shape_problem(block_size: int, head_size: int) -> str | None:
     return None
 
 
+def native_dtype_problem(cache_dtype, capability: tuple[int, int] | None) -> str | None:
+    """Why a GPU of compute `capability` (None: unknown) cannot run the native kernels on a
+    cache of `cache_dtype`, or None: Triton's e4m3 (fp8e4nv) needs sm_89 or newer (Ada,
+    Hopper), so an A100 (8.0) takes e5m2 caches but not e4m3 ones."""
+    if capability is None or jnp.dtype(cache_dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        return None
+    if tuple(capability) < (8, 9):
+        major, minor = capability
+        return (
+            f"key_cache.dtype=float8_e4m3fn needs compute capability >= 8.9 for the native GPU "
+            f"kernel; this GPU has {major}.{minor}"
+        )
+    return None
+
+
 def check_native_shapes(block_size: int, head_size: int, interpret: bool) -> None:
     """Triton loads whole power-of-two tiles; interpret mode has no such limit."""
     problem = None if interpret else native_shape_problem(block_size, head_size)

@@ -28,18 +28,36 @@ Impl = Literal["auto", "xla", "pallas", "cpu", "reference"]
 IMPLS = ("auto", "xla", "pallas", "cpu", "reference")
 
 
+def array_device(x):
+    """The device holding `x`: a concrete array's (its first), or the device a shape struct's
+    sharding names (e.g. a compile-only GPU, `pallas.gpu_compile`); None for tracers, NumPy
+    arrays and structs without a sharding."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        if isinstance(x, jax.Array):
+            return next(iter(x.devices()))
+        sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
+        return None if sharding is None else next(iter(sharding.device_set))
+    except Exception:  # deleted or otherwise unreadable: the caller asks the backend
+        return None
+
+
 def array_platform(x) -> str:
-    """The platform ("cpu", "gpu", "tpu", ...) of the device holding `x` when it is a concrete
-    array; else (tracers, NumPy arrays, shape structs) the default backend's."""
-    platform = None
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        try:
-            platform = next(iter(x.devices())).platform
-        except Exception:  # deleted or otherwise unreadable: ask the backend
-            platform = None
-    if platform is None:
-        platform = jax.default_backend()
+    """The platform ("cpu", "gpu", "tpu", ...) of the device holding `x` (`array_device`);
+    else (tracers, NumPy arrays, shape structs without a sharding) the default backend's."""
+    device = array_device(x)
+    platform = jax.default_backend() if device is None else device.platform
     return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def compute_capability(device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability, `(9, 0)` for an H100; None for other devices."""
+    cc = getattr(device, "compute_capability", None) if device is not None else None
+    major, _, minor = str(cc or "").partition(".")
+    if not major.isdigit():
+        return None
+    return int(major), int(minor) if minor.isdigit() else 0
 
 
 # Why `import jax_attn.cpu` failed, once it has: "auto" asks on every eager call, and a failed
@@ -84,22 +102,28 @@ def _cpu_shape_problem(cpu, query, key_cache) -> str | None:
 
 
 def _pallas_problem(query, key_cache) -> str | None:
-    """Why the native Pallas kernels would refuse these dtypes or shapes, or None."""
+    """Why the native Pallas kernels would refuse these dtypes or shapes on the GPU holding
+    `query`, or None."""
     try:
         checks.check_kernel_dtypes(query.dtype, key_cache.dtype)
     except TypeError as e:
         return str(e)
     _, block_size, _, head_size = key_cache.shape
-    return checks.native_shape_problem(block_size, head_size)
+    problem = checks.native_shape_problem(block_size, head_size)
+    if problem is None:
+        capability = compute_capability(array_device(query))
+        problem = checks.native_dtype_problem(key_cache.dtype, capability)
+    return problem
 
 
 def resolve_impl(impl: str, query, key_cache) -> str:
     """The implementation `impl` names, deciding "auto"; `query` and `key_cache` are arrays,
     tracers or `jax.ShapeDtypeStruct`s.
 
-    "auto" looks at the platform where `query` lives (`array_platform`):
-    - gpu: "pallas" where the native kernels take these dtypes and shapes (16/32-bit queries,
-      power-of-two block and head sizes), else "xla";
+    "auto" looks at the platform where `query` lives (`array_platform`), never at JAX's
+    default backend when the array can tell (CPU arrays on a CUDA host stay on the CPU):
+    - gpu: "pallas" where the native kernels take these dtypes and shapes on this GPU (16/32-bit
+      queries, power-of-two block and head sizes, no e4m3 cache before sm_89), else "xla";
     - cpu: "cpu" where `jax_attn.cpu` imports, its kernels are available and its
       `shape_problem` is None, else "xla";
     - anything else: "xla".
@@ -181,7 +205,14 @@ def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:
     impl = resolve_impl(impl, query, key_cache)
     if impl != "pallas":
         return impl, None  # one compiled version whatever `interpret` says
-    return impl, array_platform(query) != "gpu" if interpret is None else interpret
+    interpret = array_platform(query) != "gpu" if interpret is None else interpret
+    if not interpret:
+        problem = checks.native_dtype_problem(
+            key_cache.dtype, compute_capability(array_device(query))
+        )
+        if problem is not None:
+            raise ValueError(f"impl='pallas' cannot take these arguments: {problem}")
+    return impl, interpret
 
 
 @_resolves_impl(

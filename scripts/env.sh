@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# Usage: scripts/env.sh main|ipex  -> prints the path of a ready virtual environment.
+# Usage: scripts/env.sh main|ipex|gpu-aot  -> prints the path of a ready virtual environment.
 #
-# Two environments, because IPEX 2.8 (Intel's last release) pins torch 2.8.* while xformers
-# 0.0.35 needs torch >= 2.10:
+# Three environments, because IPEX 2.8 (Intel's last release) pins torch 2.8.* while xformers
+# 0.0.35 needs torch >= 2.10, and compiling for a GPU needs JAX's CUDA plugin:
 #   main: torch 2.13.0 (the CPU wheel on this machine's disk), xformers, jax, test + notebook deps
 #   ipex: torch 2.8.*, intel-extension-for-pytorch 2.8.0, jax, test deps
+#   gpu-aot: jax 0.10.2 with its CUDA PJRT plugin and ptxas, no torch and no CUDA runtime: XLA
+#            compiles the Pallas kernels for a described H100/A100 (tests marked gpu_aot)
 # Environments live in a cache keyed by the hash of the dependency lists, the interpreter's
 # version and this script, so fresh clones on the same machine reuse them and any change to the
 # dependencies builds anew.
 set -euo pipefail
-name=${1:?usage: scripts/env.sh main|ipex}
+name=${1:?usage: scripts/env.sh main|ipex|gpu-aot}
 root=$(cd "$(dirname "$0")/.." && pwd)
 case "$name" in
 main) extras="torch,xformers,test,notebooks,cli,lint" ;;
 ipex) extras="ipex,test,cli" ;;
+gpu-aot) extras="gpu-aot,test,cli" ;;
 *)
-    echo "unknown environment '$name' (known: main, ipex)" >&2
+    echo "unknown environment '$name' (known: main, ipex, gpu-aot)" >&2
     exit 2
     ;;
 esac
@@ -58,6 +61,17 @@ if [ ! -f "$venv/.ready" ]; then
     ipex)
         "${pip[@]}" "torch==2.8.*" "intel-extension-for-pytorch==2.8.0" >&2
         "${pip[@]}" -e "$root[$extras]" >&2
+        ;;
+    gpu-aot)
+        "${pip[@]}" -e "$root[test,cli]" >&2
+        # The gpu-aot extra's pins without their dependencies: those are the CUDA runtime
+        # wheels (gigabytes), which compiling without a GPU never loads.
+        mapfile -t nodeps < <("$py" - "$root/pyproject.toml" <<'PY'
+import sys, tomllib
+print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["gpu-aot"]))
+PY
+        )
+        "${pip[@]}" --no-deps "${nodeps[@]}" >&2
         ;;
     esac
     touch "$venv/.ready"

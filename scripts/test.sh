@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: the main environment (JAX core, TORCH_SDPA, XFORMERS, interop,
-# notebooks), then the IPEX environment for the tests that need IPEX's kernels.
-# Extra arguments go to both pytest runs.
+# notebooks), then the IPEX environment for the tests that need IPEX's kernels, then the gpu-aot
+# environment, which compiles the Pallas kernels for an H100 and an A100 description.
+# Extra arguments go to every pytest run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -23,3 +24,10 @@ if [ "$rc" -ne 0 ]; then
     echo "IPEX run failed (pytest exit $rc)" >&2
     exit "$rc"
 fi
+
+echo "== gpu-aot environment (JAX's CUDA plugin, no GPU): kernels compiled for H100 and A100"
+# JAX_PLATFORMS=cpu before JAX starts: the CUDA plugin then registers compile-only devices
+# instead of failing to find a GPU. JAX_ATTN_REQUIRE_GPU_AOT turns "cannot compile here" from a
+# skip into a failure.
+JAX_ATTN_ENV=gpu-aot JAX_PLATFORMS=cpu JAX_ATTN_REQUIRE_GPU_AOT=1 bash scripts/run.sh \
+    python -m pytest -n 2 -m gpu_aot tests/jax/test_gpu_compile.py "$@"

@@ -43,6 +43,36 @@ except ImportError as e:  # pragma: no cover - exercised only without xformers
 _warned_cpu = False
 
 
+def compiled_ops_problem() -> str | None:
+    """Why xformers' compiled (C++/CUDA) ops did not load here, or None when they did.
+
+    Each xformers wheel is built against one torch: 0.0.35's against torch 2.10 with CUDA 12.8
+    (its `cpp_lib.json`). With another torch its extension fails to load, xformers logs a
+    warning and goes on without kernels: on a CUDA host the XFORMERS prefill would then fail at
+    the first call. Install the pair it was built for (the `xformers-cuda` extra)."""
+    from xformers import _cpp_lib
+
+    error = _cpp_lib._cpp_library_load_exception
+    if error is None:
+        return None
+    info = getattr(error, "build_info", None)
+    built = (
+        "" if info is None else f" (built for torch {info.torch_version}, CUDA {info.cuda_version})"
+    )
+    return (
+        f"xformers {xformers_version()}'s compiled ops did not load{built} with torch "
+        f"{torch.__version__}: {type(error).__name__}. XFORMERS runs its CPU reference path "
+        "only; on a CUDA host install the torch it was built for: pip install "
+        "'jax-attn[xformers-cuda]' (torch 2.10 + xformers 0.0.35)"
+    )
+
+
+def xformers_version() -> str:
+    import xformers
+
+    return getattr(xformers, "__version__", "?")
+
+
 def _warn_cpu_once() -> None:
     global _warned_cpu
     if not _warned_cpu:
@@ -183,18 +213,37 @@ class XFormersImpl(PagedImpl[XFormersMetadata]):
 
     # -- masks ---------------------------------------------------------------------------
 
-    def make_attn_bias(self, q_lens: list[int], kv_lens: list[int], causal: bool):
+    def make_attn_bias(
+        self,
+        q_lens: list[int],
+        kv_lens: list[int],
+        causal: bool,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         """The xformers bias of a prefill (one object), or a list (one per sequence) with
-        ALiBi, as vLLM built them."""
+        ALiBi or a non-causal window, as vLLM built them. Tensor biases are what xformers'
+        CUDA kernel takes: `[1, Hq, Tq, Tk]` in the query's `dtype` on its `device`, with
+        strides aligned to 8 elements (`_aligned_bias`)."""
         if self.alibi_slopes is not None:
             return _make_alibi_bias(
-                self.alibi_slopes, self.num_kv_heads, q_lens, kv_lens, causal, self.sliding_window
+                self.alibi_slopes,
+                self.num_kv_heads,
+                q_lens,
+                kv_lens,
+                causal,
+                self.sliding_window,
+                dtype=dtype,
+                device=device,
             )
         bottom_right = any(k != q for q, k in zip(q_lens, kv_lens, strict=True))
         if not causal:
             if self.sliding_window is not None:
                 return [
-                    _window_tensor_bias(q, k, self.sliding_window)
+                    _window_tensor_bias(
+                        q, k, self.sliding_window, self.num_heads, dtype=dtype, device=device
+                    )
                     for q, k in zip(q_lens, kv_lens, strict=True)
                 ]
             return xbias.BlockDiagonalMask.from_seqlens(q_lens, kv_lens)
@@ -224,7 +273,7 @@ class XFormersImpl(PagedImpl[XFormersMetadata]):
         self, query: Queries, key: KeysValues, value: KeysValues, plan: StepPlan
     ) -> Queries:
         q_lens, kv_lens, causal = plan.q_lens, plan.kv_lens, plan.causal
-        bias = self.make_attn_bias(q_lens, kv_lens, causal)
+        bias = self.make_attn_bias(q_lens, kv_lens, causal, dtype=query.dtype, device=query.device)
         if not isinstance(bias, list):
             return self._run(query, key, value, bias)
         output = torch.empty_like(query)
@@ -258,7 +307,7 @@ def execute_reference(query, key, value, bias, *, scale, logits_soft_cap=None):
     """Run an xformers attention bias without xformers' kernels: the documented CPU path.
 
     `bias` is an `AttentionBias` (materialized to `[Hq, Tq, Tk]`) or a tensor broadcastable to
-    it. Rows whose keys are all masked give zeros.
+    `[1, Hq, Tq, Tk]`. Rows whose keys are all masked give zeros.
     """
     num_tokens, num_heads, _head_size = query.shape
     num_keys, num_kv_heads = key.shape[:2]
@@ -268,7 +317,7 @@ def execute_reference(query, key, value, bias, *, scale, logits_soft_cap=None):
     elif bias is None:
         dense = torch.zeros(shape[1:], dtype=torch.float32, device=query.device)
     else:
-        dense = bias.float().expand(shape[1:])
+        dense = bias.float().expand(shape)[0]
     group = num_heads // num_kv_heads
     k = key.float().repeat_interleave(group, dim=1)  # [Tk, Hq, D]
     v = value.float().repeat_interleave(group, dim=1)
@@ -283,12 +332,36 @@ def execute_reference(query, key, value, bias, *, scale, logits_soft_cap=None):
     return torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
 
 
-def _window_tensor_bias(q_len: int, kv_len: int, window: int) -> Tensor:
-    """Non-causal window (encoders): keys within `window` of the query, on either side."""
+def _aligned_bias(bias: Tensor, dtype: torch.dtype, device) -> Tensor:
+    """`bias [Hq, Tq, Tk]` as xformers' CUDA kernel takes a tensor bias: `[1, Hq, Tq, Tk]`
+    (BMHK's `(B, H, Mq, Mk)`) in `dtype` on `device`, every stride but the last a multiple of
+    8 elements. Like vLLM, a buffer whose rows are padded to a multiple of 8 keys, sliced back
+    to `Tk` (a view: the padding is never read). Example: Tk = 5 gives strides
+    `(Hq * Tq * 8, Tq * 8, 8, 1)`."""
+    num_heads, q_len, kv_len = bias.shape
+    padded = -(-kv_len // 8) * 8
+    buffer = torch.empty(1, num_heads, q_len, padded, dtype=dtype, device=device)
+    view = buffer[..., :kv_len]
+    view.copy_(bias[None])
+    return view
+
+
+def _window_tensor_bias(
+    q_len: int,
+    kv_len: int,
+    window: int,
+    num_heads: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> Tensor:
+    """Non-causal window (encoders): keys within `window` of the query, on either side, as
+    an aligned `[1, Hq, Tq, Tk]` tensor bias (`_aligned_bias`)."""
     p_q = torch.arange(kv_len - q_len, kv_len)[:, None]
     p_k = torch.arange(kv_len)[None, :]
     keep = (p_q - p_k) < window  # the spec's window rule; keys ahead stay visible
-    return torch.zeros(1, q_len, kv_len).masked_fill(~keep[None], float("-inf"))
+    bias = torch.zeros(q_len, kv_len).masked_fill(~keep, float("-inf"))
+    return _aligned_bias(bias.expand(num_heads, q_len, kv_len), dtype, device)
 
 
 def _make_alibi_bias(
@@ -298,10 +371,15 @@ def _make_alibi_bias(
     kv_lens: list[int] | None = None,
     causal: bool = True,
     sliding_window: int | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device=None,
 ) -> list:
-    """One ALiBi bias per sequence: `slope_h * (p_k - p_q)` as a `[1, Hq, Tq, Tk]` tensor,
-    wrapped in `LowerTriangularMaskWithTensorBias` when causal (vLLM's choice). Bottom-right
-    positions when `kv_lens` differ from `q_lens` (chunked prefill, cross attention)."""
+    """One ALiBi bias per sequence: `slope_h * (p_k - p_q)` as a `[1, Hq, Tq, Tk]` tensor of
+    `dtype` on `device` with aligned strides (`_aligned_bias`), wrapped in
+    `LowerTriangularMaskWithTensorBias` when causal (vLLM's choice). Bottom-right positions
+    when `kv_lens` differ from `q_lens` (chunked prefill, cross attention). The bias is
+    computed in float32 and rounded once to `dtype` (xformers needs the query's dtype)."""
     kv_lens = q_lens if kv_lens is None else kv_lens
     biases = []
     for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
@@ -313,9 +391,9 @@ def _make_alibi_bias(
             keep &= p_k <= p_q
         if sliding_window is not None:
             keep &= (p_q - p_k) < sliding_window
-        bias = bias.masked_fill(~keep[None], float("-inf"))
+        bias = _aligned_bias(bias.masked_fill(~keep[None], float("-inf")), dtype, device)
         if causal and q_len == kv_len and sliding_window is None:
-            biases.append(xbias.LowerTriangularMaskWithTensorBias(bias[None]))
+            biases.append(xbias.LowerTriangularMaskWithTensorBias(bias))
         else:
             biases.append(bias)
     return biases

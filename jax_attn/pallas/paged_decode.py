@@ -8,8 +8,12 @@ Design (Triton-backed Pallas on GPU; the same code runs on CPU with `interpret=T
   Triton's dot needs at least 16 rows; the extra rows are zeros and are sliced away.
 - The cache keeps its own `[NB, BS, Hkv, D]` layout: the BlockSpec squeezes the kv-head axis,
   so the kernel sees this head's `[NB, BS, D]` pages (strided, no transposed copy).
-- Keys are visited in compute blocks of `pages_per_compute_block` pages; the block table slice
-  of a compute block is read inside the loop and the pages gathered with it.
+- Keys are visited in compute blocks of `block_k` keys: whole pages (`pages_per_compute_block`
+  of them), or a part of one page when a page is larger than the tile budget (block 128 with
+  D=256 in float32 walks each page 32 keys at a time). The block table entries of a compute
+  block are read inside the loop, never past the table's end (`seq_len` larger than the table
+  can hold ends the loop at the table's last key). float32 dots reduce over at most 32 values
+  (see `_online_softmax`), so that IEEE float32 FMA loops do not spill.
 - Split-K: a sequence's compute blocks are shared out evenly among the splits, sized by that
   sequence's own length. With a sliding window only the blocks that touch the window are
   shared out (`_split_block_range`): blocks wholly before it are never loaded, not just
@@ -48,17 +52,22 @@ def _first_visible_key(seq_len, sliding_window):
     return 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
 
 
-def _split_block_range(seq_len, split, *, block_k: int, num_kv_splits: int, sliding_window):
-    """Compute blocks `[lo, hi)` that split `split` visits for a sequence of `seq_len` keys.
+def _split_block_range(
+    seq_len, split, *, block_k: int, num_kv_splits: int, sliding_window, kv_len=None
+):
+    """Compute blocks `[lo, hi)` that split `split` visits for a sequence of `seq_len` keys,
+    of which the first `kv_len` (default: all) are in its block table.
 
     Only the blocks that touch the keys the query may see, `[seq_len - W, seq_len)` with a
-    sliding window `W`, are shared out, so blocks wholly before the window are never loaded.
+    sliding window `W`, are shared out, so blocks wholly before the window are never loaded;
+    none past the table's end is visited, whatever `seq_len` says.
     Example: seq_len 300, W 50, block_k 32, 2 splits: the window [250, 300) touches blocks 7-9;
     split 0 visits [7, 9), split 1 visits [9, 10).
     """
+    kv_len = seq_len if kv_len is None else kv_len
     cb_lo = _first_visible_key(seq_len, sliding_window) // block_k
-    cb_hi = pl.cdiv(seq_len, block_k)
-    per_split = pl.cdiv(cb_hi - cb_lo, num_kv_splits)
+    cb_hi = pl.cdiv(kv_len, block_k)
+    per_split = pl.cdiv(jnp.maximum(cb_hi - cb_lo, 0), num_kv_splits)
     lo = cb_lo + split * per_split
     return lo, jnp.minimum(lo + per_split, cb_hi)
 
@@ -75,39 +84,53 @@ def _paged_decode_kernel(
     m_ref,  # [G_pad] running max of this split
     l_ref,  # [G_pad] running sum of this split
     *,
-    pages_per_compute_block: int,
+    block_k: int,
+    table_keys: int,
+    chunk: int,
     num_kv_splits: int,
     sliding_window: int | None,
     logits_soft_cap: float | None,
     compute_dtype,
 ):
     split = pl.program_id(2)
-    _, block_size, head_size = k_ref.shape
-    group_pad = q_ref.shape[0]
-    block_k = pages_per_compute_block * block_size
+    head_size = k_ref.shape[2]
 
     seq_len = seq_len_ref[0]
+    # Keys past the table's end (`seq_len` too large for it) are never read, only skipped:
+    # natively an unbounded table read would fault or read another sequence's row.
+    kv_len = jnp.minimum(seq_len, table_keys)
     logit_scale = logit_scale_ref[0]
     q_pos = seq_len - 1  # the decode token is the sequence's last position
     first_key = _first_visible_key(seq_len, sliding_window)
-    num_pages = pl.cdiv(seq_len, block_size)
     my_lo, my_hi = _split_block_range(
         seq_len,
         split,
         block_k=block_k,
         num_kv_splits=num_kv_splits,
         sliding_window=sliding_window,
+        kv_len=kv_len,
     )
 
-    q = q_ref[...].astype(compute_dtype)
+    columns = [slice(c, c + chunk) for c in range(0, head_size, chunk)]
+    q = tuple(q_ref[:, cols].astype(compute_dtype) for cols in columns)  # [G_pad, chunk] each
     slopes = None if slopes_ref is None else slopes_ref[...]
 
+    def table(start, size):
+        return block_table_ref[pl.ds(start, size)]
+
     def body(cb, state):
-        page_idx = cb * pages_per_compute_block + jnp.arange(pages_per_compute_block)
-        pages = block_table_ref[pl.ds(cb * pages_per_compute_block, pages_per_compute_block)]
-        k, v = softmax.load_pages(k_ref, v_ref, pages, page_idx, num_pages, compute_dtype)
+        k, v, key_valid = softmax.load_kv(
+            k_ref,
+            v_ref,
+            table,
+            cb,
+            block_k=block_k,
+            kv_len=kv_len,
+            chunk=chunk,
+            dtype=compute_dtype,
+        )
         key_pos = cb * block_k + jnp.arange(block_k)
-        valid = (key_pos < seq_len) & (key_pos >= first_key)  # [block_k]
+        valid = key_valid & (key_pos >= first_key)  # [block_k]
         bias = None
         if slopes is not None:
             rel = (key_pos - q_pos).astype(jnp.float32)
@@ -124,9 +147,10 @@ def _paged_decode_kernel(
             logits_soft_cap=logits_soft_cap,
         )
 
-    state = softmax.initial_state(group_pad, head_size)
+    state = softmax.initial_state(q_ref.shape[0], head_size, chunk)
     o, row_max, row_sum = jax.lax.fori_loop(my_lo, my_hi, body, state)
-    o_ref[...] = o
+    for cols, o_c in zip(columns, o, strict=True):
+        o_ref[:, cols] = o_c
     m_ref[...] = row_max
     l_ref[...] = row_sum
 
@@ -148,6 +172,12 @@ def _merge_splits(o, row_max, row_sum, v_scale):
     return out * v_scale
 
 
+def _num_warps(group_pad: int, head_size: int, dtype) -> int:
+    """Warps per program: 4, or 8 where the output tile would crowd 4 warps' registers."""
+    del dtype
+    return 8 if group_pad * head_size >= 16 * 256 else 4
+
+
 def _default_num_kv_splits(num_seqs: int, num_kv_heads: int, num_compute_blocks: int) -> int:
     splits = pl.cdiv(_TARGET_PROGRAMS, num_seqs * num_kv_heads)
     return max(1, min(splits, _MAX_KV_SPLITS, num_compute_blocks))
@@ -165,7 +195,7 @@ def _paged_decode_pallas(
     *,
     sliding_window,
     logits_soft_cap,
-    pages_per_compute_block,
+    block_k,
     num_kv_splits,
     interpret,
 ):
@@ -179,7 +209,7 @@ def _paged_decode_pallas(
     q = query.astype(dtype).reshape(num_seqs, num_kv_heads, group, head_size)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
 
-    tables = softmax.pad_tables(block_tables, pages_per_compute_block)
+    tables = softmax.pad_tables(block_tables, block_k, block_size)
     max_blocks_pad = tables.shape[1]
 
     if alibi_slopes is None:
@@ -190,7 +220,9 @@ def _paged_decode_pallas(
 
     kernel = functools.partial(
         _paged_decode_kernel,
-        pages_per_compute_block=pages_per_compute_block,
+        block_k=block_k,
+        table_keys=block_tables.shape[1] * block_size,
+        chunk=softmax.head_chunk(head_size, dtype),
         num_kv_splits=num_kv_splits,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
@@ -224,7 +256,9 @@ def _paged_decode_pallas(
             output_struct(partial_shape, jnp.float32, *operands),
         ],
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=_num_warps(group_pad, head_size, dtype), num_stages=2
+        ),
         name="paged_decode",
     )(*operands)
 
@@ -295,15 +329,17 @@ def paged_decode(
         )
     max_blocks = max(block_tables.shape[1], 1)
     if pages_per_compute_block is None:
-        pages_per_compute_block = softmax.pages_per_compute_block(
+        block_k = softmax.default_block_k(
             block_size,
             max_blocks,
             query.shape[2],
             softmax.compute_dtype(query.dtype, key_cache.dtype),
-            target_block_k=_TARGET_BLOCK_K,
+            target=_TARGET_BLOCK_K,
         )
+    else:
+        block_k = pages_per_compute_block * block_size
     if num_kv_splits is None:
-        num_compute_blocks = pl.cdiv(max_blocks, pages_per_compute_block)
+        num_compute_blocks = pl.cdiv(max_blocks * block_size, block_k)
         num_kv_splits = _default_num_kv_splits(num_seqs, num_kv_heads, num_compute_blocks)
     logit_scale = jnp.float32(scale) * checks.scale_array(k_scale, "k_scale")
     return _paged_decode_pallas(
@@ -317,7 +353,7 @@ def paged_decode(
         checks.scale_array(v_scale, "v_scale"),
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
-        pages_per_compute_block=pages_per_compute_block,
+        block_k=block_k,
         num_kv_splits=num_kv_splits,
         interpret=interpret,
     )

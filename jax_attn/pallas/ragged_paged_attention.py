@@ -15,9 +15,11 @@ Design (Triton-backed Pallas on GPU; the same code runs on CPU with `interpret=T
   (seq 1, token 5), (seq 2, tokens 6-8).
 - A program computes one tile against one kv head for all `G` query heads of that head's
   group: its `block_q * G_pad` rows (token-major) share every K/V tile it loads.
-- Keys are visited in compute blocks of `pages_per_compute_block` pages, from the first block
-  the sliding window reaches to the last key the tile's last query may see (bottom-right
-  causal), so blocks wholly outside the window or above the diagonal are never loaded.
+- Keys are visited in compute blocks of `block_k` keys (whole pages, or a part of one page
+  when a page is larger than the tile budget), from the first block the sliding window
+  reaches to the last key the tile's last query may see (bottom-right causal), so blocks
+  wholly outside the window or above the diagonal are never loaded, nor any past the block
+  table's end.
 - Queries are read at any token offset (tiles need not be aligned), so the query is padded by
   `block_q` tokens; outputs are written per tile, never across a sequence boundary, and the
   wrapper gathers each token's row back, zeros for padding tokens.
@@ -42,7 +44,7 @@ from jax_attn.pallas import _online_softmax as softmax
 
 # Rows (query tokens x heads of a group) per program: a 128 x 64 logits tile is the usual
 # Triton flash-attention shape on Hopper/Ampere for bf16 D <= 128. Larger heads and float32
-# take fewer rows and keys, so that every tile stays within `softmax.max_block_k`.
+# take fewer rows (`_max_rows`) and keys (`softmax.max_block_k`).
 _TARGET_ROWS = 128
 _TARGET_BLOCK_K = 64
 
@@ -51,17 +53,22 @@ _SEQ, _Q_START, _NUM_TOKENS, _FIRST_POS, _SEQ_LEN = range(5)
 _TILE_FIELDS = 8
 
 
-def _key_block_range(first_pos, num_tokens, seq_len, *, block_k: int, causal: bool, sliding_window):
+def _key_block_range(
+    first_pos, num_tokens, seq_len, *, block_k: int, causal: bool, sliding_window, kv_len=None
+):
     """Compute blocks `[lo, hi)` holding the keys a tile may see: its queries sit at
-    `first_pos .. first_pos + num_tokens - 1`; an empty tile visits none.
+    `first_pos .. first_pos + num_tokens - 1`; an empty tile visits none. Of the sequence's
+    `seq_len` keys the first `kv_len` (default: all) are in its block table; none past the
+    table's end is visited, whatever `seq_len` says.
 
     The range starts at the block holding the first query's window start, so blocks wholly
     outside the window are never loaded (not just masked), and a causal range ends at the block
     holding the last query's own key. Example: first_pos 100, 4 tokens, seq_len 120, causal,
     W 40, block_k 16: keys [61, 104) are visible, blocks [3, 7) are visited.
     """
+    kv_len = seq_len if kv_len is None else kv_len
     last_pos = first_pos + num_tokens - 1
-    kv_end = jnp.minimum(last_pos + 1, seq_len) if causal else seq_len
+    kv_end = jnp.minimum(last_pos + 1, kv_len) if causal else kv_len
     kv_start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
     lo = kv_start // block_k
     return lo, jnp.where(num_tokens > 0, pl.cdiv(kv_end, block_k), lo)
@@ -78,16 +85,17 @@ def _ragged_kernel(
     o_ref,  # [block_q, G_pad, D] this tile's output
     *,
     block_q: int,
-    pages_per_compute_block: int,
+    block_k: int,
+    table_keys: int,
+    chunk: int,
     causal: bool,
     sliding_window: int | None,
     logits_soft_cap: float | None,
     compute_dtype,
 ):
-    _, block_size, head_size = k_ref.shape
+    head_size = k_ref.shape[2]
     group_pad = q_ref.shape[1]
     rows = block_q * group_pad
-    block_k = pages_per_compute_block * block_size
 
     seq = tile_ref[_SEQ]
     q_start = tile_ref[_Q_START]
@@ -102,7 +110,9 @@ def _ragged_kernel(
     q_pos = first_pos + token
     row_valid = token < num_tokens
 
-    num_pages = pl.cdiv(seq_len, block_size)
+    # Keys past the table's end (`seq_len` too large for it) are never read, only skipped:
+    # natively an unbounded table read would fault or read another sequence's row.
+    kv_len = jnp.minimum(seq_len, table_keys)
     cb_lo, cb_hi = _key_block_range(
         first_pos,
         num_tokens,
@@ -110,22 +120,36 @@ def _ragged_kernel(
         block_k=block_k,
         causal=causal,
         sliding_window=sliding_window,
+        kv_len=kv_len,
     )
 
-    # [block_q, G_pad, D] -> [rows, D]
-    q = q_ref[pl.ds(q_start, block_q)].reshape(rows, head_size).astype(compute_dtype)
+    columns = [slice(c, c + chunk) for c in range(0, head_size, chunk)]
+    # [block_q, G_pad, chunk] -> [rows, chunk], one per column chunk
+    q = tuple(
+        q_ref[pl.ds(q_start, block_q), :, cols].reshape(rows, chunk).astype(compute_dtype)
+        for cols in columns
+    )
     if slopes_ref is None:
         slopes = None
     else:
         # [G_pad] -> [block_q, G_pad] -> [rows]
         slopes = jnp.broadcast_to(slopes_ref[...][None, :], (block_q, group_pad)).reshape(rows)
 
+    def table(start, size):
+        return block_tables_ref[seq, pl.ds(start, size)]
+
     def body(cb, state):
-        page_idx = cb * pages_per_compute_block + jnp.arange(pages_per_compute_block)
-        pages = block_tables_ref[seq, pl.ds(cb * pages_per_compute_block, pages_per_compute_block)]
-        k, v = softmax.load_pages(k_ref, v_ref, pages, page_idx, num_pages, compute_dtype)
+        k, v, key_valid = softmax.load_kv(
+            k_ref,
+            v_ref,
+            table,
+            cb,
+            block_k=block_k,
+            kv_len=kv_len,
+            chunk=chunk,
+            dtype=compute_dtype,
+        )
         key_pos = cb * block_k + jnp.arange(block_k)  # [block_k]
-        key_valid = key_pos < seq_len
         valid = row_valid[:, None] & key_valid[None, :]  # [rows, block_k]
         if causal:
             valid = valid & (key_pos[None, :] <= q_pos[:, None])
@@ -147,15 +171,16 @@ def _ragged_kernel(
             logits_soft_cap=logits_soft_cap,
         )
 
-    state = softmax.initial_state(rows, head_size)
+    state = softmax.initial_state(rows, head_size, chunk)
     o, _, row_sum = jax.lax.fori_loop(cb_lo, cb_hi, body, state)
 
     # Fully-masked rows (and rows of spare tiles) have row_sum == 0 and give zeros.
     has_keys = row_sum > 0
-    out = o / jnp.where(has_keys, row_sum, 1.0)[:, None]
-    out = jnp.where(has_keys[:, None], out * v_scale, 0.0)
-    # [rows, D] -> [block_q, G_pad, D]
-    o_ref[...] = out.reshape(block_q, group_pad, head_size).astype(o_ref.dtype)
+    safe_sum = jnp.where(has_keys, row_sum, 1.0)[:, None]
+    for cols, o_c in zip(columns, o, strict=True):
+        out = jnp.where(has_keys[:, None], o_c / safe_sum * v_scale, 0.0)
+        # [rows, chunk] -> [block_q, G_pad, chunk]
+        o_ref[:, :, cols] = out.reshape(block_q, group_pad, chunk).astype(o_ref.dtype)
 
 
 def _tile_table(query_start_loc, seq_lens, num_seqs, *, num_tiles: int, block_q: int):
@@ -202,7 +227,7 @@ def _ragged_pallas(
     sliding_window,
     logits_soft_cap,
     block_q,
-    pages_per_compute_block,
+    block_k,
     interpret,
 ):
     num_tokens, num_heads, head_size = query.shape
@@ -222,7 +247,7 @@ def _ragged_pallas(
     q = query.astype(dtype).reshape(num_tokens, num_kv_heads, group, head_size)
     q = jnp.pad(q, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
 
-    tables = softmax.pad_tables(block_tables, pages_per_compute_block)
+    tables = softmax.pad_tables(block_tables, block_k, block_size)
     max_blocks_pad = tables.shape[1]
 
     if alibi_slopes is None:
@@ -234,14 +259,16 @@ def _ragged_pallas(
     kernel = functools.partial(
         _ragged_kernel,
         block_q=block_q,
-        pages_per_compute_block=pages_per_compute_block,
+        block_k=block_k,
+        table_keys=block_tables.shape[1] * block_size,
+        chunk=softmax.head_chunk(head_size, dtype),
         causal=causal,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         compute_dtype=dtype,
     )
     cache_spec = pl.BlockSpec((num_blocks, block_size, None, head_size), lambda t, h: (0, 0, h, 0))
-    num_warps = 8 if block_q * group_pad * head_size >= 128 * 128 else 4
+    num_warps = _num_warps(block_q * group_pad, block_k, head_size, dtype)
     operands = (tiles, scales, q, key_cache, value_cache, tables, slopes)
     out_tiles = pl.pallas_call(
         kernel,
@@ -280,8 +307,26 @@ def _ragged_pallas(
     return out[:, :, :group].reshape(num_tokens, num_heads, head_size)
 
 
+def _num_warps(rows: int, block_k: int, head_size: int, dtype) -> int:
+    """Warps per program: 8 for float32 (FMA dots hold their operands in registers) and for
+    large tiles, else 4 (measured with `gpu_compile`: 4 warps on a 128 x 64 bf16 tile sit at
+    255 registers on sm_90, 8 take 155)."""
+    if jnp.dtype(dtype) == jnp.float32 or rows * max(head_size, block_k) >= 128 * 64:
+        return 8
+    return 4
+
+
+def _max_rows(head_size: int, dtype) -> int:
+    """Query rows per program: 128 for 16-bit heads up to 128, 32 for larger heads and for
+    float32, whose dots keep more in registers (64 rows of a D=256 bf16 head sit at 255
+    registers on sm_90, 32 take 163)."""
+    if jnp.dtype(dtype) == jnp.float32 or head_size > 128:
+        return 32
+    return _TARGET_ROWS
+
+
 def _default_block_q(group_pad: int, head_size: int, dtype) -> int:
-    rows = min(_TARGET_ROWS, softmax.max_block_k(head_size, dtype))
+    rows = _max_rows(head_size, dtype)
     # At least 16 rows per program: Triton's dot needs them.
     return max(1, rows // group_pad, pl.cdiv(checks.MIN_DOT, group_pad))
 
@@ -356,13 +401,15 @@ def ragged_paged_attention(
     if block_q is None:
         block_q = _default_block_q(group_pad, head_size, dtype)
     if pages_per_compute_block is None:
-        pages_per_compute_block = softmax.pages_per_compute_block(
+        block_k = softmax.default_block_k(
             block_size,
             max(block_tables.shape[1], 1),
             head_size,
             dtype,
-            target_block_k=_TARGET_BLOCK_K,
+            target=_TARGET_BLOCK_K,
         )
+    else:
+        block_k = pages_per_compute_block * block_size
     k_scale = checks.scale_array(k_scale, "k_scale")
     scales = jnp.stack([jnp.float32(scale) * k_scale, checks.scale_array(v_scale, "v_scale")])
     return _ragged_pallas(
@@ -379,7 +426,7 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         block_q=block_q,
-        pages_per_compute_block=pages_per_compute_block,
+        block_k=block_k,
         interpret=interpret,
     )
 
