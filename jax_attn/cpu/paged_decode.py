@@ -11,31 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jax_attn.cpu._build import unavailable_reason
-from jax_attn.cpu._shapes import shape_problem
+from jax_attn.cpu import _ffi
 
 TARGET = "jax_attn_cpu_paged_decode"
-
-
-def _not_differentiable(*_):
-    raise TypeError(
-        "jax_attn.cpu.paged_decode (the native CPU kernel, impl='cpu') has no gradient: "
-        "the paged kernels are inference-only. Differentiate through "
-        "jax_attn.varlen_attention (dense ragged attention) instead."
-    )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _decode(config, query, key_cache, value_cache, block_tables, seq_lens, slopes, ks, vs):
     scale, sliding_window, logits_soft_cap, split_tokens = config
-    call = jax.ffi.ffi_call(
-        TARGET,
-        jax.ShapeDtypeStruct(query.shape, query.dtype),
-        # A batched call runs the kernel once per batch element (vmap over a batch of caches
-        # or tables); vmap over sequences is better written as a bigger num_seqs.
-        vmap_method="sequential",
-    )
-    return call(
+    return _ffi.call_like_query(TARGET, query)(
         query,
         key_cache,
         value_cache,
@@ -51,7 +35,7 @@ def _decode(config, query, key_cache, value_cache, block_tables, seq_lens, slope
     )
 
 
-_decode.defjvp(_not_differentiable)
+_decode.defjvp(_ffi.grad_refusal("jax_attn.cpu.paged_decode (the native CPU kernel, impl='cpu')"))
 
 
 @functools.partial(
@@ -85,35 +69,11 @@ def paged_decode(
     argument, before anything is read. Not differentiable (see `varlen_attention`); `vmap`
     runs the kernel once per batch element.
     """
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"jax_attn.cpu kernels are not available: {reason}")
-    if query.ndim != 3:
-        raise ValueError(f"query must be [num_seqs, num_heads, head_size], got {query.shape}")
-    if key_cache.ndim != 4:
-        raise ValueError(
-            "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], "
-            f"got {key_cache.shape}"
-        )
-    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-        raise ValueError(
-            f"value_cache {value_cache.shape} {value_cache.dtype} must match "
-            f"key_cache {key_cache.shape} {key_cache.dtype}"
-        )
-    num_seqs, num_heads, head_size = query.shape
-    _, block_size, num_kv_heads, cache_head_size = key_cache.shape
-    if cache_head_size != head_size:
-        raise ValueError(f"key_cache head_size={cache_head_size} != query {head_size=}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
-    problem = shape_problem(
-        query_dtype=query.dtype,
-        cache_dtype=key_cache.dtype,
-        block_size=block_size,
-        head_size=head_size,
+    _ffi.require_native()
+    _ffi.check_caches(
+        query, key_cache, value_cache, rows="num_seqs", kernel="jax_attn.cpu.paged_decode"
     )
-    if problem is not None:
-        raise TypeError(f"jax_attn.cpu.paged_decode: {problem}")
+    num_seqs, num_heads, _ = query.shape
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {block_tables.shape}"
@@ -123,18 +83,11 @@ def paged_decode(
     for name, x in dict(block_tables=block_tables, seq_lens=seq_lens).items():
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name}.dtype={x.dtype} must be int32")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{sliding_window=} must be >= 1 (or None)")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"{logits_soft_cap=} must be > 0 (or None)")
-    if alibi_slopes is None:
-        slopes = jnp.zeros((0,), jnp.float32)
-    else:
-        if alibi_slopes.shape != (num_heads,):
-            raise ValueError(f"alibi_slopes must be [{num_heads=}], got {alibi_slopes.shape}")
-        slopes = alibi_slopes.astype(jnp.float32)
+    _ffi.check_bias(sliding_window, logits_soft_cap)
+    if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
+        raise ValueError(f"alibi_slopes must be [{num_heads=}], got {alibi_slopes.shape}")
     config = (
-        float(head_size**-0.5 if scale is None else scale),
+        float(query.shape[-1] ** -0.5 if scale is None else scale),
         int(sliding_window or 0),
         float(logits_soft_cap or 0.0),
         int(split_tokens or 0),
@@ -146,7 +99,7 @@ def paged_decode(
         value_cache,
         block_tables.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
-        slopes,
-        jnp.asarray(k_scale).astype(jnp.float32).reshape(()),
-        jnp.asarray(v_scale).astype(jnp.float32).reshape(()),
+        _ffi.f32_slopes(alibi_slopes),
+        _ffi.f32_scalar(k_scale),
+        _ffi.f32_scalar(v_scale),
     )

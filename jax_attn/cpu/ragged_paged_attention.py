@@ -21,30 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jax_attn.cpu import _build
-from jax_attn.cpu._shapes import shape_problem
+from jax_attn.cpu import _ffi
 
 TARGET = "jax_attn_cpu_ragged_paged_attention"
-
-
-def _not_differentiable(*_):
-    raise TypeError(
-        "jax_attn.cpu.ragged_paged_attention (the native CPU kernel, paged_attention "
-        "impl='cpu') has no gradient: the paged kernels are inference-only. Differentiate "
-        "through jax_attn.varlen_attention (dense ragged attention) instead."
-    )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _ragged(config, query, key_cache, value_cache, qsl, seq_lens, tables, num_seqs, ks, vs, sl):
     scale, causal, sliding_window, logits_soft_cap = config
-    call = jax.ffi.ffi_call(
-        TARGET,
-        jax.ShapeDtypeStruct(query.shape, query.dtype),
-        # vmap runs the kernel once per batch element; ragged batches are the better batching.
-        vmap_method="sequential",
-    )
-    return call(
+    return _ffi.call_like_query(TARGET, query)(
         query,
         key_cache,
         value_cache,
@@ -62,38 +47,24 @@ def _ragged(config, query, key_cache, value_cache, qsl, seq_lens, tables, num_se
     )
 
 
-_ragged.defjvp(_not_differentiable)
+_ragged.defjvp(
+    _ffi.grad_refusal(
+        "jax_attn.cpu.ragged_paged_attention (the native CPU kernel, paged_attention impl='cpu')"
+    )
+)
 
 
 def _check_shapes(
     query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, num_seqs, alibi_slopes
 ) -> None:
-    if query.ndim != 3:
-        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
-    if key_cache.ndim != 4:
-        raise ValueError(
-            "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], "
-            f"got {key_cache.shape}"
-        )
-    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-        raise ValueError(
-            f"value_cache {value_cache.shape} {value_cache.dtype} must match "
-            f"key_cache {key_cache.shape} {key_cache.dtype}"
-        )
-    num_heads, head_size = query.shape[1:]
-    _, block_size, num_kv_heads, cache_head_size = key_cache.shape
-    if cache_head_size != head_size:
-        raise ValueError(f"key_cache head_size={cache_head_size} != query {head_size=}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
-    problem = shape_problem(
-        query_dtype=query.dtype,
-        cache_dtype=key_cache.dtype,
-        block_size=block_size,
-        head_size=head_size,
+    _ffi.check_caches(
+        query,
+        key_cache,
+        value_cache,
+        rows="num_tokens",
+        kernel="jax_attn.cpu.ragged_paged_attention",
     )
-    if problem is not None:
-        raise TypeError(f"jax_attn.cpu.ragged_paged_attention: {problem}")
+    num_heads = query.shape[1]
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {block_tables.shape}")
     rows = block_tables.shape[0]
@@ -150,9 +121,7 @@ def ragged_paged_attention(
     read. Tested against `jax_attn.reference.paged_attention`. Not differentiable (raises
     naming `jax_attn.varlen_attention`); `vmap` runs the calls one after another.
     """
-    reason = _build.unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"jax_attn.cpu kernels are not available: {reason}")
+    _ffi.require_native()
     _check_shapes(
         query,
         key_cache,
@@ -163,13 +132,7 @@ def ragged_paged_attention(
         num_seqs,
         alibi_slopes,
     )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{sliding_window=} must be >= 1 (or None)")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"{logits_soft_cap=} must be > 0 (or None)")
-    slopes = (
-        jnp.zeros((0,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
-    )
+    _ffi.check_bias(sliding_window, logits_soft_cap)
     config = (
         float(scale),
         int(bool(causal)),
@@ -185,7 +148,7 @@ def ragged_paged_attention(
         seq_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32),
         jnp.asarray(num_seqs).astype(jnp.int32).reshape(()),
-        jnp.asarray(k_scale).astype(jnp.float32).reshape(()),
-        jnp.asarray(v_scale).astype(jnp.float32).reshape(()),
-        slopes,
+        _ffi.f32_scalar(k_scale),
+        _ffi.f32_scalar(v_scale),
+        _ffi.f32_slopes(alibi_slopes),
     )
