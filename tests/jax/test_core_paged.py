@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from paged_cases import CaseId, bias_and_expected, padded_ragged_inputs, workload
 from tolerances import assert_close
 
 import jax_attn
-from interop.workload import dense_reference, make_workload
+from interop.workload import make_workload
 
 BATCHES = {
     # name: (query_lens, context_lens) -> seq lens
@@ -27,7 +28,7 @@ BATCHES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(CaseId):
     batch: str = "mixed"
     block_size: int = 16
     head_size: int = 64
@@ -39,17 +40,6 @@ class Case:
     alibi: bool = False
     sliding_window: int | None = None
     soft_cap: float | None = None
-
-    def __str__(self):
-        base = Case()
-        return (
-            "-".join(
-                f"{f.name}={getattr(self, f.name)}"
-                for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(base, f.name)
-            )
-            or "base"
-        )
 
 
 CASES = [
@@ -72,41 +62,9 @@ CASES = [
 
 
 def _run(case: Case, rng: np.random.Generator):
-    q_lens, ctx_lens = BATCHES[case.batch]
-    fp8 = case.cache_dtype is not None and "float8" in case.cache_dtype
-    k_scale, v_scale = (0.37, 0.61) if fp8 else (1.0, 1.0)
-    w = make_workload(
-        rng,
-        q_lens,
-        ctx_lens,
-        num_heads=case.num_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_size=case.head_size,
-        block_size=case.block_size,
-        dtype=case.dtype,
-        cache_dtype=case.cache_dtype,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    num_tokens, num_seqs = len(w.slot_mapping), len(q_lens)
-    md = w.metadata(pad_to=(num_seqs + 2, num_tokens + 5))
-    # Padding tokens carry NaN queries: their rows must come out as zeros anyway.
-    pad = np.full((5, case.num_heads, case.head_size), np.nan, np.float32).astype(w.query.dtype)
-    query = jnp.asarray(np.concatenate([w.query, pad]))
-    kc, vc = jax_attn.write_kv(
-        jnp.asarray(w.key_cache),
-        jnp.asarray(w.value_cache),
-        jnp.asarray(np.concatenate([w.new_key, pad[:, : case.num_kv_heads]])),
-        jnp.asarray(np.concatenate([w.new_value, pad[:, : case.num_kv_heads]])),
-        md.slot_mapping,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    slopes = jax_attn.alibi_slopes(case.num_heads) if case.alibi else None
-    bias = dict(
-        causal=case.causal, sliding_window=case.sliding_window, logits_soft_cap=case.soft_cap
-    )
-    expected = dense_reference(w, alibi_slopes=slopes, **bias)
+    w, k_scale, v_scale = workload(case, rng, *BATCHES[case.batch])
+    md, query, kc, vc = padded_ragged_inputs(case, w, k_scale, v_scale, pad_seqs=2, pad_tokens=5)
+    slopes, bias, expected = bias_and_expected(case, w)
     kwargs = dict(
         alibi_slopes=None if slopes is None else jnp.asarray(slopes),
         k_scale=k_scale,

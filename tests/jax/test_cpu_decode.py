@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_cases import CaseId, assert_native_output, bias_and_expected, workload
 from tolerances import assert_close
 
 import jax_attn
 from jax_attn import cpu
-from interop.workload import dense_reference, make_workload
 
 REASON = cpu.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"native CPU kernels: {REASON}")
@@ -24,7 +24,7 @@ CONTEXT_LENS = [0, 2, 16, 512]  # + 1 new token each: seq lens 1, 3, 17, 513
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(CaseId):
     block_size: int = 16
     head_size: int = 64
     num_heads: int = 8
@@ -35,17 +35,6 @@ class Case:
     sliding_window: int | None = None
     soft_cap: float | None = None
     split_tokens: int | None = None  # None: the kernel's choice
-
-    def __str__(self):
-        base = Case()
-        return (
-            "-".join(
-                f"{f.name}={getattr(self, f.name)}"
-                for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(base, f.name)
-            )
-            or "base"
-        )
 
 
 CASES = [
@@ -71,21 +60,7 @@ CASES = [
 
 
 def _run(case: Case, rng: np.random.Generator):
-    fp8 = case.cache_dtype is not None and "float8" in case.cache_dtype
-    k_scale, v_scale = (0.37, 0.61) if fp8 else (1.0, 1.0)
-    w = make_workload(
-        rng,
-        [1] * len(CONTEXT_LENS),
-        CONTEXT_LENS,
-        num_heads=case.num_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_size=case.head_size,
-        block_size=case.block_size,
-        dtype=case.dtype,
-        cache_dtype=case.cache_dtype,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    w, k_scale, v_scale = workload(case, rng, [1] * len(CONTEXT_LENS), CONTEXT_LENS)
     kc, vc = jax_attn.write_kv(
         jnp.asarray(w.key_cache),
         jnp.asarray(w.value_cache),
@@ -101,9 +76,7 @@ def _run(case: Case, rng: np.random.Generator):
     query = jnp.asarray(np.concatenate([w.query, pad_q.astype(w.query.dtype)]))
     tables = np.concatenate([w.block_tables, np.zeros((2, w.block_tables.shape[1]), np.int32)])
     seq_lens = np.array([*w.seq_lens, 0, 0], np.int32)
-    slopes = jax_attn.alibi_slopes(case.num_heads) if case.alibi else None
-    bias = dict(sliding_window=case.sliding_window, logits_soft_cap=case.soft_cap)
-    expected = dense_reference(w, alibi_slopes=slopes, **bias)
+    slopes, bias, expected = bias_and_expected(case, w, has_causal=False)
     kwargs = dict(alibi_slopes=slopes, k_scale=k_scale, v_scale=v_scale, **bias)
     assert len(expected) == num_seqs
     return query, kc, vc, jnp.asarray(tables), jnp.asarray(seq_lens), kwargs, expected
@@ -123,13 +96,7 @@ def test_cpu_paged_decode_matches_float64(case: Case, rng):
         split_tokens=case.split_tokens,
         **kwargs,
     )
-    assert out.dtype == query.dtype and out.shape == query.shape
-    num_real = len(expected)
-    assert_close(out[:num_real], expected, case.dtype, case.cache_dtype)
-    np.testing.assert_array_equal(np.asarray(out[num_real:], np.float32), 0.0)
-    # The caches are inputs only (NaN poison included, compared bit for bit).
-    np.testing.assert_array_equal(np.asarray(kc).view(np.uint8), kc_before.view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(vc).view(np.uint8), vc_before.view(np.uint8))
+    assert_native_output(out, query, expected, case, (kc, vc), (kc_before, vc_before))
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_cases import (
+    CaseId,
+    assert_native_output,
+    bias_and_expected,
+    padded_ragged_inputs,
+    workload,
+)
 from tolerances import assert_close
 
 import jax_attn
 from jax_attn import cpu
-from interop.workload import dense_reference, make_workload
 
 REASON = cpu.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"native CPU kernels: {REASON}")
@@ -37,7 +43,7 @@ BATCHES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(CaseId):
     batch: str = "mixed"
     block_size: int = 16
     head_size: int = 64
@@ -49,17 +55,6 @@ class Case:
     alibi: bool = False
     sliding_window: int | None = None
     soft_cap: float | None = None
-
-    def __str__(self):
-        base = Case()
-        return (
-            "-".join(
-                f"{f.name}={getattr(self, f.name)}"
-                for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(base, f.name)
-            )
-            or "base"
-        )
 
 
 CASES = [
@@ -108,42 +103,11 @@ PAD_SEQS, PAD_TOKENS = 2, 5
 
 
 def _run(case: Case, rng: np.random.Generator):
-    q_lens, ctx_lens = BATCHES[case.batch]
-    fp8 = case.cache_dtype is not None and "float8" in case.cache_dtype
-    k_scale, v_scale = (0.37, 0.61) if fp8 else (1.0, 1.0)
-    w = make_workload(
-        rng,
-        q_lens,
-        ctx_lens,
-        num_heads=case.num_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_size=case.head_size,
-        block_size=case.block_size,
-        dtype=case.dtype,
-        cache_dtype=case.cache_dtype,
-        k_scale=k_scale,
-        v_scale=v_scale,
+    w, k_scale, v_scale = workload(case, rng, *BATCHES[case.batch])
+    md, query, kc, vc = padded_ragged_inputs(
+        case, w, k_scale, v_scale, pad_seqs=PAD_SEQS, pad_tokens=PAD_TOKENS
     )
-    num_tokens, num_seqs = len(w.slot_mapping), len(q_lens)
-    md = w.metadata(pad_to=(num_seqs + PAD_SEQS, num_tokens + PAD_TOKENS))
-    # Padding tokens carry NaN queries: their rows must come out as zeros anyway.
-    pad = np.full((PAD_TOKENS, case.num_heads, case.head_size), np.nan, np.float32)
-    pad = pad.astype(w.query.dtype)
-    query = jnp.asarray(np.concatenate([w.query, pad]))
-    kc, vc = jax_attn.write_kv(
-        jnp.asarray(w.key_cache),
-        jnp.asarray(w.value_cache),
-        jnp.asarray(np.concatenate([w.new_key, pad[:, : case.num_kv_heads]])),
-        jnp.asarray(np.concatenate([w.new_value, pad[:, : case.num_kv_heads]])),
-        md.slot_mapping,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    slopes = jax_attn.alibi_slopes(case.num_heads) if case.alibi else None
-    bias = dict(
-        causal=case.causal, sliding_window=case.sliding_window, logits_soft_cap=case.soft_cap
-    )
-    expected = dense_reference(w, alibi_slopes=slopes, **bias)
+    slopes, bias, expected = bias_and_expected(case, w)
     kwargs = dict(alibi_slopes=slopes, k_scale=k_scale, v_scale=v_scale, **bias)
     return md, query, kc, vc, kwargs, expected
 
@@ -167,13 +131,7 @@ def test_cpu_ragged_matches_float64(case: Case, rng):
     md, query, kc, vc, kwargs, expected = _run(case, rng)
     kc_before, vc_before = np.asarray(kc).copy(), np.asarray(vc).copy()
     out = _call(query, kc, vc, md, **kwargs)
-    assert out.dtype == query.dtype and out.shape == query.shape
-    num_real = len(expected)
-    assert_close(out[:num_real], expected, case.dtype, case.cache_dtype)
-    np.testing.assert_array_equal(np.asarray(out[num_real:], np.float32), 0.0)
-    # The caches are inputs only (NaN poison included, compared bit for bit).
-    np.testing.assert_array_equal(np.asarray(kc).view(np.uint8), kc_before.view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(vc).view(np.uint8), vc_before.view(np.uint8))
+    assert_native_output(out, query, expected, case, (kc, vc), (kc_before, vc_before))
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
+from paged_cases import LOWERING_GRID, CaseId, error_dtypes, nan_paged_cache
 from pallas_lowering import lower_for_cuda, lowers_for_cuda
 from tolerances import assert_close
 
@@ -28,7 +28,7 @@ INTERPRET = [True, False] if ON_GPU else [True]
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(CaseId):
     seq_lens: tuple[int, ...] = (1, 3, 17, 0, 40)
     block_size: int = 16
     head_size: int = 64
@@ -42,15 +42,6 @@ class Case:
     scales: tuple[float, float] = (1.0, 1.0)
     pages_per_compute_block: int | None = None
     num_kv_splits: int | None = None
-
-    def __str__(self):
-        base = Case()
-        parts = [
-            f"{f.name}={getattr(self, f.name)}"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(base, f.name)
-        ]
-        return "-".join(parts).replace(" ", "") or "base"
 
 
 # Every case is also valid natively: power-of-two tiles with >= 16 keys per loop step.
@@ -74,43 +65,14 @@ CASES = [
 ]
 
 
-def _stored(x: np.ndarray, dtype: str, scale: float) -> np.ndarray:
-    """`x` as a cache of `dtype` holds it: saturated `x / scale` (fp8) or `x / scale` rounded."""
-    info = ml_dtypes.finfo(dtype) if "float8" in dtype else None
-    y = x / scale
-    if info is not None:
-        y = np.clip(y, float(info.min), float(info.max))
-    return y.astype(jnp.dtype(dtype))
-
-
 def make_decode_batch(case: Case, rng: np.random.Generator):
     seq_lens = np.array(case.seq_lens, np.int32)
     num_seqs = len(seq_lens)
-    bs, hkv, d = case.block_size, case.num_kv_heads, case.head_size
-    max_blocks = max(1, -(-int(seq_lens.max()) // bs)) + 1  # one spare column of junk
-    num_blocks = num_seqs * max_blocks + 3
-    cache_dtype = case.cache_dtype or case.dtype
-    k_scale, v_scale = case.scales
-
-    # NaN everywhere, then only the live slots are written.
-    key_cache = np.full((num_blocks, bs, hkv, d), np.nan, np.float32).astype(jnp.dtype(cache_dtype))
-    value_cache = key_cache.copy()
-    perm = rng.permutation(num_blocks)
-    # Unused entries are junk ids in range (often blocks full of NaN or another sequence's).
-    tables = rng.integers(0, num_blocks, (num_seqs, max_blocks)).astype(np.int32)
-    keys, values = [], []
-    used = 0
-    for i, n in enumerate(seq_lens):
-        nb = -(-int(n) // bs)
-        tables[i, :nb] = perm[used : used + nb]
-        used += nb
-        k = _stored(rng.standard_normal((n, hkv, d)), cache_dtype, k_scale)
-        v = _stored(rng.standard_normal((n, hkv, d)), cache_dtype, v_scale)
-        for p in range(n):
-            key_cache[tables[i, p // bs], p % bs] = k[p]
-            value_cache[tables[i, p // bs], p % bs] = v[p]
-        keys.append(k.astype(np.float64) * k_scale)
-        values.append(v.astype(np.float64) * v_scale)
+    d = case.head_size
+    max_blocks = max(1, -(-int(seq_lens.max()) // case.block_size)) + 1  # a spare column of junk
+    key_cache, value_cache, tables, keys, values = nan_paged_cache(
+        case, rng, seq_lens, max_blocks=max_blocks, rows=num_seqs
+    )
     query = rng.standard_normal((num_seqs, case.num_heads, d)).astype(jnp.dtype(case.dtype))
     slopes = rng.uniform(0.05, 1.0, case.num_heads).astype(np.float32) if case.alibi else None
     return query, key_cache, value_cache, tables, seq_lens, keys, values, slopes
@@ -142,9 +104,18 @@ def decode_oracle(query, keys, values, seq_lens, *, scale, slopes, window, cap):
     return out
 
 
-def _error_dtypes(case: Case):
-    cache = case.cache_dtype or case.dtype
-    return (case.dtype, cache) if "float8" in cache else (case.dtype,)
+def case_decode_oracle(case: Case, query, keys, values, seq_lens, slopes):
+    """`decode_oracle` with the case's bias and the default scale."""
+    return decode_oracle(
+        query,
+        keys,
+        values,
+        seq_lens,
+        scale=case.head_size**-0.5,
+        slopes=slopes,
+        window=case.sliding_window,
+        cap=case.soft_cap,
+    )
 
 
 @pytest.mark.parametrize("interpret", INTERPRET, ids=lambda i: "interpret" if i else "native")
@@ -170,19 +141,10 @@ def test_decode_matches_oracle(case: Case, interpret: bool, rng):
         interpret=interpret,
     )
     ref = paged_decode_reference(*args, **kwargs)
-    expected = decode_oracle(
-        query,
-        keys,
-        values,
-        seq_lens,
-        scale=scale,
-        slopes=slopes,
-        window=case.sliding_window,
-        cap=case.soft_cap,
-    )
+    expected = case_decode_oracle(case, query, keys, values, seq_lens, slopes)
     assert out.dtype == query.dtype and out.shape == query.shape
-    assert_close(out, expected, *_error_dtypes(case), what=f"paged_decode {case}")
-    assert_close(ref, expected, *_error_dtypes(case), what=f"paged_decode_reference {case}")
+    assert_close(out, expected, *error_dtypes(case), what=f"paged_decode {case}")
+    assert_close(ref, expected, *error_dtypes(case), what=f"paged_decode_reference {case}")
 
 
 @pytest.mark.parametrize("interpret", INTERPRET, ids=lambda i: "interpret" if i else "native")
@@ -202,7 +164,7 @@ def test_decode_traced_scales(interpret: bool, rng):
     expected = decode_oracle(
         query, keys, values, seq_lens, scale=0.125, slopes=None, window=None, cap=None
     )
-    assert_close(out, expected, *_error_dtypes(case))
+    assert_close(out, expected, *error_dtypes(case))
 
 
 @pytest.mark.parametrize("num_kv_splits", [1, 2, 3, 8])
@@ -227,19 +189,7 @@ def test_decode_visits_only_window_blocks(num_kv_splits):
             assert visited == expected, f"{seq_len=} {window=}"
 
 
-LOWERING = [
-    ("bfloat16", "bfloat16", 128, 16, 4, False),
-    ("float32", "float32", 64, 8, 1, True),
-    ("bfloat16", "float8_e4m3fn", 256, 32, 8, True),
-    ("float16", "float8_e5m2", 128, 16, 2, False),
-]
-
-
-@pytest.mark.parametrize(
-    ("dtype", "cache_dtype", "head_size", "block_size", "group", "features"),
-    LOWERING,
-    ids=["-".join(map(str, c)) for c in LOWERING],
-)
+@LOWERING_GRID
 def test_decode_lowers_for_gpu(dtype, cache_dtype, head_size, block_size, group, features):
     """The native kernel lowers to Triton IR (checked without a GPU; not compiled to PTX)."""
     if not lowers_for_cuda():

@@ -13,9 +13,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
+from paged_cases import LOWERING_GRID, CaseId, error_dtypes, nan_paged_cache
 from pallas_lowering import lower_for_cuda, lowers_for_cuda
 from tolerances import assert_close
 
@@ -39,7 +39,7 @@ NUM_PAD_TOKENS = 3  # query tokens past query_start_loc[num_seqs], filled with N
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(CaseId):
     batch: str = "mixed"
     block_size: int = 16
     head_size: int = 64
@@ -54,15 +54,6 @@ class Case:
     scales: tuple[float, float] = (1.0, 1.0)
     block_q: int | None = None
     pages_per_compute_block: int | None = None
-
-    def __str__(self):
-        base = Case()
-        parts = [
-            f"{f.name}={getattr(self, f.name)}"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(base, f.name)
-        ]
-        return "-".join(parts).replace(" ", "") or "base"
 
 
 # Interpret mode compiles each case for seconds: the grid combines features rather than
@@ -94,44 +85,15 @@ CASES = [
 ]
 
 
-def _stored(x: np.ndarray, dtype: str, scale: float) -> np.ndarray:
-    """`x` as a cache of `dtype` holds it: saturated `x / scale` (fp8) or `x / scale` rounded."""
-    y = x / scale
-    if "float8" in dtype:
-        info = ml_dtypes.finfo(dtype)
-        y = np.clip(y, float(info.min), float(info.max))
-    return y.astype(jnp.dtype(dtype))
-
-
 def make_ragged_batch(case: Case, rng: np.random.Generator):
     q_lens, ctx_lens = BATCHES[case.batch]
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
     num_seqs = len(q_lens)
-    bs, hkv, d = case.block_size, case.num_kv_heads, case.head_size
-    max_blocks = -(-max(seq_lens) // bs) + 1  # one spare column of junk
-    num_blocks = num_seqs * max_blocks + 3
-    cache_dtype = case.cache_dtype or case.dtype
-    k_scale, v_scale = case.scales
-
-    key_cache = np.full((num_blocks, bs, hkv, d), np.nan, np.float32)
-    key_cache = key_cache.astype(jnp.dtype(cache_dtype))
-    value_cache = key_cache.copy()
-    perm = rng.permutation(num_blocks)
-    rows = num_seqs + NUM_PAD_SEQS
-    tables = rng.integers(0, num_blocks, (rows, max_blocks)).astype(np.int32)
-    keys, values = [], []
-    used = 0
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // bs)
-        tables[i, :nb] = perm[used : used + nb]
-        used += nb
-        k = _stored(rng.standard_normal((n, hkv, d)), cache_dtype, k_scale)
-        v = _stored(rng.standard_normal((n, hkv, d)), cache_dtype, v_scale)
-        for p in range(n):
-            key_cache[tables[i, p // bs], p % bs] = k[p]
-            value_cache[tables[i, p // bs], p % bs] = v[p]
-        keys.append(k.astype(np.float64) * k_scale)
-        values.append(v.astype(np.float64) * v_scale)
+    d = case.head_size
+    max_blocks = -(-max(seq_lens) // case.block_size) + 1  # one spare column of junk
+    key_cache, value_cache, tables, keys, values = nan_paged_cache(
+        case, rng, seq_lens, max_blocks=max_blocks, rows=num_seqs + NUM_PAD_SEQS
+    )
 
     num_real = sum(q_lens)
     num_tokens = num_real + NUM_PAD_TOKENS
@@ -179,9 +141,19 @@ def ragged_oracle(query, keys, values, q_lens, *, scale, causal, slopes, window,
     return out
 
 
-def _error_dtypes(case: Case):
-    cache = case.cache_dtype or case.dtype
-    return (case.dtype, cache) if "float8" in cache else (case.dtype,)
+def case_ragged_oracle(case: Case, query, keys, values, q_lens, slopes):
+    """`ragged_oracle` with the case's mask and bias and the default scale."""
+    return ragged_oracle(
+        query,
+        keys,
+        values,
+        q_lens,
+        scale=case.head_size**-0.5,
+        causal=case.causal,
+        slopes=slopes,
+        window=case.sliding_window,
+        cap=case.soft_cap,
+    )
 
 
 def _run(case: Case, rng, interpret: bool):
@@ -205,17 +177,7 @@ def _run(case: Case, rng, interpret: bool):
         interpret=interpret,
     )
     ref = ragged_paged_attention_reference(*args, **kwargs)
-    expected = ragged_oracle(
-        query,
-        keys,
-        values,
-        q_lens,
-        scale=scale,
-        causal=case.causal,
-        slopes=slopes,
-        window=case.sliding_window,
-        cap=case.soft_cap,
-    )
+    expected = case_ragged_oracle(case, query, keys, values, q_lens, slopes)
     return out, ref, expected, query
 
 
@@ -224,8 +186,8 @@ def _run(case: Case, rng, interpret: bool):
 def test_ragged_matches_oracle(case: Case, interpret: bool, rng):
     out, ref, expected, query = _run(case, rng, interpret)
     assert out.dtype == query.dtype and out.shape == query.shape
-    assert_close(out, expected, *_error_dtypes(case), what=f"ragged_paged_attention {case}")
-    assert_close(ref, expected, *_error_dtypes(case), what=f"reference {case}")
+    assert_close(out, expected, *error_dtypes(case), what=f"ragged_paged_attention {case}")
+    assert_close(ref, expected, *error_dtypes(case), what=f"reference {case}")
     # Padding tokens give exact zeros.
     assert not np.any(np.asarray(out[-NUM_PAD_TOKENS:], dtype=np.float32))
 
@@ -270,19 +232,7 @@ def test_ragged_visits_only_visible_blocks(causal):
             assert list(range(int(lo), int(hi))) == expected, f"{seq_len=} {first_pos=} {window=}"
 
 
-LOWERING = [
-    ("bfloat16", "bfloat16", 128, 16, 4, False),
-    ("float32", "float32", 64, 8, 1, True),
-    ("bfloat16", "float8_e4m3fn", 256, 32, 8, True),
-    ("float16", "float8_e5m2", 128, 16, 2, False),
-]
-
-
-@pytest.mark.parametrize(
-    ("dtype", "cache_dtype", "head_size", "block_size", "group", "features"),
-    LOWERING,
-    ids=["-".join(map(str, c)) for c in LOWERING],
-)
+@LOWERING_GRID
 def test_ragged_lowers_for_gpu(dtype, cache_dtype, head_size, block_size, group, features):
     """The native kernel lowers to Triton IR (checked without a GPU; not compiled to PTX)."""
     if not lowers_for_cuda():

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_pallas_decode import Case as DecodeCase
-from test_pallas_decode import decode_oracle, make_decode_batch
+from test_pallas_decode import case_decode_oracle, decode_oracle, make_decode_batch
 from test_pallas_ragged import Case as RaggedCase
-from test_pallas_ragged import make_ragged_batch, ragged_oracle
+from test_pallas_ragged import case_ragged_oracle, make_ragged_batch
 from tolerances import assert_close
 
 from jax_attn.checks import MIN_DOT
@@ -84,16 +84,7 @@ def test_decode_sub_page_steps(case, rng):
     )
     args = [jnp.asarray(x) for x in (query, kc, vc, tables, seq_lens)]
     out = paged_decode(*args, **kwargs, interpret=True)
-    expected = decode_oracle(
-        query,
-        keys,
-        values,
-        seq_lens,
-        scale=scale,
-        slopes=slopes,
-        window=case.sliding_window,
-        cap=case.soft_cap,
-    )
+    expected = case_decode_oracle(case, query, keys, values, seq_lens, slopes)
     assert_close(out, expected, case.dtype, what=f"paged_decode {case}")
 
 
@@ -121,17 +112,7 @@ def test_ragged_sub_page_steps(case, rng):
     )
     args = [jnp.asarray(x) for x in (query, kc, vc, *meta)]
     out = ragged_paged_attention(*args, **kwargs, interpret=True)
-    expected = ragged_oracle(
-        query,
-        keys,
-        values,
-        q_lens,
-        scale=scale,
-        causal=case.causal,
-        slopes=slopes,
-        window=case.sliding_window,
-        cap=case.soft_cap,
-    )
+    expected = case_ragged_oracle(case, query, keys, values, q_lens, slopes)
     assert_close(out, expected, case.dtype, what=f"ragged_paged_attention {case}")
 
 
