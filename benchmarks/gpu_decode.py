@@ -65,7 +65,6 @@ import functools
 import gc
 import importlib
 import importlib.util
-import json
 import os
 import time
 import warnings
@@ -866,14 +865,7 @@ def render(console, record: dict) -> None:
         "moved (K/V read once + queries + outputs) / median. Times are per call, from samples "
         "of back-to-back calls ending in one device sync."
     )
-    for peer, reason in record["unavailable"].items():
-        console.print(f"[yellow]not run[/]: {peer}: {reason}")
-    marks = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]not measured[/]"}
-    for target in record["targets"]:
-        console.print(
-            f"target {target['target']}: {fmt(target['value'], '.3f', '-')} "
-            f"(goal {target['goal']}) {marks[target['met']]}"
-        )
+    cpu_bench.print_unavailable_and_targets(console, record, ".3f")
 
 
 def run(args: argparse.Namespace, peers: list[Peer] | None = None) -> int:
@@ -889,26 +881,12 @@ def run(args: argparse.Namespace, peers: list[Peer] | None = None) -> int:
     if not on_gpu:
         console.print("[yellow]no GPU: smoke mode (tiny sizes, Pallas in interpret mode)")
     specs = named_workloads(smoke)
-    wanted = getattr(args, "workloads", None)
-    if wanted:
-        names = [n.strip() for n in wanted.split(",") if n.strip()]
-        unknown = [n for n in names if n not in specs]
-        if unknown:
-            console.print(f"[red]unknown workloads {unknown}; known: {sorted(specs)}")
-            return 2
-        specs = {n: specs[n] for n in names}
-    reps_arg = getattr(args, "reps", None)
-    if reps_arg is not None and reps_arg < 1:
-        console.print(f"[red]--reps={reps_arg} must be >= 1")
+    specs = cpu_bench.select_workloads(args, specs, console)
+    if specs is None:
         return 2
+    reps_arg = getattr(args, "reps", None)
 
-    runnable, unavailable = [], {}
-    for peer in PEERS if peers is None else peers:
-        reason = peer.why_unavailable()
-        if reason is None:
-            runnable.append(peer)
-        else:
-            unavailable[peer.name] = reason
+    runnable, unavailable = cpu_bench.available_peers(PEERS if peers is None else peers)
     record = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         smoke=smoke,
@@ -926,25 +904,12 @@ def run(args: argparse.Namespace, peers: list[Peer] | None = None) -> int:
         reps = reps_arg or spec.reps
         budget = None if reps_arg or smoke else WORKLOAD_BUDGET_S
         result = run_workload(spec, runnable, copy, reps, budget, smoke, rng, console)
-        for name, reason in unavailable.items():
-            result["backends"][name] = dict(status="unavailable", note=reason)
+        cpu_bench.mark_unavailable(result, unavailable)
         record["workloads"][spec.name] = result
     del copy
     record["targets"] = [] if smoke else check_targets(record["workloads"])
     render(console, record)
-    if getattr(args, "json", None):
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-        console.print(f"wrote {args.json}")
-    failures = [
-        f"{w}/{p}: {row['note'] or 'output disagrees with xla'}"
-        for w, result in record["workloads"].items()
-        for p, row in result["backends"].items()
-        if row["status"] == "error" or row.get("agrees") is False
-    ]
-    for failure in failures:
-        console.print(f"[red]FAIL[/] {failure}")
-    return 1 if failures else 0
+    return cpu_bench.write_and_judge(console, record, args, baseline="xla")
 
 
 def main(argv: list[str] | None = None) -> int:

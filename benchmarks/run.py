@@ -395,6 +395,72 @@ def _fmt(value, spec: str, missing: str = "") -> str:
     return missing if value is None else format(value, spec)
 
 
+def select_workloads(args: argparse.Namespace, specs: dict, console) -> dict | None:
+    """The specs `--workloads a,b` names (all without it); None, after saying why on `console`,
+    for an unknown name or a `--reps` below 1."""
+    wanted = getattr(args, "workloads", None)
+    if wanted:
+        names = [n.strip() for n in wanted.split(",") if n.strip()]
+        unknown = [n for n in names if n not in specs]
+        if unknown:
+            console.print(f"[red]unknown workloads {unknown}; known: {sorted(specs)}")
+            return None
+        specs = {n: specs[n] for n in names}
+    reps_arg = getattr(args, "reps", None)
+    if reps_arg is not None and reps_arg < 1:
+        console.print(f"[red]--reps={reps_arg} must be >= 1")
+        return None
+    return specs
+
+
+def available_peers(peers) -> tuple[list, dict[str, str]]:
+    """(the peers that run here, {name: why not} for the others)."""
+    runnable, unavailable = [], {}
+    for peer in peers:
+        reason = peer.why_unavailable()
+        if reason is None:
+            runnable.append(peer)
+        else:
+            unavailable[peer.name] = reason
+    return runnable, unavailable
+
+
+def mark_unavailable(result: dict, unavailable: dict[str, str]) -> None:
+    """A workload's rows for the peers that do not run here, with the reason as the note."""
+    for name, reason in unavailable.items():
+        result["backends"][name] = dict(status="unavailable", note=reason)
+
+
+def write_and_judge(console, record: dict, args: argparse.Namespace, *, baseline: str) -> int:
+    """Write the record to `--json` if asked; print each failed or disagreeing row (against
+    `baseline`): the exit status, 1 if any."""
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+        console.print(f"wrote {args.json}")
+    failures = [
+        f"{w}/{p}: {row['note'] or f'output disagrees with {baseline}'}"
+        for w, result in record["workloads"].items()
+        for p, row in result["backends"].items()
+        if row["status"] == "error" or row.get("agrees") is False
+    ]
+    for failure in failures:
+        console.print(f"[red]FAIL[/] {failure}")
+    return 1 if failures else 0
+
+
+def print_unavailable_and_targets(console, record: dict, spec: str) -> None:
+    """The peers that did not run and why, then each target's value (`spec`) against its goal."""
+    for peer, reason in record["unavailable"].items():
+        console.print(f"[yellow]not run[/]: {peer}: {reason}")
+    marks = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]not measured[/]"}
+    for target in record["targets"]:
+        console.print(
+            f"target {target['target']}: {_fmt(target['value'], spec, '-')} "
+            f"(goal {target['goal']}) {marks[target['met']]}"
+        )
+
+
 def results_table(title: str, columns: list[str]):
     """A rich table for bench results: names and notes left-aligned, numbers right-aligned."""
     from rich.table import Table
@@ -460,15 +526,7 @@ def render(console, record: dict) -> None:
         "of copy / of read: GB/s as a fraction of the copy floor's / the read floor's (a jitted "
         "sum over the whole K/V cache, the lower bound for decode)."
     )
-    for peer, reason in record["unavailable"].items():
-        console.print(f"[yellow]not run[/]: {peer}: {reason}")
-    for target in record["targets"]:
-        value = target["value"]
-        mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]not measured[/]"}
-        console.print(
-            f"target {target['target']}: {_fmt(value, '.2f', '-')} (goal {target['goal']}) "
-            f"{mark[target['met']]}"
-        )
+    print_unavailable_and_targets(console, record, ".2f")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -480,26 +538,12 @@ def main(args: argparse.Namespace) -> int:
         console = Console(width=max(console.width, 150))
     quick = bool(getattr(args, "quick", False))
     specs = named_workloads(quick)
-    wanted = getattr(args, "workloads", None)
-    if wanted:
-        names = [n.strip() for n in wanted.split(",") if n.strip()]
-        unknown = [n for n in names if n not in specs]
-        if unknown:
-            console.print(f"[red]unknown workloads {unknown}; known: {sorted(specs)}")
-            return 2
-        specs = {n: specs[n] for n in names}
-    reps_arg = getattr(args, "reps", None)
-    if reps_arg is not None and reps_arg < 1:
-        console.print(f"[red]--reps={reps_arg} must be >= 1")
+    specs = select_workloads(args, specs, console)
+    if specs is None:
         return 2
+    reps_arg = getattr(args, "reps", None)
 
-    peers, unavailable = [], {}
-    for peer in PEERS:
-        reason = peer.why_unavailable()
-        if reason is None:
-            peers.append(peer)
-        else:
-            unavailable[peer.name] = reason
+    peers, unavailable = available_peers(PEERS)
 
     record = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -521,8 +565,7 @@ def main(args: argparse.Namespace) -> int:
             reps = reps_arg or spec.reps
             budget = None if reps_arg or quick else WORKLOAD_BUDGET_S
             result = run_workload(spec, peers, copier, reps, budget, rng, progress)
-            for name, reason in unavailable.items():
-                result["backends"][name] = dict(status="unavailable", note=reason)
+            mark_unavailable(result, unavailable)
             record["workloads"][spec.name] = result
         copier.close()
     record["targets"] = [] if quick else check_targets(record["workloads"])
@@ -530,16 +573,4 @@ def main(args: argparse.Namespace) -> int:
         max_flops=backends.REFERENCE_MAX_FLOPS, max_bytes=backends.REFERENCE_MAX_BYTES
     )
     render(console, record)
-    if getattr(args, "json", None):
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-        console.print(f"wrote {args.json}")
-    failures = [
-        f"{w}/{p}: {row['note'] or 'output disagrees with jax-xla'}"
-        for w, result in record["workloads"].items()
-        for p, row in result["backends"].items()
-        if row["status"] == "error" or row.get("agrees") is False
-    ]
-    for failure in failures:
-        console.print(f"[red]FAIL[/] {failure}")
-    return 1 if failures else 0
+    return write_and_judge(console, record, args, baseline="jax-xla")
