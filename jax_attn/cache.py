@@ -77,12 +77,14 @@ def write_kv(
         _check_write_shapes(key_cache, value_cache, key, value, slot_mapping)
         check_scale(k_scale, "k_scale")
         check_scale(v_scale, "v_scale")
-        checking.run_checks(
+        ok = checking.run_checks(
             _write_rules,
             dict(slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale),
             check,
             num_slots=key_cache.shape[0] * key_cache.shape[1],
         )
+        if ok is not None:  # inside `checked`: a refused step writes nothing
+            slot_mapping = jnp.where(ok, slot_mapping, -1)
     return _write_kv(
         key_cache, value_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale
     )
@@ -144,9 +146,11 @@ def copy_blocks(
         check_cache_pair(key_cache, value_cache)
         src_to_dst = _pairs(src_to_dst)
         n = key_cache.shape[0]
-        checking.run_checks(
+        ok = checking.run_checks(
             checking.pair_rules, dict(src_to_dst=src_to_dst), check, num_src=n, num_dst=n
         )
+        if ok is not None:  # inside `checked`: a refused copy copies nothing
+            src_to_dst = jnp.where(ok, src_to_dst, -1)
     return _copy_blocks(key_cache, value_cache, src_to_dst)
 
 

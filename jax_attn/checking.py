@@ -82,16 +82,18 @@ def run_checks(
     concrete (and checks are on), through checkify when traced inside `checked`, else not.
 
     `values` holds the arrays the rules read (pulled to the host eagerly); `static` holds
-    Python ints (sizes) and names.
+    Python ints (sizes) and names. Returns, inside `checked`, a traced bool that is true when
+    every rule holds (entries that write use it to write nothing on a refused step); else None.
     """
     if not wanted(check):
-        return
+        return None
     if is_concrete(values):
         host = jax.tree_util.tree_map(_host, values)
         enforce(rules(np, **host, **static))
     elif _checkify_active():
         traced = jax.tree_util.tree_map(jnp.asarray, values)
-        enforce_checkify(rules(jnp, **traced, **static))
+        return enforce_checkify(rules(jnp, **traced, **static))
+    return None
 
 
 def _host(x):
@@ -121,12 +123,16 @@ def _scalar(a):
     return a
 
 
-def enforce_checkify(violations: Iterator[Violation]) -> None:
+def enforce_checkify(violations: Iterator[Violation]):
+    """`checkify.check` each rule; returns a traced bool, true when all of them hold."""
     from jax.experimental import checkify
 
+    ok = jnp.asarray(True)
     for bad, template, args in violations:
         # checkify formats `args` with str.format too; ints and floats print as eagerly.
         checkify.check(jnp.logical_not(bad), template, *[_traced_scalar(a) for a in args])
+        ok = ok & jnp.logical_not(bad)
+    return ok
 
 
 def _traced_scalar(a):
@@ -146,8 +152,10 @@ def checked(fn=None, **jit_kwargs):
     `jit_kwargs` go to `jax.jit` (static_argnames, donate_argnums...). Pass the plain
     function, not one already jitted: `checked` traces it itself, with the checks inserted
     by the entries (`paged_attention`, `paged_decode`, `write_kv`, `copy_blocks`,
-    `swap_blocks`, `varlen_attention`) it calls. Raises `jax.experimental.checkify`'s
-    `JaxRuntimeError` (a `ValueError` where the values were concrete while tracing).
+    `varlen_attention`) it calls. Raises `jax.experimental.checkify`'s `JaxRuntimeError`
+    (a `ValueError` where the values were concrete while tracing); the error's `outputs`
+    holds what `fn` returned. A refused `write_kv` / `copy_blocks` writes nothing, so the
+    caches in `outputs` equal the inputs even when those were donated.
     """
     if fn is None:
         return functools.partial(checked, **jit_kwargs)
@@ -163,7 +171,11 @@ def checked(fn=None, **jit_kwargs):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         err, out = jitted(*args, **kwargs)
-        err.throw()
+        try:
+            err.throw()
+        except checkify.JaxRuntimeError as e:
+            e.outputs = out
+            raise
         return out
 
     run.checkified = jitted  # (error, out) without raising, for callers that batch errors
