@@ -1,7 +1,13 @@
 """The one tolerance table, keyed by dtype name, for every comparison with the float64 oracle.
 
-`atol`/`rtol` apply to outputs whose inputs are O(1) random normals. The dtype is the lowest
-precision that touches the data: the cache dtype for fp8 caches, else the query dtype.
+`atol`/`rtol` apply to outputs whose inputs are O(1) random normals; a comparison takes the
+loosest row among the dtypes that touch the data (query and cache).
+
+The fp8 rows are float32's: the oracle reads the K/V exactly as an fp8 cache stores them
+(`workload.round_to`: x / scale in float32, saturated, cast), so what it does not model is the
+float32 arithmetic of the attention itself, and the query dtype's rounding (its own row). A
+backend that attends over the new tokens' unrounded K/V, or rounds them another way, is off
+by an fp8 step (~6% for e4m3, ~12% for e5m2) and fails (tests/jax/test_reliability_fp8.py).
 
 Used by the tests (`tests/tolerances.py` re-exports it), the cross-check harness
 (`jax-attn check`) and the bench's output check. Imports nothing but NumPy, lazily, so it
@@ -14,8 +20,8 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "float32": (2e-5, 2e-5),
     "float16": (2e-3, 2e-3),
     "bfloat16": (1.6e-2, 1.6e-2),
-    "float8_e4m3fn": (1.25e-1, 1.25e-1),
-    "float8_e5m2": (2.5e-1, 2.5e-1),
+    "float8_e4m3fn": (2e-5, 2e-5),  # what the oracle does not model: see above
+    "float8_e5m2": (2e-5, 2e-5),
 }
 
 
