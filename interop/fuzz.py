@@ -122,7 +122,17 @@ def examples(backend: str):
             head_sizes = [32, 64, 80, 128]  # vLLM's supported sizes
         dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
         fp8 = attn_type is AttentionType.DECODER and draw(st.booleans())
+        if backend == "IPEX" and dtype == "float16":
+            # Known (found by this fuzzer, kept as an xfail in tests/fuzz): IPEX's kernel
+            # refuses a float16 query over an fp8 cache with a bare RuntimeError.
+            fp8 = False
         cache_dtype = draw(st.sampled_from(["float8_e4m3fn", "float8_e5m2"])) if fp8 else None
+        sliding_window = draw(st.none() | st.integers(1, max_len))
+        logits_soft_cap = draw(st.none() | st.sampled_from([5.0, 30.0]))
+        if backend == "IPEX" and sliding_window is not None:
+            # Known (kept as an xfail in tests/fuzz): IPEX's decode kernel refuses a window
+            # together with a soft cap with a bare RuntimeError.
+            logits_soft_cap = None
         spec = Spec(
             name="fuzz",
             query_lens=tuple(query_lens),
@@ -134,8 +144,8 @@ def examples(backend: str):
             dtype=dtype,
             cache_dtype=cache_dtype,
             alibi=draw(st.booleans()),
-            sliding_window=draw(st.none() | st.integers(1, max_len)),
-            logits_soft_cap=draw(st.none() | st.sampled_from([5.0, 30.0])),
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
             attn_type=attn_type,
             scale=draw(st.none() | st.sampled_from([0.05, 0.3])),
         )

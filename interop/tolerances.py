@@ -3,15 +3,13 @@
 `atol`/`rtol` apply to outputs whose inputs are O(1) random normals; a comparison takes the
 loosest row among the dtypes that touch the data (query and cache).
 
-The fp8 rows are float32's: the oracle reads the K/V exactly as an fp8 cache stores them
-(`workload.round_to`: x / scale in float32, saturated, cast), so what it does not model is the
-float32 arithmetic of the attention itself, and the query dtype's rounding (its own row). A
-backend that attends over the new tokens' unrounded K/V, or rounds them another way, is off
-by an fp8 step (~6% for e4m3, ~12% for e5m2) and fails (tests/jax/test_reliability_fp8.py).
-
-Used by the tests (`tests/tolerances.py` re-exports it), the cross-check harness
-(`jax-attn check`) and the bench's output check. Imports nothing but NumPy, lazily, so it
-works in an environment with only half of the dependencies.
+The fp8 rows cover only what the oracle does not model. The oracle reads the K/V exactly as an
+fp8 cache stores them (`workload.round_to`: x / scale in float32, saturated, cast), so what is
+left is the dequantized K/V rounded into a 16-bit compute dtype (float16: 2^-11 relative, seen
+at 2.4e-3 on TORCH_SDPA's float16 path) and the attention's own arithmetic. A backend that
+attends over the new tokens' unrounded K/V is off by an fp8 step (measured 0.12-0.14 for
+e4m3, 0.20-0.32 for e5m2, which the old rows 0.125 / 0.25 let through) and now fails
+(tests/jax/test_reliability_fp8.py).
 """
 
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -20,8 +18,8 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "float32": (2e-5, 2e-5),
     "float16": (2e-3, 2e-3),
     "bfloat16": (1.6e-2, 1.6e-2),
-    "float8_e4m3fn": (2e-5, 2e-5),  # what the oracle does not model: see above
-    "float8_e5m2": (2e-5, 2e-5),
+    "float8_e4m3fn": (4e-3, 4e-3),  # what the oracle does not model: see above
+    "float8_e5m2": (4e-3, 4e-3),
 }
 
 

@@ -2,8 +2,6 @@
 reads K/V rounded as the cache stores them, so a backend that attends over the new tokens'
 unrounded K/V must fail, and one that rounds them as the cache does must pass."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 from tolerances import TOLERANCES, assert_close
@@ -43,9 +41,10 @@ def test_unrounded_attend_fails(cache_dtype, rng):
     out = _unrounded_attend(problem)
     with pytest.raises(AssertionError):
         assert_close(out, problem.expected, "float32", cache_dtype)
-    # ... which the old rows, keyed to the cache dtype's own precision, let through.
-    atol, rtol = OLD_FP8_ROWS[cache_dtype]
-    np.testing.assert_allclose(out, problem.expected, atol=atol, rtol=rtol)
+    # An fp8 step off (measured 0.12-0.14 for e4m3, 0.20-0.32 for e5m2): the size the old
+    # rows, keyed to the cache dtype's own precision, were made to let through.
+    error = np.max(np.abs(out - problem.expected))
+    assert TOLERANCES[cache_dtype][0] * 10 < error < 2 * OLD_FP8_ROWS[cache_dtype][0]
 
 
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
@@ -76,5 +75,3 @@ def test_rounded_attend_passes(cache_dtype, rng):
         v_scale=w.v_scale,
     )
     assert_close(out, problem.expected, "float32", cache_dtype)
-    assert TOLERANCES[cache_dtype] <= TOLERANCES["float32"]
-    assert dataclasses.is_dataclass(problem.spec)
