@@ -166,3 +166,23 @@ def test_fuzz_sdpa_float16_over_fp8():
     )
     cell = fuzz.check_example("TORCH_SDPA", fuzz.Example(spec=spec, seed=0))
     assert cell.ok, cell
+
+
+def test_fuzz_xformers_bfloat16_over_fp8():
+    """XFORMERS: bfloat16 queries over an e4m3 cache, 1.9e-2 off (bfloat16's row is 1.6e-2):
+    the dequantized K/V rounded into bfloat16, inside the fp8 rule (the query row doubled)."""
+    _available("XFORMERS")
+    spec = fuzz.Spec(
+        name="fuzz",
+        query_lens=(1, 54, 1),
+        context_lens=(4, 0, 1),
+        num_heads=7,
+        num_kv_heads=1,
+        head_size=128,
+        block_size=8,
+        dtype="bfloat16",
+        cache_dtype="float8_e4m3fn",
+        scale=0.3,
+    )
+    cell = fuzz.check_example("XFORMERS", fuzz.Example(spec=spec, seed=0))
+    assert cell.ok, cell
