@@ -14,12 +14,14 @@
 on where the arrays live (`_resolves_impl`).
 """
 
+import dataclasses
 import functools
 import importlib
 import sys
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jax_attn import checking, checks
@@ -142,8 +144,10 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
     before the jitted body, which takes it (and `interpret`) as static arguments. The value
     checks (`check_values(query, key_cache, *args, check=..., **kwargs)`, see
     `jax_attn.checking`) run here too, un-jitted: eagerly on concrete values, through checkify
-    inside `checked`, not at all in a plain `jit` (whose callers pay nothing). The entry keeps
-    the body's signature and docstring; `__wrapped__` is the body, not jitted.
+    inside `checked`, not at all in a plain `jit` (whose callers pay nothing). They return the
+    arguments for the body: inside `checked`, a refused step's metadata is emptied (no
+    sequence, no key), so no kernel reads out of range or fails before checkify reports. The
+    entry keeps the body's signature and docstring; `__wrapped__` is the body, not jitted.
     """
 
     def decorate(body):
@@ -151,7 +155,7 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
 
         @functools.wraps(body)
         def entry(query, key_cache, *args, impl="auto", interpret=None, check=None, **kwargs):
-            check_values(query, key_cache, *args, check=check, **kwargs)
+            args, kwargs = check_values(query, key_cache, *args, check=check, **kwargs)
             impl, interpret = _resolve(impl, interpret, query, key_cache)
             return jitted(query, key_cache, *args, impl=impl, interpret=interpret, **kwargs)
 
@@ -161,16 +165,17 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
 
 
 def _check_paged_attention(
-    query, key_cache, value_cache, metadata, *, check=None, k_scale=1.0, v_scale=1.0, **_
+    query, key_cache, value_cache, metadata, *, check=None, k_scale=1.0, v_scale=1.0, **rest
 ):
+    args, kwargs = (value_cache, metadata), dict(k_scale=k_scale, v_scale=v_scale, **rest)
     if not checking.wanted(check):
-        return
+        return args, kwargs
     # Shapes first (they raise at trace time anyway), so the value rules read sound arrays.
     checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_tokens")
     checks.check_metadata(metadata, query.shape[0])
     checks.check_scale(k_scale, "k_scale")
     checks.check_scale(v_scale, "v_scale")
-    checking.run_checks(
+    ok = checking.run_checks(
         _paged_rules,
         dict(**metadata_values(metadata), k_scale=k_scale, v_scale=v_scale),
         check,
@@ -178,6 +183,27 @@ def _check_paged_attention(
         num_blocks=key_cache.shape[0],
         block_size=key_cache.shape[1],
     )
+    if ok is None:
+        return args, kwargs
+    md = metadata
+    refused = dataclasses.replace(
+        md,
+        query_start_loc=jnp.where(ok, md.query_start_loc, 0).astype(md.query_start_loc.dtype),
+        seq_lens=jnp.where(ok, md.seq_lens, 0).astype(md.seq_lens.dtype),
+        block_tables=jnp.where(ok, md.block_tables, 0).astype(md.block_tables.dtype),
+        slot_mapping=jnp.where(ok, md.slot_mapping, -1).astype(md.slot_mapping.dtype),
+        num_seqs=jnp.where(ok, md.num_seqs, 0).astype(md.num_seqs.dtype),
+    )
+    kwargs.update(_safe_scales(ok, k_scale, v_scale))
+    return (value_cache, refused), kwargs
+
+
+def _safe_scales(ok, k_scale, v_scale) -> dict:
+    """Inside `checked`: scales as traced f32 scalars, 1.0 where the step was refused."""
+    return {
+        name: jnp.where(ok, checks.scale_array(s, name), jnp.float32(1.0))
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale))
+    }
 
 
 def _paged_rules(xp, *, k_scale, v_scale, **ragged):
@@ -195,21 +221,28 @@ def _check_paged_decode(
     check=None,
     k_scale=1.0,
     v_scale=1.0,
-    **_,
+    **rest,
 ):
+    args = (value_cache, block_tables, seq_lens)
+    kwargs = dict(k_scale=k_scale, v_scale=v_scale, **rest)
     if not checking.wanted(check):
-        return
+        return args, kwargs
     checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_seqs")
     checks.check_decode_arrays(block_tables, seq_lens, query.shape[0])
     checks.check_scale(k_scale, "k_scale")
     checks.check_scale(v_scale, "v_scale")
-    checking.run_checks(
+    ok = checking.run_checks(
         _decode_rules,
         dict(block_tables=block_tables, seq_lens=seq_lens, k_scale=k_scale, v_scale=v_scale),
         check,
         num_blocks=key_cache.shape[0],
         block_size=key_cache.shape[1],
     )
+    if ok is None:
+        return args, kwargs
+    kwargs.update(_safe_scales(ok, k_scale, v_scale))
+    tables = jnp.where(ok, block_tables, 0).astype(block_tables.dtype)
+    return (value_cache, tables, jnp.where(ok, seq_lens, 0).astype(seq_lens.dtype)), kwargs
 
 
 def _decode_rules(xp, *, k_scale, v_scale, **tables):
