@@ -361,10 +361,11 @@ here: strict xfails |
 The IPEX findings: a float16 query over an fp8_e5m2 cache and a sliding window with a soft
 cap raise IPEX's bare RuntimeError; the prefill and the cross attention ignore the sliding
 window (1.18 and 1.66 off); a bfloat16 encoder batch is 3.0e-2 off (bfloat16 logits). IPEX's
-strategy leaves the first four out until they are fixed. Also found by the fuzzer and \
-fixed: the torch cross-check runner gave the builder one decoder block for a \
-cross-attention query longer than a block. Found while testing the checks and fixed: inside `checked`, the native CPU kernel's
-own INVALID_ARGUMENT preempted checkify's message (a refused step's metadata is now emptied).
+strategy leaves the first four out until they are fixed. Also found by the fuzzer and
+fixed: the torch cross-check runner gave the builder one decoder block for a cross-attention
+query longer than a block. Found while testing the checks and fixed: inside `checked`, the
+native CPU kernel's own INVALID_ARGUMENT preempted checkify's message (a refused step's
+metadata is now emptied).
 
 Determinism (tests/jax/test_reliability_determinism.py): xla, reference, pallas (interpret)
 and cpu give bit-identical outputs across calls and between eager and jitted calls, as do
