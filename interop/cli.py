@@ -1,4 +1,4 @@
-"""The `jax-attn` command: `info`, `check`, `bench`.
+"""The `jax-attn` command: `info`, `check`, `bench`, `fuzz`.
 
 `info` and `check` live here; `bench` lives with the benchmarks (`benchmarks.command`), which
 this module, the command's entry, is the only one to import.
@@ -191,6 +191,36 @@ def _gpu_compile_report(console) -> int:
     console.print(f"{len(reports) - len(bad)} of {len(reports)} compiles within the limits")
     return 1 if bad else 0
 
+def cmd_fuzz(args) -> int:
+    """Fuzz each backend (or the one named) for `--minutes`; print counterexamples as tests."""
+    from interop import crosscheck, fuzz
+
+    names = [b.name for b in crosscheck.all_backends()]
+    if args.backend:
+        if args.backend not in names:
+            print(f"--backend={args.backend!r} is not one of {names}", file=sys.stderr)
+            return 2
+        names = [args.backend]
+    runnable = []
+    for name in names:
+        reason = fuzz.backends()[name].why_unavailable()
+        if reason is None:
+            runnable.append(name)
+        else:
+            print(f"not run: {name}: {reason}")
+    failures = 0
+    for name in runnable:
+        report = fuzz.fuzz_backend(name, args.minutes * 60.0, seed=args.seed)
+        print(
+            f"{name}: {report.examples} examples in {report.seconds / 60:.1f} min "
+            f"({report.not_applicable} n/a), "
+            + ("no counterexample" if report.counterexample is None else "COUNTEREXAMPLE:")
+        )
+        if report.counterexample is not None:
+            failures += 1
+            print(fuzz.pytest_source(name, report.counterexample, report.cell))
+    return 1 if failures else 0
+
 
 def dataclasses_asdict(cell) -> dict:
     return {"error": cell.error, "ok": cell.ok, "note": cell.note}
@@ -212,8 +242,15 @@ def main(argv=None) -> int:
     check.add_argument("--backends", help="comma-separated backend names to run")
     check.add_argument("--json", help="also write the results to this JSON file")
     bench_command.add_parser(sub)
+    fuzz = sub.add_parser(
+        "fuzz", help="property-based fuzzing of every backend against the float64 oracle"
+    )
+    fuzz.add_argument("--minutes", type=float, default=5.0, help="per backend (default 5)")
+    fuzz.add_argument("--backend", help="one backend name (default: every one that runs here)")
+    fuzz.add_argument("--seed", type=int, default=0, help="first hypothesis seed (default 0)")
     args = parser.parse_args(argv)
-    return {"info": cmd_info, "check": cmd_check, "bench": bench_command.run}[args.command](args)
+    commands = {"info": cmd_info, "check": cmd_check, "bench": bench_command.run, "fuzz": cmd_fuzz}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from interop.tolerances import TOLERANCES
+from interop.tolerances import tolerance
 from torch_backends.attention_type import AttentionType
 
 if TYPE_CHECKING:
@@ -60,8 +60,7 @@ class Spec:
 
     @property
     def tolerance(self) -> tuple[float, float]:
-        names = [self.dtype] + ([self.cache_dtype] if self.cache_dtype else [])
-        return max(TOLERANCES[n][0] for n in names), max(TOLERANCES[n][1] for n in names)
+        return tolerance(self.dtype, self.cache_dtype)  # the one table's rule
 
     def describe(self) -> str:
         lens = "+".join(

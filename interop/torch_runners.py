@@ -139,7 +139,9 @@ def _run_cacheless(problem, backend, impl, layer, layout) -> np.ndarray:
             w.query_lens,
             -1,
             -1,
-            block_tables=[[0]] * len(w.query_lens),
+            # The decoder's own tables cover its tokens (unused by cross attention, but the
+            # builder checks them: one block for 9 tokens of block size 8 is refused).
+            block_tables=[[0] * -(-q // w.block_size) for q in w.query_lens],
             block_size=w.block_size,
             encoder_seq_lens=w.seq_lens,
             cross_block_tables=cross_tables,

@@ -55,8 +55,9 @@ def round_to(x: np.ndarray, dtype, scale: float = 1.0) -> np.ndarray:
     """`x` as a cache of `dtype` stores it (saturating fp8 of `x / scale`), back in float64."""
     dtype = np.dtype(dtype)
     if dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
-        info = ml_dtypes.finfo(dtype)
-        stored = np.clip(x / scale, float(info.min), float(info.max)).astype(dtype)
+        # Bit for bit what every writer stores: x / scale in float32, saturated, then cast
+        # (a float64 division would round a few values to the neighbouring fp8 number).
+        stored = _store(x, dtype, scale)
         return stored.astype(np.float64) * scale
     return x.astype(dtype).astype(np.float64)
 
@@ -133,9 +134,8 @@ def make_workload(
 def _store(x: np.ndarray, cache_dtype, scale: float) -> np.ndarray:
     if cache_dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
         info = ml_dtypes.finfo(cache_dtype)
-        return np.clip(x.astype(np.float32) / scale, float(info.min), float(info.max)).astype(
-            cache_dtype
-        )
+        scaled = x.astype(np.float32) / np.float32(scale)
+        return np.clip(scaled, float(info.min), float(info.max)).astype(cache_dtype)
     return x.astype(cache_dtype)
 
 

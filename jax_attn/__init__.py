@@ -3,6 +3,7 @@
 from jax_attn import reference
 from jax_attn.bias import AttentionBias, alibi_slopes
 from jax_attn.cache import copy_blocks, kv_cache_shape, swap_blocks, write_kv
+from jax_attn.checking import checked, config
 from jax_attn.metadata import RaggedMetadata
 from jax_attn.paged import paged_attention, paged_decode
 from jax_attn.validate import validate
@@ -15,6 +16,8 @@ __all__ = [
     "AttentionBias",
     "RaggedMetadata",
     "alibi_slopes",
+    "checked",
+    "config",
     "copy_blocks",
     "kv_cache_shape",
     "paged_attention",

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jax_attn.checks import check_cache_pair, check_index_array, is_fp8
+from jax_attn import checking
+from jax_attn.checks import check_cache_pair, check_index_array, check_scale, is_fp8
 
 KVCache = Float[Array, "num_blocks block_size num_kv_heads head_size"]
 
@@ -51,7 +52,6 @@ def dequantize(x: Array, scale, dtype=jnp.float32) -> Array:
     return x.astype(dtype) * jnp.asarray(scale, dtype)
 
 
-@jax.jit
 def write_kv(
     key_cache: KVCache,
     value_cache: KVCache,
@@ -61,15 +61,43 @@ def write_kv(
     *,
     k_scale: float | Float[Array, ""] = 1.0,
     v_scale: float | Float[Array, ""] = 1.0,
+    check: bool | None = None,
 ) -> tuple[KVCache, KVCache]:
-    """Scatter `key[t]`, `value[t]` into slot `slot_mapping[t]`; slots `< 0` write nothing.
+    """Scatter `key[t]`, `value[t]` into slot `slot_mapping[t]`; slots equal to -1 write nothing.
 
     Returns the updated caches. Jitted callers should donate the caches
     (`jax.jit(..., donate_argnums=(0, 1))`) so the update happens in place.
-    Slots past the cache (`>= NB * BS`) are dropped too; `validate` reports them eagerly.
+
+    `check` (default `jax_attn.config.check`, on): with concrete slots and scales, raise
+    `ValueError` before writing anything when a slot is past the cache or below -1, a slot
+    appears twice, or a scale is not finite and > 0. Under `jit` the checks run only inside
+    `jax_attn.checked`; unchecked, bad slots are dropped (never wrapped).
     """
+    if checking.wanted(check):
+        _check_write_shapes(key_cache, value_cache, key, value, slot_mapping)
+        check_scale(k_scale, "k_scale")
+        check_scale(v_scale, "v_scale")
+        ok = checking.run_checks(
+            _write_rules,
+            dict(slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale),
+            check,
+            num_slots=key_cache.shape[0] * key_cache.shape[1],
+        )
+        if ok is not None:  # inside `checked`: a refused step writes nothing
+            slot_mapping = jnp.where(ok, slot_mapping, -1)
+    return _write_kv(
+        key_cache, value_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale
+    )
+
+
+def _write_rules(xp, *, slot_mapping, k_scale, v_scale, num_slots):
+    yield from checking.slot_rules(xp, slot_mapping=slot_mapping, num_slots=num_slots)
+    yield from checking.scale_rules(xp, k_scale=k_scale, v_scale=v_scale)
+
+
+def _check_write_shapes(key_cache, value_cache, key, value, slot_mapping) -> None:
     check_cache_pair(key_cache, value_cache)
-    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    num_kv_heads, head_size = key_cache.shape[2:]
     if key.shape != value.shape or key.ndim != 3 or key.shape[1:] != (num_kv_heads, head_size):
         raise ValueError(
             f"key/value must be [num_tokens, {num_kv_heads}, {head_size}] to match the cache, "
@@ -80,8 +108,15 @@ def write_kv(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
         )
+
+
+@jax.jit
+def _write_kv(key_cache, value_cache, key, value, slot_mapping, *, k_scale, v_scale):
+    _check_write_shapes(key_cache, value_cache, key, value, slot_mapping)
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     num_slots = num_blocks * block_size
-    # JAX wraps negative indices even with mode="drop": send pads past the end instead.
+    # JAX wraps negative indices even with mode="drop": send pads (and, unchecked, any other
+    # negative slot) past the end instead.
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping.astype(jnp.int32))
 
     def scatter(cache, x, scale):
@@ -92,32 +127,75 @@ def write_kv(
     return scatter(key_cache, key, k_scale), scatter(value_cache, value, v_scale)
 
 
-@jax.jit
 def copy_blocks(
-    key_cache: KVCache, value_cache: KVCache, src_to_dst: Int[Array, "num_pairs 2"]
+    key_cache: KVCache,
+    value_cache: KVCache,
+    src_to_dst: Int[Array, "num_pairs 2"],
+    *,
+    check: bool | None = None,
 ) -> tuple[KVCache, KVCache]:
     """Copy whole blocks `src_to_dst[i, 0] -> src_to_dst[i, 1]` in both caches (copy-on-write).
 
     All sources are read before any destination is written, so chains (a->b, b->c) copy the
-    old contents of b. Destinations should be distinct; with duplicates the last pair wins.
+    old contents of b. `check` (default on, see `write_kv`): with concrete pairs, raise
+    `ValueError` before copying when an id is outside `[0, num_blocks)` (a negative id would
+    wrap to the last blocks) or a destination appears twice. Unchecked (under a plain `jit`),
+    pairs with an out-of-range id are dropped whole, never wrapped.
     """
+    if checking.wanted(check):
+        check_cache_pair(key_cache, value_cache)
+        src_to_dst = _pairs(src_to_dst)
+        n = key_cache.shape[0]
+        ok = checking.run_checks(
+            checking.pair_rules, dict(src_to_dst=src_to_dst), check, num_src=n, num_dst=n
+        )
+        if ok is not None:  # inside `checked`: a refused copy copies nothing
+            src_to_dst = jnp.where(ok, src_to_dst, -1)
+    return _copy_blocks(key_cache, value_cache, src_to_dst)
+
+
+def _pairs(src_to_dst):
+    src_to_dst = jnp.asarray(src_to_dst) if isinstance(src_to_dst, list | tuple) else src_to_dst
+    if jnp.ndim(src_to_dst) == 1 and jnp.shape(src_to_dst)[0] == 0:
+        src_to_dst = jnp.zeros((0, 2), jnp.int32)
+    check_index_array(src_to_dst, "src_to_dst", [("num_pairs", None), ("2", 2)])
+    return src_to_dst
+
+
+@jax.jit
+def _copy_blocks(key_cache, value_cache, src_to_dst):
     check_cache_pair(key_cache, value_cache)
     check_index_array(src_to_dst, "src_to_dst", [("num_pairs", None), ("2", 2)])
-    src, dst = src_to_dst[:, 0], src_to_dst[:, 1]
+    num_blocks = key_cache.shape[0]
+    src, dst = _valid_pairs(src_to_dst, num_blocks, num_blocks)
     return (
         key_cache.at[dst].set(key_cache[src], mode="drop"),
         value_cache.at[dst].set(value_cache[src], mode="drop"),
     )
 
 
+def _valid_pairs(src_to_dst, num_src: int, num_dst: int):
+    """(src, dst) with every pair that has an id out of range sent past the end of the
+    destination (dropped): JAX would wrap a negative id and clamp a large source."""
+    src, dst = src_to_dst[:, 0].astype(jnp.int32), src_to_dst[:, 1].astype(jnp.int32)
+    ok = (src >= 0) & (src < num_src) & (dst >= 0) & (dst < num_dst)
+    return jnp.where(ok, src, 0), jnp.where(ok, dst, num_dst)
+
+
 def swap_blocks(
-    src_cache: KVCache, dst_cache: KVCache, src_to_dst: Int[Array, "num_pairs 2"]
+    src_cache: KVCache,
+    dst_cache: KVCache,
+    src_to_dst: Int[Array, "num_pairs 2"],
+    *,
+    check: bool | None = None,
 ) -> KVCache:
     """`dst_cache` with blocks `src_to_dst[i, 1]` replaced by `src_cache[src_to_dst[i, 0]]`.
 
     The caches may live on different devices or memory kinds (e.g. device HBM and pinned host
     memory): the selected source blocks are gathered where they live, moved once to the
     destination's placement, and scattered there. On a single CPU it is a plain copy.
+    `check` (default on): as `copy_blocks`, sources in `[0, src_cache.shape[0])` and
+    destinations in `[0, dst_cache.shape[0])`, each destination once.
     """
     if src_cache.ndim != dst_cache.ndim or src_cache.shape[1:] != dst_cache.shape[1:]:
         raise ValueError(
@@ -126,12 +204,20 @@ def swap_blocks(
         )
     if src_cache.dtype != dst_cache.dtype:
         raise TypeError(f"src_cache.dtype={src_cache.dtype} != dst_cache.dtype={dst_cache.dtype}")
-    src_to_dst = jnp.asarray(src_to_dst)
-    check_index_array(src_to_dst, "src_to_dst", [("num_pairs", None), ("2", 2)])
-    src_ids = jax.device_put(src_to_dst[:, 0], _placement(src_cache))
+    src_to_dst = _pairs(jnp.asarray(src_to_dst))
+    if checking.wanted(check):
+        checking.run_checks(
+            checking.pair_rules,
+            dict(src_to_dst=src_to_dst),
+            check,
+            num_src=src_cache.shape[0],
+            num_dst=dst_cache.shape[0],
+        )
+    src, dst = _valid_pairs(src_to_dst, src_cache.shape[0], dst_cache.shape[0])
+    src_ids = jax.device_put(src, _placement(src_cache))
     blocks = _gather_blocks(src_cache, src_ids)  # [N, BS, Hkv, D] where src lives
     blocks = jax.device_put(blocks, _placement(dst_cache))
-    dst_ids = jax.device_put(src_to_dst[:, 1], _placement(dst_cache))
+    dst_ids = jax.device_put(dst, _placement(dst_cache))
     return _scatter_blocks(dst_cache, dst_ids, blocks)
 
 

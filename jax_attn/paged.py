@@ -1,7 +1,8 @@
 """Paged attention: the unified ragged entry (`paged_attention`), the decode fast path
 (`paged_decode`), and the dispatch between their implementations.
 
-    paged_attention(..., impl="auto")       not jitted: picks the implementation
+    paged_attention(..., impl="auto")       not jitted: checks values (checking.py) and
+                                            picks the implementation
       resolve_impl(impl, query, key_cache)  -> "xla" | "pallas" | "cpu" | "reference"
       jitted body, `impl` static: checks (checks.py), then one of
         xla_paged.paged_attention_xla       portable blockwise jnp (xla_paged.py)
@@ -13,15 +14,18 @@
 on where the arrays live (`_resolves_impl`).
 """
 
+import dataclasses
 import functools
 import sys
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jax_attn import checks
+from jax_attn import checking, checks
 from jax_attn.metadata import RaggedMetadata
+from jax_attn.validate import metadata_values
 from jax_attn.xla_paged import paged_attention_xla, paged_decode_xla
 
 Impl = Literal["auto", "xla", "pallas", "cpu", "reference"]
@@ -154,20 +158,27 @@ def resolve_impl(impl: str, query, key_cache) -> str:
     return "xla"
 
 
-def _resolves_impl(static_argnames: tuple[str, ...]):
-    """Make `body` a public entry that picks `impl` outside `jit` and runs `body` jitted.
+def _resolves_impl(static_argnames: tuple[str, ...], check_values):
+    """Make `body` a public entry that checks values and picks `impl` outside `jit`, then runs
+    `body` jitted.
 
     `impl` depends on where the arrays live, which only a concrete array can tell (inside a
     caller's `jit` they are tracers, and the default backend decides), so it is resolved
-    before the jitted body, which takes it (and `interpret`) as static arguments. The entry
-    keeps the body's signature and docstring; `__wrapped__` is the body, not jitted.
+    before the jitted body, which takes it (and `interpret`) as static arguments. The value
+    checks (`check_values(query, key_cache, *args, check=..., **kwargs)`, see
+    `jax_attn.checking`) run here too, un-jitted: eagerly on concrete values, through checkify
+    inside `checked`, not at all in a plain `jit` (whose callers pay nothing). They return the
+    arguments for the body: inside `checked`, a refused step's metadata is emptied (no
+    sequence, no key), so no kernel reads out of range or fails before checkify reports. The
+    entry keeps the body's signature and docstring; `__wrapped__` is the body, not jitted.
     """
 
     def decorate(body):
         jitted = jax.jit(body, static_argnames=static_argnames)
 
         @functools.wraps(body)
-        def entry(query, key_cache, *args, impl="auto", interpret=None, **kwargs):
+        def entry(query, key_cache, *args, impl="auto", interpret=None, check=None, **kwargs):
+            args, kwargs = check_values(query, key_cache, *args, check=check, **kwargs)
             impl, interpret = _resolve(impl, interpret, query, key_cache)
             if impl in ("pallas", "cpu"):  # one kernel per device: refuse sharded arrays
                 _check_unpartitioned(impl, query, key_cache)
@@ -199,6 +210,91 @@ def _check_unpartitioned(impl: str, *arrays) -> None:
                 "or impl='xla', which plain jit partitions by kv head"
             )
 
+def _check_paged_attention(
+    query, key_cache, value_cache, metadata, *, check=None, k_scale=1.0, v_scale=1.0, **rest
+):
+    args, kwargs = (value_cache, metadata), dict(k_scale=k_scale, v_scale=v_scale, **rest)
+    if not checking.wanted(check):
+        return args, kwargs
+    # Shapes first (they raise at trace time anyway), so the value rules read sound arrays.
+    checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_tokens")
+    checks.check_metadata(metadata, query.shape[0])
+    checks.check_scale(k_scale, "k_scale")
+    checks.check_scale(v_scale, "v_scale")
+    ok = checking.run_checks(
+        _paged_rules,
+        dict(**metadata_values(metadata), k_scale=k_scale, v_scale=v_scale),
+        check,
+        num_tokens=query.shape[0],
+        num_blocks=key_cache.shape[0],
+        block_size=key_cache.shape[1],
+    )
+    if ok is None:
+        return args, kwargs
+    md = metadata
+    refused = dataclasses.replace(
+        md,
+        query_start_loc=jnp.where(ok, md.query_start_loc, 0).astype(md.query_start_loc.dtype),
+        seq_lens=jnp.where(ok, md.seq_lens, 0).astype(md.seq_lens.dtype),
+        block_tables=jnp.where(ok, md.block_tables, 0).astype(md.block_tables.dtype),
+        slot_mapping=jnp.where(ok, md.slot_mapping, -1).astype(md.slot_mapping.dtype),
+        num_seqs=jnp.where(ok, md.num_seqs, 0).astype(md.num_seqs.dtype),
+    )
+    kwargs.update(_safe_scales(ok, k_scale, v_scale))
+    return (value_cache, refused), kwargs
+
+
+def _safe_scales(ok, k_scale, v_scale) -> dict:
+    """Inside `checked`: scales as traced f32 scalars, 1.0 where the step was refused."""
+    return {
+        name: jnp.where(ok, checks.scale_array(s, name), jnp.float32(1.0))
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale))
+    }
+
+
+def _paged_rules(xp, *, k_scale, v_scale, **ragged):
+    yield from checking.ragged_rules(xp, **ragged)
+    yield from checking.scale_rules(xp, k_scale=k_scale, v_scale=v_scale)
+
+
+def _check_paged_decode(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    *,
+    check=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    **rest,
+):
+    args = (value_cache, block_tables, seq_lens)
+    kwargs = dict(k_scale=k_scale, v_scale=v_scale, **rest)
+    if not checking.wanted(check):
+        return args, kwargs
+    checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_seqs")
+    checks.check_decode_arrays(block_tables, seq_lens, query.shape[0])
+    checks.check_scale(k_scale, "k_scale")
+    checks.check_scale(v_scale, "v_scale")
+    ok = checking.run_checks(
+        _decode_rules,
+        dict(block_tables=block_tables, seq_lens=seq_lens, k_scale=k_scale, v_scale=v_scale),
+        check,
+        num_blocks=key_cache.shape[0],
+        block_size=key_cache.shape[1],
+    )
+    if ok is None:
+        return args, kwargs
+    kwargs.update(_safe_scales(ok, k_scale, v_scale))
+    tables = jnp.where(ok, block_tables, 0).astype(block_tables.dtype)
+    return (value_cache, tables, jnp.where(ok, seq_lens, 0).astype(seq_lens.dtype)), kwargs
+
+
+def _decode_rules(xp, *, k_scale, v_scale, **tables):
+    yield from checking.table_rules(xp, **tables)
+    yield from checking.scale_rules(xp, k_scale=k_scale, v_scale=v_scale)
+
 
 def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:
     """(impl, interpret) as the jitted bodies take them (both static)."""
@@ -216,7 +312,8 @@ def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:
 
 
 @_resolves_impl(
-    static_argnames=("scale", "causal", "sliding_window", "logits_soft_cap", "impl", "interpret")
+    static_argnames=("scale", "causal", "sliding_window", "logits_soft_cap", "impl", "interpret"),
+    check_values=_check_paged_attention,
 )
 def paged_attention(
     query: Float[Array, "num_tokens num_heads head_size"],
@@ -248,6 +345,11 @@ def paged_attention(
     these shapes where the arrays live: pallas on GPU, cpu on CPU, else xla; see
     `resolve_impl`). `scale` defaults to `head_size ** -0.5`. Jitted inside (the choice of
     `impl` is made before), and jit-able from outside.
+
+    `check` (keyword of the entry, default `jax_attn.config.check`, on): when the metadata
+    and scales are concrete, the rules of `validate` plus finite positive scales are checked
+    before anything runs, raising `ValueError`; under `jit` they are checked only inside
+    `jax_attn.checked` (checkify). See `jax_attn.checking`.
     """
     bias = dict(
         alibi_slopes=alibi_slopes,
@@ -281,7 +383,10 @@ def paged_attention(
     return paged_attention_xla(query, key_cache, value_cache, md, scale=scale, **bias)
 
 
-@_resolves_impl(static_argnames=("scale", "sliding_window", "logits_soft_cap", "impl", "interpret"))
+@_resolves_impl(
+    static_argnames=("scale", "sliding_window", "logits_soft_cap", "impl", "interpret"),
+    check_values=_check_paged_decode,
+)
 def paged_decode(
     query: Float[Array, "num_seqs num_heads head_size"],
     key_cache: Float[Array, "num_blocks block_size num_kv_heads head_size"],
@@ -300,7 +405,8 @@ def paged_decode(
 ) -> Float[Array, "num_seqs num_heads head_size"]:
     """One new query token per sequence, at position `seq_lens[i] - 1`, over the paged cache.
 
-    Rows with `seq_lens[i] == 0` (padding) give zeros. Same keywords as `paged_attention`.
+    Rows with `seq_lens[i] == 0` (padding) give zeros. Same keywords as `paged_attention`;
+    the value checks (`check`) cover the block tables, `seq_lens` and the scales.
     """
     bias = dict(
         alibi_slopes=alibi_slopes,

@@ -16,15 +16,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jax_attn import _online_softmax as online_softmax
+from jax_attn import checking
 from jax_attn.checks import check_bias_args
 from jax_attn.xla_paged import key_range, num_chunks, tile_queries
 
 KV_CHUNK_TOKENS = 128
 
 
-@functools.partial(
-    jax.jit, static_argnames=("causal", "scale", "sliding_window", "logits_soft_cap")
-)
 def varlen_attention(
     query: Float[Array, "q_tokens num_heads head_size"],
     key: Float[Array, "kv_tokens num_kv_heads head_size"],
@@ -37,12 +35,49 @@ def varlen_attention(
     alibi_slopes: Float[Array, " num_heads"] | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    check: bool | None = None,
 ) -> Float[Array, "q_tokens num_heads head_size"]:
     """Attention of each sequence's queries over its own keys; differentiable.
 
     Query tokens past `cu_seqlens_q[-1]` (padding) give zero rows. `scale` defaults to
-    `head_size ** -0.5`. Output in the query dtype.
+    `head_size ** -0.5`. Output in the query dtype. `check` (default
+    `jax_attn.config.check`, on): with concrete `cu_seqlens_*`, raise `ValueError` unless
+    each starts at 0, never decreases and ends within its tokens; under `jit` only inside
+    `jax_attn.checked`.
     """
+    if checking.wanted(check):
+        _check_shapes(query, key, value, cu_seqlens_q, cu_seqlens_k)
+        checking.run_checks(
+            _cu_rules,
+            dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k),
+            check,
+            q_tokens=query.shape[0],
+            kv_tokens=key.shape[0],
+        )
+    return _varlen_attention(
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        causal=causal,
+        scale=scale,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+
+
+def _cu_rules(xp, *, cu_seqlens_q, cu_seqlens_k, q_tokens: int, kv_tokens: int):
+    yield from checking.cu_seqlens_rules(
+        xp, cu_seqlens=cu_seqlens_q, num_tokens=q_tokens, name="cu_seqlens_q"
+    )
+    yield from checking.cu_seqlens_rules(
+        xp, cu_seqlens=cu_seqlens_k, num_tokens=kv_tokens, name="cu_seqlens_k"
+    )
+
+
+def _check_shapes(query, key, value, cu_seqlens_q, cu_seqlens_k) -> None:
     if query.ndim != 3 or key.ndim != 3 or value.shape != key.shape:
         raise ValueError(
             "query must be [q_tokens, num_heads, head_size] and key, value "
@@ -52,7 +87,7 @@ def varlen_attention(
     for name, x in dict(query=query, key=key, value=value).items():
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{name}.dtype={x.dtype} must be a float dtype")
-    num_tokens, num_heads, head_size = query.shape
+    num_heads, head_size = query.shape[1:]
     num_kv_heads = key.shape[1]
     if key.shape[2] != head_size:
         raise ValueError(f"key head_size={key.shape[2]} != query head_size={head_size}")
@@ -66,6 +101,27 @@ def varlen_attention(
     for name, x in dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k).items():
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name}.dtype={x.dtype} must be int32")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("causal", "scale", "sliding_window", "logits_soft_cap")
+)
+def _varlen_attention(
+    query: Float[Array, "q_tokens num_heads head_size"],
+    key: Float[Array, "kv_tokens num_kv_heads head_size"],
+    value: Float[Array, "kv_tokens num_kv_heads head_size"],
+    cu_seqlens_q: Int[Array, " num_seqs_plus_1"],
+    cu_seqlens_k: Int[Array, " num_seqs_plus_1"],
+    *,
+    causal: bool,
+    scale: float | None = None,
+    alibi_slopes: Float[Array, " num_heads"] | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> Float[Array, "q_tokens num_heads head_size"]:
+    _check_shapes(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
     check_bias_args(num_heads, alibi_slopes, sliding_window, logits_soft_cap)
     scale = head_size**-0.5 if scale is None else float(scale)
 

@@ -16,7 +16,9 @@ JAX_ATTN_ENV=main bash scripts/run.sh python -m pytest -n 2 --dist loadgroup "${
 
 echo "== IPEX environment (torch 2.8 + IPEX 2.8): tests marked ipex"
 set +e
-JAX_ATTN_ENV=ipex bash scripts/run.sh python -m pytest -m ipex tests "$@"
+# JAX_ATTN_REQUIRE_IPEX=1: fail unless IPEX imports and ipex tests pass, none skipped
+# (tests/conftest.py); pytest's exit 5 (nothing collected) fails too.
+JAX_ATTN_REQUIRE_IPEX=1 JAX_ATTN_ENV=ipex bash scripts/run.sh python -m pytest -m ipex tests "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing; that would mean the IPEX tests vanished.

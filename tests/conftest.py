@@ -5,6 +5,10 @@
 - Every test draws fresh random data: the run seed is random unless JAX_ATTN_TEST_SEED is set,
   and is printed in the header so a failure can be replayed.
 - Test modules have unique basenames (no __init__.py: a `tests/jax` package would shadow jax).
+- IPEX is never skipped quietly: with JAX_ATTN_REQUIRE_IPEX=1 (scripts/test.sh's IPEX half)
+  the session fails unless IPEX imports, at least one `ipex` test passed and none skipped;
+  in any environment, a test skipped for want of IPEX that is not marked `ipex` (so the IPEX
+  half would never run it) fails the session.
 """
 
 import hashlib
@@ -54,3 +58,46 @@ def key(seed):
     if jax is None:
         pytest.skip("jax is not installed in this environment")
     return jax.random.key(seed)
+
+
+REQUIRE_IPEX = os.environ.get("JAX_ATTN_REQUIRE_IPEX") == "1"
+_ipex_runs = {"passed": 0, "skipped": [], "unmarked": []}
+
+
+def pytest_sessionstart(session):
+    if REQUIRE_IPEX:
+        try:
+            import intel_extension_for_pytorch  # noqa: F401
+        except Exception as e:
+            pytest.exit(f"JAX_ATTN_REQUIRE_IPEX=1 but IPEX does not import: {e}", returncode=1)
+
+
+def pytest_runtest_logreport(report):
+    marked = "ipex" in report.keywords
+    if report.skipped:
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+        if marked:
+            _ipex_runs["skipped"].append(f"{report.nodeid}: {reason}")
+        elif "ipex" in reason.lower() and "xfail" not in report.keywords:
+            _ipex_runs["unmarked"].append(f"{report.nodeid}: {reason}")
+    elif marked and report.when == "call" and report.passed:
+        _ipex_runs["passed"] += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    problems = [
+        f"skipped for want of IPEX but not marked `ipex` (the IPEX half never runs it): {n}"
+        for n in _ipex_runs["unmarked"]
+    ]
+    if REQUIRE_IPEX:
+        if _ipex_runs["passed"] == 0:
+            problems.append("JAX_ATTN_REQUIRE_IPEX=1 but no `ipex` test passed")
+        problems += [
+            f"`ipex` test skipped in the IPEX environment: {n}" for n in _ipex_runs["skipped"]
+        ]
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for line in problems:
+            if reporter is not None:
+                reporter.write_line(f"IPEX AUDIT: {line}", red=True)
+        session.exitstatus = 1

@@ -163,6 +163,7 @@ def test_agrees_with_ipex_split_kv_cache(shape, rng):
         assert torch.equal(view.transpose(1, 2), cache)
 
 
+@pytest.mark.ipex
 def test_agrees_with_ipex_backend_split_kv_cache(rng):
     # Runs in the IPEX environment only (torch_backends.ipex_attn needs IPEX 2.8 and torch 2.8).
     ipex_attn = pytest.importorskip("torch_backends.ipex_attn", exc_type=ImportError)
