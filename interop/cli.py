@@ -191,6 +191,7 @@ def _gpu_compile_report(console) -> int:
     console.print(f"{len(reports) - len(bad)} of {len(reports)} compiles within the limits")
     return 1 if bad else 0
 
+
 def cmd_fuzz(args) -> int:
     """Fuzz each backend (or the one named) for `--minutes`; print counterexamples as tests."""
     from interop import crosscheck, fuzz

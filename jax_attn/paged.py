@@ -210,6 +210,7 @@ def _check_unpartitioned(impl: str, *arrays) -> None:
                 "or impl='xla', which plain jit partitions by kv head"
             )
 
+
 def _check_paged_attention(
     query, key_cache, value_cache, metadata, *, check=None, k_scale=1.0, v_scale=1.0, **rest
 ):
