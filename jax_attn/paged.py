@@ -179,9 +179,19 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
         @functools.wraps(body)
         def entry(query, key_cache, *args, impl="auto", interpret=None, check=None, **kwargs):
             args, kwargs = check_values(query, key_cache, *args, check=check, **kwargs)
+            asked = impl
             impl, interpret = _resolve(impl, interpret, query, key_cache)
-            if impl in ("pallas", "cpu"):  # one kernel per device: refuse sharded arrays
-                _check_unpartitioned(impl, query, key_cache)
+            if impl in ("pallas", "cpu") and (sharded := _partitioned(query, key_cache)):
+                # One kernel per device, which XLA cannot partition: "auto" takes the XLA path
+                # (partitioned by kv head), an explicit kernel is refused.
+                if asked != "auto":
+                    raise ValueError(
+                        f"impl={impl!r} runs one kernel per device and XLA cannot partition "
+                        f"it, but an argument is sharded over {sharded}: use "
+                        "jax_attn.sharding.PagedSharding (the kernel per shard under "
+                        "shard_map), or impl='xla', which plain jit partitions by kv head"
+                    )
+                impl, interpret = "xla", None
             return jitted(query, key_cache, *args, impl=impl, interpret=interpret, **kwargs)
 
         return entry
@@ -189,11 +199,9 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
     return decorate
 
 
-def _check_unpartitioned(impl: str, *arrays) -> None:
-    """Raise when a kernel XLA cannot partition ("pallas", "cpu": one custom call) gets
-    arrays sharded over several devices: it would gather them onto each device."""
-    if impl not in ("pallas", "cpu"):
-        return
+def _partitioned(*arrays) -> str | None:
+    """How a concrete argument is split over several devices ("4 devices (NamedSharding...)"),
+    or None when every one lives whole on each of its devices (tracers: unknown, None)."""
     for x in arrays:
         sharding = getattr(x, "sharding", None)
         if (
@@ -203,12 +211,8 @@ def _check_unpartitioned(impl: str, *arrays) -> None:
             and len(sharding.device_set) > 1
             and not sharding.is_fully_replicated
         ):
-            raise ValueError(
-                f"impl={impl!r} runs one kernel per device and XLA cannot partition it, but an "
-                f"argument is sharded over {len(sharding.device_set)} devices ({sharding}): "
-                "use jax_attn.sharding.PagedSharding (the kernel per shard under shard_map), "
-                "or impl='xla', which plain jit partitions by kv head"
-            )
+            return f"{len(sharding.device_set)} devices ({sharding})"
+    return None
 
 
 def _check_paged_attention(

@@ -276,6 +276,11 @@ def run_refusal(case: dict, seed: int) -> dict:
     )
     kc = layout.put_cache(jnp.asarray(rng.standard_normal((24, 16, 4, 16)), jnp.float32))
     q = layout.put_heads(jnp.asarray(rng.standard_normal((md.slot_mapping.shape[0], 8, 16))))
+    # "auto" would pick a kernel XLA cannot partition: it takes the XLA path instead.
+    auto = jax_attn.paged_attention(q, kc, kc, md)
+    xla = jax_attn.paged_attention(q, kc, kc, md, impl="xla")
+    if not np.array_equal(np.asarray(auto), np.asarray(xla)):
+        return dict(ok=False, error="impl='auto' on sharded arrays differs from impl='xla'")
     try:
         jax_attn.paged_attention(q, kc, kc, md, impl="pallas")
     except ValueError as e:
