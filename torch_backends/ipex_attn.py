@@ -3,14 +3,21 @@
 Kernels (IPEX 2.8, Intel's last release, CPU):
 - cache write: `ipex.llm.modules.PagedAttention.reshape_and_cache`
 - decode: `PagedAttention.single_query_cached_kv_attention`
-- prefill: `ipex.llm.functional.varlen_attention`
+- prefill: `ipex.llm.functional.varlen_attention` (float32), `flash_attn_varlen_func` over a
+  scratch cache (bfloat16 / float16, window, soft cap)
 - chunked prefill over a cached prefix: `PagedAttention.flash_attn_varlen_func`
 
 Cache layout: `kv_cache[2, NB, BS * Hkv * D]` viewed as key and value caches of
 `[NB, Hkv, BS, D]` each (IPEX's layout, as vLLM V0's IPEX backend viewed it).
 
 Where this differs from vLLM V0 (on purpose, and tested):
-- prefill honours ALiBi, the sliding window and the soft cap (vLLM V0 ignored them there);
+- prefill honours ALiBi, the sliding window and the soft cap (vLLM V0 ignored them there),
+  and bfloat16 / float16 prefills take their softmax in float32 (vLLM V0's varlen_attention
+  kept it in the input dtype);
+- what IPEX 2.8's kernels refuse or get wrong runs in float32 torch (`masked_attention`):
+  ALiBi in prefill, a window together with a soft cap (the kernels assert), a window of 1
+  (`window_size_left == 0` reads as no window); float16 queries over an e5m2 cache (which the
+  e5m2 kernels refuse) read dequantized blocks;
 - PAD_SLOT_ID (-1) entries are dropped before `reshape_and_cache`, which would otherwise
   write them into block 0 (measured with IPEX 2.8);
 - fp8: IPEX 2.8 supports only `fp8_e5m2` caches and does not apply `k_scale`/`v_scale`
@@ -169,8 +176,8 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
 
     def attend(self, step: Step) -> Queries:
         """Prefills through `varlen_attention` (`flash_attn_varlen_func` over a scratch cache
-        with a window or soft cap, torch with ALiBi); chunked prefill and decodes through the
-        paged kernels over the cache."""
+        in bfloat16 / float16 or with a window or soft cap, float32 torch for what no kernel
+        takes); chunked prefill and decodes through the paged kernels over the cache."""
         plan, out = step.plan, torch.empty_like(step.query)
         if plan.num_prefill_tokens and plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
@@ -253,9 +260,10 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         """Prefill without a cached prefix.
 
         IPEX's `varlen_attention` has no ALiBi, window or soft cap on CPU (it asserts), which
-        is why vLLM V0's IPEX prefill ignored them. Plain prefills use it; the others put the
-        given K/V in a scratch paged cache and run `flash_attn_varlen_func`, which has all
-        three but ALiBi (no IPEX CPU kernel takes ALiBi in prefill: the same math in torch).
+        is why vLLM V0's IPEX prefill ignored them. Plain float32 prefills use it; the others
+        put the given K/V in a scratch paged cache and run `flash_attn_varlen_func`, which has
+        all three but ALiBi (no IPEX CPU kernel takes ALiBi in prefill, nor a window together
+        with a soft cap, nor a window of 1: the same math in float32 torch).
         """
         q_lens, kv_lens, causal = plan.q_lens, plan.kv_lens, plan.causal
         if sum(kv_lens) == 0:
@@ -263,19 +271,21 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         if self.alibi_slopes is not None or self._window_unsupported:
             return self.masked_prefill(query, key, value, plan)
         out = torch.empty_like(query)
-        if self.sliding_window is None and self.logits_soft_cap is None:
+        plain = self.sliding_window is None and self.logits_soft_cap is None
+        if plain and query.dtype == torch.float32:
             # varlen_attention takes one kv head per query head (as vLLM V0 fed it), and on
             # CPU it ignores `softmax_scale` and uses 1/sqrt(head_size): the queries carry
-            # the ratio instead. Its non-causal path keeps bfloat16/float16 logits (3e-2 off
-            # in bfloat16, measured): those run in float32.
+            # the ratio instead. In bfloat16 / float16 it keeps the logits and softmax in
+            # the input dtype (bfloat16 3e-2 off the float64 oracle, past the table's row;
+            # measured), so those go through flash_attn_varlen_func below, which
+            # accumulates in float32 (and measured no slower).
             group = self.num_queries_per_kv
             default = self.head_size**-0.5
-            work = out if causal or query.dtype == torch.float32 else out.float()
             ipex_functional.varlen_attention(
-                (query.to(work.dtype) * (self.scale / default)).contiguous(),
-                key.to(work.dtype).repeat_interleave(group, dim=1).contiguous(),  # [Tk, Hq, D]
-                value.to(work.dtype).repeat_interleave(group, dim=1).contiguous(),
-                work,
+                (query * (self.scale / default)).contiguous(),
+                key.repeat_interleave(group, dim=1).contiguous(),  # [Tk, Hq, D]
+                value.repeat_interleave(group, dim=1).contiguous(),
+                out,
                 cumsum(q_lens),
                 cumsum(kv_lens),
                 None,
@@ -288,8 +298,6 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
                 False,
                 None,
             )
-            if work is not out:
-                out.copy_(work)
         else:
             key_cache, value_cache, tables = self._scratch_cache(key, value, kv_lens)
             self._flash_varlen(
