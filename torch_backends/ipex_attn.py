@@ -3,14 +3,21 @@
 Kernels (IPEX 2.8, Intel's last release, CPU):
 - cache write: `ipex.llm.modules.PagedAttention.reshape_and_cache`
 - decode: `PagedAttention.single_query_cached_kv_attention`
-- prefill: `ipex.llm.functional.varlen_attention`
+- prefill: `ipex.llm.functional.varlen_attention` (float32), `flash_attn_varlen_func` over a
+  scratch cache (bfloat16 / float16, window, soft cap)
 - chunked prefill over a cached prefix: `PagedAttention.flash_attn_varlen_func`
 
 Cache layout: `kv_cache[2, NB, BS * Hkv * D]` viewed as key and value caches of
 `[NB, Hkv, BS, D]` each (IPEX's layout, as vLLM V0's IPEX backend viewed it).
 
 Where this differs from vLLM V0 (on purpose, and tested):
-- prefill honours ALiBi, the sliding window and the soft cap (vLLM V0 ignored them there);
+- prefill honours ALiBi, the sliding window and the soft cap (vLLM V0 ignored them there),
+  and bfloat16 / float16 prefills take their softmax in float32 (vLLM V0's varlen_attention
+  kept it in the input dtype);
+- what IPEX 2.8's kernels refuse or get wrong runs in float32 torch (`masked_attention`):
+  ALiBi in prefill, a window together with a soft cap (the kernels assert), a window of 1
+  (`window_size_left == 0` reads as no window); float16 queries over an e5m2 cache (which the
+  e5m2 kernels refuse) read dequantized blocks;
 - PAD_SLOT_ID (-1) entries are dropped before `reshape_and_cache`, which would otherwise
   write them into block 0 (measured with IPEX 2.8);
 - fp8: IPEX 2.8 supports only `fp8_e5m2` caches and does not apply `k_scale`/`v_scale`
@@ -30,6 +37,7 @@ from torch import Tensor
 from torch_backends.abstract import AttentionMetadata, check_attn_type
 from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_tables
 from torch_backends.layouts import IpexLayout
+from torch_backends.masked_attention import masked_attention
 from torch_backends.paged_attn import PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
 from torch_backends.plan import CrossAttentionMetadata, StepPlan, per_sequence_plan
@@ -152,11 +160,24 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         # Query head h reads kv head h // (Hq / Hkv).
         self.head_mapping = torch.arange(self.num_kv_heads, dtype=torch.int32)
         self.head_mapping = self.head_mapping.repeat_interleave(self.num_queries_per_kv)
+        # What IPEX 2.8's kernels get wrong or refuse, run by the float32 torch math instead:
+        # ALiBi in prefill (no kernel takes it); a window together with a soft cap (every
+        # kernel asserts `!(window_size > 0 && use_softcap)`); a window of 1, i.e.
+        # `window_size_left == 0`, which the kernels read as "no window".
+        window = self.sliding_window
+        self._window_unsupported = window is not None and (
+            window == 1 or self.logits_soft_cap is not None
+        )
+
+    def _reads_fp8_natively(self, dtype: torch.dtype) -> bool:
+        """IPEX 2.8's fp8_e5m2 kernels take float32 and bfloat16 queries; a float16 query
+        over an e5m2 cache raises "expected scalar type Half but found Float8_e5m2"."""
+        return self.fp8 and dtype != torch.float16
 
     def attend(self, step: Step) -> Queries:
         """Prefills through `varlen_attention` (`flash_attn_varlen_func` over a scratch cache
-        with a window or soft cap, torch with ALiBi); chunked prefill and decodes through the
-        paged kernels over the cache."""
+        in bfloat16 / float16 or with a window or soft cap, float32 torch for what no kernel
+        takes); chunked prefill and decodes through the paged kernels over the cache."""
         plan, out = step.plan, torch.empty_like(step.query)
         if plan.num_prefill_tokens and plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
@@ -176,9 +197,11 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
             plan.decode_block_tables,
         )
         seq_lens, max_len = plan.decode_seq_lens, int(plan.max_decode_seq_len)
+        if self._window_unsupported:
+            return self._masked_decode(step)
         k_scale, v_scale = cache.scales
         out = torch.empty_like(query)
-        if self.fp8 and self.alibi_slopes is None:
+        if self._reads_fp8_natively(query.dtype) and self.alibi_slopes is None:
             # single_query_cached_kv_attention needs the cache in the query's dtype; the
             # chunked-prefill kernel reads e5m2 and serves one query per sequence as well.
             num_seqs = query.shape[0]
@@ -189,7 +212,8 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
             return _times(out, v_scale)
         if self.fp8:
             # The only kernel with ALiBi (single_query_cached_kv_attention) reads caches in the
-            # query's dtype: give it the blocks this step reads, dequantized.
+            # query's dtype (and the e5m2 one refuses float16 queries): give it the blocks
+            # this step reads, dequantized.
             key_cache, value_cache, tables = self._dequantized_blocks(cache, tables, query.dtype)
             k_scale = v_scale = 1.0
         IpexPagedAttention.single_query_cached_kv_attention(
@@ -214,7 +238,11 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
     def _prefix(self, step: Step) -> Tensor:
         """Chunked prefill: the new tokens' K/V are already in the cache (written first)."""
         plan, cache = step.plan, step.cache
-        if self.alibi_slopes is not None:  # no IPEX kernel: the same math in torch
+        if (
+            self.alibi_slopes is not None
+            or self._window_unsupported
+            or (self.fp8 and not self._reads_fp8_natively(step.query.dtype))
+        ):  # no IPEX kernel: the same math in torch
             key, value = step.prefill_kv(torch.float32)
             return self.masked_prefill(step.prefill_query, key, value, plan)
         k_scale, v_scale = cache.scales
@@ -232,20 +260,25 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         """Prefill without a cached prefix.
 
         IPEX's `varlen_attention` has no ALiBi, window or soft cap on CPU (it asserts), which
-        is why vLLM V0's IPEX prefill ignored them. Plain prefills use it; the others put the
-        given K/V in a scratch paged cache and run `flash_attn_varlen_func`, which has all
-        three but ALiBi (no IPEX CPU kernel takes ALiBi in prefill: the same math in torch).
+        is why vLLM V0's IPEX prefill ignored them. Plain float32 prefills use it; the others
+        put the given K/V in a scratch paged cache and run `flash_attn_varlen_func`, which has
+        all three but ALiBi (no IPEX CPU kernel takes ALiBi in prefill, nor a window together
+        with a soft cap, nor a window of 1: the same math in float32 torch).
         """
         q_lens, kv_lens, causal = plan.q_lens, plan.kv_lens, plan.causal
         if sum(kv_lens) == 0:
             return torch.zeros_like(query)
-        if self.alibi_slopes is not None:
+        if self.alibi_slopes is not None or self._window_unsupported:
             return self.masked_prefill(query, key, value, plan)
         out = torch.empty_like(query)
-        if self.sliding_window is None and self.logits_soft_cap is None:
+        plain = self.sliding_window is None and self.logits_soft_cap is None
+        if plain and query.dtype == torch.float32:
             # varlen_attention takes one kv head per query head (as vLLM V0 fed it), and on
             # CPU it ignores `softmax_scale` and uses 1/sqrt(head_size): the queries carry
-            # the ratio instead.
+            # the ratio instead. In bfloat16 / float16 it keeps the logits and softmax in
+            # the input dtype (bfloat16 3e-2 off the float64 oracle, past the table's row;
+            # measured), so those go through flash_attn_varlen_func below, which
+            # accumulates in float32 (and measured no slower).
             group = self.num_queries_per_kv
             default = self.head_size**-0.5
             ipex_functional.varlen_attention(
@@ -278,6 +311,27 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
                 out[q0 : q0 + q_len] = 0
             q0 += q_len
         return out
+
+    def _masked_decode(self, step: Step) -> Tensor:
+        """The decode tokens in float32 torch over the gathered (dequantized) cache."""
+        plan, cache, query = step.plan, step.cache, step.decode_query
+        seq_lens = plan.decode_seq_lens.long()
+        keys, values = cache.gather(plan.decode_block_tables, int(plan.max_decode_seq_len))
+        k_pos = torch.arange(keys.shape[1])[None].expand(len(seq_lens), -1)
+        out = masked_attention(
+            query.float()[:, None],
+            keys,
+            values,
+            q_pos=(seq_lens - 1)[:, None],
+            k_pos=k_pos,
+            k_valid=k_pos < seq_lens[:, None],
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=self.alibi_slopes,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )
+        return out[:, 0].to(query.dtype)
 
     @property
     def _soft_cap(self) -> float:
