@@ -122,18 +122,9 @@ def examples(backend: str):
             head_sizes = [32, 64, 80, 128]  # vLLM's supported sizes
         dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
         fp8 = attn_type is AttentionType.DECODER and draw(st.booleans())
-        if backend == "IPEX" and dtype == "float16":
-            # Known (found by this fuzzer, kept as an xfail in tests/fuzz): IPEX's kernel
-            # refuses a float16 query over an fp8 cache with a bare RuntimeError.
-            fp8 = False
         cache_dtype = draw(st.sampled_from(["float8_e4m3fn", "float8_e5m2"])) if fp8 else None
         sliding_window = draw(st.none() | st.integers(1, max_len))
         logits_soft_cap = draw(st.none() | st.sampled_from([5.0, 30.0]))
-        if backend == "IPEX":
-            # Known (kept as strict xfails in tests/fuzz): IPEX's prefill and its cross
-            # attention ignore the sliding window, and its decode kernel refuses a window with
-            # a soft cap (bare RuntimeError). Until ipex_attn is fixed, no window for IPEX.
-            sliding_window = None
         spec = Spec(
             name="fuzz",
             query_lens=tuple(query_lens),

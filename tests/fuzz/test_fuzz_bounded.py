@@ -96,12 +96,6 @@ def test_fuzz_cross_attention_long_decoder_query():
 
 
 @pytest.mark.ipex
-@pytest.mark.xfail(
-    strict=True,
-    reason="IPEX backend: a float16 query over an fp8_e5m2 cache raises IPEX's bare "
-    "RuntimeError 'expected scalar type Half but found Float8_e5m2' (torch_backends/ipex_attn "
-    "should dequantize or refuse with a ValueError naming the dtypes); found by jax-attn fuzz",
-)
 def test_fuzz_ipex_float16_query_fp8_cache():
     _available("IPEX")
     example = fuzz.Example(
@@ -123,12 +117,6 @@ def test_fuzz_ipex_float16_query_fp8_cache():
 
 
 @pytest.mark.ipex
-@pytest.mark.xfail(
-    strict=True,
-    reason="IPEX backend: a sliding window together with a soft cap raises IPEX's bare "
-    "RuntimeError 'Expected !(window_size > 0 && use_softcap == true)' (torch_backends/"
-    "ipex_attn should handle it or refuse with a ValueError); found by jax-attn fuzz",
-)
 def test_fuzz_ipex_window_with_soft_cap():
     _available("IPEX")
     example = fuzz.Example(
@@ -189,12 +177,6 @@ def test_fuzz_xformers_bfloat16_over_fp8():
 
 
 @pytest.mark.ipex
-@pytest.mark.xfail(
-    strict=True,
-    reason="IPEX backend: cross attention (ENCODER_DECODER) with a sliding window is 1.66 off "
-    "the oracle, which TORCH_SDPA, XFORMERS and the JAX core match (the window is not applied "
-    "there); found by jax-attn fuzz",
-)
 def test_fuzz_ipex_cross_attention_window():
     _available("IPEX")
     example = fuzz.Example(
@@ -237,12 +219,6 @@ def test_fuzz_cross_attention_window_others():
 
 
 @pytest.mark.ipex
-@pytest.mark.xfail(
-    strict=True,
-    reason="IPEX backend: a prefill (2 tokens, no cached prefix) with sliding_window=1 is 1.18 "
-    "off the oracle: the prefill ignores the window (SPEC section 2 says this project fixes "
-    "vLLM's IPEX prefill here); found by jax-attn fuzz",
-)
 def test_fuzz_ipex_prefill_window():
     _available("IPEX")
     example = fuzz.Example(
@@ -263,12 +239,6 @@ def test_fuzz_ipex_prefill_window():
 
 
 @pytest.mark.ipex
-@pytest.mark.xfail(
-    strict=True,
-    reason="IPEX backend: a bfloat16 encoder batch (scale 0.3, D 128) is 3.0e-2 off the "
-    "oracle, past bfloat16's row: its encoder path appears to compute the logits in bfloat16 "
-    "(SPEC: softmax in float32); found by jax-attn fuzz",
-)
 def test_fuzz_ipex_bfloat16_encoder():
     _available("IPEX")
     example = fuzz.Example(

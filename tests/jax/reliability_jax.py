@@ -355,17 +355,22 @@ found are kept as tests in `tests/fuzz/test_fuzz_bounded.py`.
 were first set to float32's; fixed in the tolerance rule |
 | XFORMERS | 7.6 | 3393 (0) | 1: bfloat16 over e4m3 1.9e-2 off, same cause; fixed in the rule |
 | JAX-via-torch | 8.2 | 140 (0) | none |
-| IPEX (its environment) | 1.8 | 1359 (59) | 5, all in torch_backends/ipex_attn, not fixed \
-here: strict xfails |
+| IPEX (its environment) | 1.8 | 1359 (59) | 5, all in torch_backends/ipex_attn; fixed, kept \
+as tests |
+| IPEX, after the fixes, windows and float16-over-fp8 back in its strategy | 5.0 | 20000 \
+(2081) | none |
 
-The IPEX findings: a float16 query over an fp8_e5m2 cache and a sliding window with a soft
-cap raise IPEX's bare RuntimeError; the prefill and the cross attention ignore the sliding
-window (1.18 and 1.66 off); a bfloat16 encoder batch is 3.0e-2 off (bfloat16 logits). IPEX's
-strategy leaves the first four out until they are fixed. Also found by the fuzzer and
-fixed: the torch cross-check runner gave the builder one decoder block for a cross-attention
-query longer than a block. Found while testing the checks and fixed: inside `checked`, the
-native CPU kernel's own INVALID_ARGUMENT preempted checkify's message (a refused step's
-metadata is now emptied).
+The IPEX findings: a float16 query over an fp8_e5m2 cache and a sliding window with a soft cap
+raise IPEX's bare RuntimeError; the prefill and the cross attention ignore the sliding window
+(1.18 and 1.66 off: a window of 1 reached IPEX as "no window"); a bfloat16 encoder batch is
+3.0e-2 off (IPEX's varlen kernel keeps bfloat16 logits). All five are fixed in
+`torch_backends/ipex_attn.py` (fallbacks to the float32 masked path where IPEX's kernels refuse
+or mis-read the arguments; 16-bit prefills through IPEX's flash kernel, which accumulates in
+float32) and kept as tests in `tests/fuzz` and `tests/torch/test_torch_ipex.py`. Also found by
+the fuzzer and fixed: the torch cross-check runner gave the builder one decoder block for a
+cross-attention query longer than a block. Found while testing the checks and fixed: inside
+`checked`, the native CPU kernel's own INVALID_ARGUMENT preempted checkify's message (a refused
+step's metadata is now emptied).
 
 Determinism (tests/jax/test_reliability_determinism.py): xla, reference, pallas (interpret)
 and cpu give bit-identical outputs across calls and between eager and jitted calls, as do
