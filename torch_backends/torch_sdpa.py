@@ -225,12 +225,12 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         masks = None
         if self.need_mask:  # causal here
             masks = (
-                _make_alibi_bias(self.alibi_slopes, query.dtype, q_lens)
+                _make_alibi_bias(self.alibi_slopes, q_lens)
                 if self.alibi_slopes is not None
                 else _make_sliding_window_bias(q_lens, self.sliding_window, query.dtype)
             )
             if self.alibi_slopes is not None and self.sliding_window is not None:
-                windows = _make_sliding_window_bias(q_lens, self.sliding_window, query.dtype)
+                windows = _make_sliding_window_bias(q_lens, self.sliding_window, torch.float32)
                 masks = [a + w for a, w in zip(masks, windows, strict=True)]
         for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
             q = query[q0 : q0 + q_len].movedim(0, 1)  # [Hq, q_len, D]
@@ -253,16 +253,17 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         return output
 
 
-def _make_alibi_bias(alibi_slopes: Tensor, dtype: torch.dtype, seq_lens: list[int]) -> list[Tensor]:
+def _make_alibi_bias(alibi_slopes: Tensor, seq_lens: list[int]) -> list[Tensor]:
     """Per prefill sequence: `[Hq, L, L]` ALiBi bias `slope * (p_k - p_q)`, -inf above the
-    diagonal (causal)."""
+    diagonal (causal). Float32 whatever the query dtype (SDPA adds a float32 mask to 16-bit
+    logits): vLLM rounds it to the query dtype, which in bfloat16 moves a bias of 20 by up to
+    0.06 and the output past bfloat16's tolerance (found by `jax-attn fuzz`)."""
     biases = []
     for seq_len in seq_lens:
         pos = torch.arange(seq_len, dtype=torch.float32)
         distance = pos[None, :] - pos[:, None]  # [L, L]: p_k - p_q
         bias = alibi_slopes.float()[:, None, None] * distance[None]
-        bias = bias.masked_fill(distance[None] > 0, float("-inf"))
-        biases.append(bias.to(dtype))
+        biases.append(bias.masked_fill(distance[None] > 0, float("-inf")))
     return biases
 
 

@@ -10,17 +10,15 @@ Environment: `JAX_ATTN_CPU_THREADS` sets the worker count (default: XLA's intra-
 `JAX_ATTN_CACHE_DIR` moves the build cache (default ~/.cache/jax-attn),
 `JAX_ATTN_CPU_EXTRA_FLAGS` adds compiler flags (e.g. `-march=x86-64-v3` for the portable
 kernels, `-fsanitize=address,undefined`), `JAX_ATTN_CPU_PREFETCH` sets the decode kernel's
-prefetch distance in kv-head tiles (0: off). `python -m jax_attn.cpu.build` builds eagerly.
+prefetch distance in kv-head tiles (0: off), `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen
+bf16 keys to float32 instead of dotting them with vdpbf16ps (both read per call: for A/B
+timing). `python -m jax_attn.cpu.build` builds eagerly.
 """
 
 from jax_attn.cpu._build import unavailable_reason
 from jax_attn.cpu._shapes import shape_problem
 from jax_attn.cpu.paged_decode import paged_decode
-
-try:  # written on a parallel branch (h-cpu2); present once merged
-    from jax_attn.cpu.ragged_paged_attention import ragged_paged_attention
-except ImportError:  # pragma: no cover
-    pass
+from jax_attn.cpu.ragged_paged_attention import ragged_paged_attention
 
 
 def available() -> bool:

@@ -45,6 +45,13 @@ CASES = [
     *(Case(head_size=d) for d in (32, 72, 80, 128, 256)),
     Case(head_size=128, num_heads=32, num_kv_heads=8, split_tokens=128),
     *(Case(dtype=d) for d in ("bfloat16", "float16")),
+    # bf16 queries on a bf16 cache take the vdpbf16ps path: odd 32-element tails, GQA 7 / 1,
+    # block sizes 1 and 32, split-K, window and ALiBi.
+    Case(dtype="bfloat16", head_size=80, num_heads=7, num_kv_heads=1),
+    Case(dtype="bfloat16", head_size=72, block_size=1),
+    Case(dtype="bfloat16", head_size=40, num_heads=4, num_kv_heads=4, block_size=32),
+    Case(dtype="bfloat16", head_size=256, num_heads=16, num_kv_heads=2, split_tokens=32),
+    Case(dtype="bfloat16", head_size=128, sliding_window=5, alibi=True, block_size=8),
     Case(dtype="bfloat16", cache_dtype="float8_e4m3fn"),
     Case(dtype="float32", cache_dtype="float8_e5m2"),
     Case(dtype="float16", cache_dtype="float8_e5m2", alibi=True, block_size=8),
@@ -111,6 +118,22 @@ def test_cpu_paged_decode_matches_jax_oracle(case: Case, rng):
             query, kc, vc, tables, seq_lens, scale=0.1, **kwargs
         )
     assert_close(out, expected, case.dtype)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.dtype == "bfloat16" and not c.cache_dtype], ids=str
+)
+def test_bf16_widened_keys_match_float64(case: Case, rng, monkeypatch):
+    """bf16 over bf16 with the keys widened to float32 (JAX_ATTN_CPU_BF16_DOT=0), the path the
+    cases above take on CPUs without AVX512_BF16; here they take the vdpbf16ps path."""
+    monkeypatch.setenv("JAX_ATTN_CPU_BF16_DOT", "0")
+    query, kc, vc, tables, seq_lens, kwargs, expected = _run(case, rng)
+    kc_before, vc_before = np.asarray(kc).copy(), np.asarray(vc).copy()
+    out = cpu.paged_decode(
+        query, kc, vc, tables, seq_lens, scale=case.head_size**-0.5,
+        split_tokens=case.split_tokens, **kwargs,
+    )  # fmt: skip
+    assert_native_output(out, query, expected, case, (kc, vc), (kc_before, vc_before))
 
 
 def test_threads_and_splits_agree(rng, monkeypatch):

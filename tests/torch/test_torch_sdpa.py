@@ -174,8 +174,8 @@ def test_block_sparse_decode_rejected():
 
 def test_vllm_mask_helpers():
     slopes = torch.tensor([0.5, 0.25])
-    (bias,) = _make_alibi_bias(slopes, torch.float32, [3])
-    assert bias.shape == (2, 3, 3)
+    (bias,) = _make_alibi_bias(slopes, [3])
+    assert bias.shape == (2, 3, 3) and bias.dtype == torch.float32
     assert bias[0, 2, 0] == -1.0 and bias[1, 2, 1] == -0.25 and bias[0, 0, 1] == float("-inf")
     (window,) = _make_sliding_window_bias([4], 2, torch.float32)
     keep = window[0] == 0

@@ -15,7 +15,9 @@
 // for up to 4 query rows at once, so each value chunk is loaded once per 4 rows. Keys outside
 // the visible range (past seq_len, before the sliding window) are never loaded: tiles cover
 // only the visible range, and a tile's unused rows are zeros in the widened copy, so NaN in
-// unused cache memory cannot reach an output.
+// unused cache memory cannot reach an output. bf16 queries on a bf16 cache (CPUs with
+// AVX512_BF16) copy the key rows as bf16 and take their dot products with vdpbf16ps: half the
+// tile and half the instructions ($JAX_ATTN_CPU_BF16_DOT=0 widens them instead).
 //
 // Measured on the 2-core AMD EPYC (AVX-512) dev machine, one thread, B=32 ctx=1024 Hq=32
 // Hkv=8 D=128 BS=16: the math alone (cache resident in L2) takes ~6.6 ms (f32) / ~5.2 ms (bf16)
@@ -299,14 +301,77 @@ inline void accumulate_values(const float* vt, int64_t n, const float (*probs)[1
   }
 }
 
-// All G query rows of kv head h against one widened tile (n valid tokens): logits, online
-// softmax, values. Independent of the cache dtype: instantiated once per head size.
+// Copy one kv head's rows [0, n) of a bf16 tile into dst [16, NC2 * 32] bf16 (rows >= n and
+// elements past head_size: zeros), prefetching the rows of a later tile into L2 as widen_tile.
 template <int NC>
-__attribute__((noinline)) void attend_tile(const Problem& p, const float* q, RowsState& st,
-                                           const float* ktile, const float* vtile, int64_t h,
-                                           int64_t n, __mmask16 valid, __m512 distance) {
+inline void copy_tile_bf16(const bf16_t* src, int64_t row_stride, int64_t n, int64_t head_size,
+                           bf16_t* dst, const bf16_t* prefetch, int64_t prefetch_rows) {
+  constexpr int NC2 = (NC + 1) / 2;
+  const int64_t tail = head_size - (NC2 - 1) * 32;
+  const __mmask32 last = tail >= 32 ? static_cast<__mmask32>(0xffffffffu)
+                                    : static_cast<__mmask32>((1u << tail) - 1u);
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t < prefetch_rows) {
+      const bf16_t* pf = prefetch + t * row_stride;
+      for (int64_t e = 0; e < NC * 16; e += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf + e), _MM_HINT_T1);
+      }
+    }
+    const bf16_t* row = src + t * row_stride;
+#pragma GCC unroll 8
+    for (int c = 0; c < NC2; ++c) {
+      const __mmask32 m = t >= n ? static_cast<__mmask32>(0)
+                          : c == NC2 - 1 ? last
+                                         : static_cast<__mmask32>(0xffffffffu);
+      _mm512_store_si512(dst + (t * NC2 + c) * 32, _mm512_maskz_loadu_epi16(m, row + 32 * c));
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+#define JAX_ATTN_DECODE_BF16_DOT 1
+// Logits of one query row against a bf16 key tile: dots[t] = sum over d pairs of q[d] * k[t][d]
+// by vdpbf16ps (bf16 products are exact, accumulated in float32): half the instructions of the
+// float32 dot, on half the tile. q2: the row's unscaled bf16 query, ktile2: [16, NC2 * 32],
+// both zero beyond the head size (copy_tile_bf16).
+template <int NC2>
+inline void dot_keys_bf16(const bf16_t* q2, const bf16_t* ktile2, __m512* dots) {
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < NC2; ++c) {
+    const __m512bh qc = (__m512bh)_mm512_load_si512(q2 + 32 * c);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      const __m512bh kc = (__m512bh)_mm512_load_si512(ktile2 + (t * NC2 + c) * 32);
+      dots[t] = _mm512_dpbf16_ps(dots[t], qc, kc);
+    }
+  }
+}
+#else
+#define JAX_ATTN_DECODE_BF16_DOT 0
+#endif
+
+// The query rows of one item: float32 scaled by qk_scale ([Hq, DP], zero-padded), and for the
+// bf16 dot path the unscaled bf16 rows ([Hq, DP2], zero-padded; DP2 = NC2 * 32).
+struct Queries {
+  const float* f32;
+  const bf16_t* bf16;
+};
+
+// All G query rows of kv head h against one tile of n tokens: logits, online softmax, values.
+// Keys: the widened tile ktile ([16, DP] float32), or with kDot the bf16 tile ktile2 ([16, DP2]);
+// values: the widened tile vtile ([16, DP]). Independent of the cache dtype: instantiated once
+// per head size and path.
+template <int NC, bool kDot>
+__attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, RowsState& st,
+                                           const float* ktile, const bf16_t* ktile2,
+                                           const float* vtile, int64_t h, int64_t n,
+                                           __m512 distance) {
   constexpr int64_t DP = NC * 16;
+  constexpr int NC2 = (NC + 1) / 2;
   const int64_t G = p.group;
+  const __mmask16 valid = tail_mask(n);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float probs[4][16];
   // The G query rows of this kv head, up to 4 at a time.
@@ -316,20 +381,29 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const float* q, Row
     float* acc[4];
     for (int r = 0; r < rg; ++r) {
       const int64_t row = h * G + g0 + r;
-      const float* qrow = q + row * DP;
-      // logits[t] = q . k[t]: 16 independent accumulators, NC steps each.
+      // logits[t] = q . k[t]: 16 independent accumulators, one per key.
       __m512 dots[16];
+      __m512 logits;
+#if JAX_ATTN_DECODE_BF16_DOT
+      if constexpr (kDot) {
+        dot_keys_bf16<NC2>(q.bf16 + row * NC2 * 32, ktile2, dots);
+        logits = _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(p.qk_scale));
+      } else
+#endif
+      {
+        const float* qrow = q.f32 + row * DP;
 #pragma GCC unroll 16
-      for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+        for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) {
-        const __m512 qc = _mm512_load_ps(qrow + 16 * c);
+        for (int c = 0; c < NC; ++c) {
+          const __m512 qc = _mm512_load_ps(qrow + 16 * c);
 #pragma GCC unroll 16
-        for (int t = 0; t < 16; ++t) {
-          dots[t] = _mm512_fmadd_ps(_mm512_load_ps(ktile + t * DP + 16 * c), qc, dots[t]);
+          for (int t = 0; t < 16; ++t) {
+            dots[t] = _mm512_fmadd_ps(_mm512_load_ps(ktile + t * DP + 16 * c), qc, dots[t]);
+          }
         }
+        logits = transpose_sum16(dots);
       }
-      __m512 logits = transpose_sum16(dots);
       if (p.cap > 0.0f) logits = soft_cap16(logits, p.cap);
       if (p.alibi) logits = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[row]), distance, logits);
       logits = _mm512_mask_mov_ps(neg_inf, valid, logits);
@@ -351,7 +425,8 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const float* q, Row
 }
 
 // One item on AVX-512. NC = ceil(D / 16) 16-float chunks per row; the last may be partial.
-template <typename KV, int NC>
+// kDot: bf16 queries on a bf16 cache, keys dotted in place by vdpbf16ps (dot_keys_bf16).
+template <typename KV, int NC, bool kDot>
 void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<int32_t>* arrivals) {
   constexpr int64_t DP = NC * 16;
   const int64_t D = p.head_size, Hq = p.num_heads, Hkv = p.num_kv_heads;
@@ -366,11 +441,21 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   const int64_t tiles_per_block = (BS + 15) / 16;
 
   FloatBuffer q(static_cast<size_t>(Hq * DP));  // [Hq, DP], scaled, zero-padded
-  for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
+  constexpr int64_t DP2 = (NC + 1) / 2 * 32;  // bf16 elements per row of q2
+  FloatBuffer q2(kDot ? static_cast<size_t>(Hq * DP2 / 2) : 0);  // [Hq, DP2] bf16, zero-padded
+  if constexpr (kDot) {
+    bf16_t* dst = reinterpret_cast<bf16_t*>(q2.get());
+    const bf16_t* src = static_cast<const bf16_t*>(p.query) + it.seq * Hq * D;
+    for (int64_t r = 0; r < Hq; ++r) std::memcpy(dst + r * DP2, src + r * D, D * sizeof(bf16_t));
+  } else {
+    for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
+  }
+  const Queries queries{q.get(), reinterpret_cast<const bf16_t*>(q2.get())};
   RowsState st(Hq, DP);
-  // One kv head's widened tile: [16, DP] keys and values, L1-resident, reused by the G query
-  // rows of its group.
-  alignas(64) float ktile[16 * DP];
+  // One kv head's tile, L1-resident, reused by the G query rows of its group: widened keys
+  // [16, DP] (with kDot: bf16 keys [16, DP2]) and widened values [16, DP].
+  alignas(64) float ktile[kDot ? 16 : 16 * DP];
+  alignas(64) bf16_t ktile2[kDot ? 16 * DP2 : 32];
   alignas(64) float vtile[16 * DP];
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
@@ -385,7 +470,6 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
     const int64_t block_offset = table[b] * block_stride;
     for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, t_end - t0);
-      const __mmask16 valid = tail_mask(n);
       const __m512 distance = _mm512_add_ps(
           iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
       for (int64_t h = 0; h < Hkv; ++h) {
@@ -405,9 +489,15 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           pf_offset = table[bb] * block_stride + tt * 16 * row_stride + hh * D;
         }
         const int64_t offset = block_offset + t0 * row_stride + h * D;
-        widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile, kc + pf_offset, pf_rows);
+        if constexpr (kDot) {
+          copy_tile_bf16<NC>(reinterpret_cast<const bf16_t*>(kc + offset), row_stride, n, D,
+                             ktile2, reinterpret_cast<const bf16_t*>(kc + pf_offset), pf_rows);
+        } else {
+          widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile, kc + pf_offset,
+                             pf_rows);
+        }
         widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile, vc + pf_offset, pf_rows);
-        attend_tile<NC>(p, q.get(), st, ktile, vtile, h, n, valid, distance);
+        attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile, h, n, distance);
       }
     }
   }
@@ -418,54 +508,59 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
 
 using ItemFn = void (*)(const Problem&, const Item&, float*, std::atomic<int32_t>*);
 
-// The item function for a cache dtype and head size, chosen once per call. Building with
-// -DJAX_ATTN_CPU_FEW_HEAD_SIZES instantiates the vector kernel for head sizes 32, 64, 80,
+// The item function for a cache dtype, head size and path, chosen once per call. Building
+// with -DJAX_ATTN_CPU_FEW_HEAD_SIZES instantiates the vector kernel for head sizes 32, 64, 80,
 // 128, 256 only (others run the scalar kernel): for quick sanitizer builds.
-template <typename KV>
+template <typename KV, bool kDot>
 ItemFn pick_item_fn(int64_t head_size) {
   if (head_size < 1 || head_size > kMaxHeadSize) return nullptr;
 #if JAX_ATTN_AVX512
+  switch ((head_size + 15) / 16) {
 #ifdef JAX_ATTN_CPU_FEW_HEAD_SIZES
-  switch ((head_size + 15) / 16) {
-    case 2: return decode_item<KV, 2>;
-    case 4: return decode_item<KV, 4>;
-    case 5: return decode_item<KV, 5>;
-    case 8: return decode_item<KV, 8>;
-    case 16: return decode_item<KV, 16>;
+    case 2: return decode_item<KV, 2, kDot>;
+    case 4: return decode_item<KV, 4, kDot>;
+    case 5: return decode_item<KV, 5, kDot>;
+    case 8: return decode_item<KV, 8, kDot>;
+    case 16: return decode_item<KV, 16, kDot>;
     default: return decode_item_scalar<KV>;
-  }
 #else
-  switch ((head_size + 15) / 16) {
-    case 1: return decode_item<KV, 1>;
-    case 2: return decode_item<KV, 2>;
-    case 3: return decode_item<KV, 3>;
-    case 4: return decode_item<KV, 4>;
-    case 5: return decode_item<KV, 5>;
-    case 6: return decode_item<KV, 6>;
-    case 7: return decode_item<KV, 7>;
-    case 8: return decode_item<KV, 8>;
-    case 9: return decode_item<KV, 9>;
-    case 10: return decode_item<KV, 10>;
-    case 11: return decode_item<KV, 11>;
-    case 12: return decode_item<KV, 12>;
-    case 13: return decode_item<KV, 13>;
-    case 14: return decode_item<KV, 14>;
-    case 15: return decode_item<KV, 15>;
-    default: return decode_item<KV, 16>;
-  }
+    case 1: return decode_item<KV, 1, kDot>;
+    case 2: return decode_item<KV, 2, kDot>;
+    case 3: return decode_item<KV, 3, kDot>;
+    case 4: return decode_item<KV, 4, kDot>;
+    case 5: return decode_item<KV, 5, kDot>;
+    case 6: return decode_item<KV, 6, kDot>;
+    case 7: return decode_item<KV, 7, kDot>;
+    case 8: return decode_item<KV, 8, kDot>;
+    case 9: return decode_item<KV, 9, kDot>;
+    case 10: return decode_item<KV, 10, kDot>;
+    case 11: return decode_item<KV, 11, kDot>;
+    case 12: return decode_item<KV, 12, kDot>;
+    case 13: return decode_item<KV, 13, kDot>;
+    case 14: return decode_item<KV, 14, kDot>;
+    case 15: return decode_item<KV, 15, kDot>;
+    default: return decode_item<KV, 16, kDot>;
 #endif
+  }
 #else
   return decode_item_scalar<KV>;
 #endif
 }
 
-ItemFn pick_item_fn(ffi::DataType cache_type, int64_t head_size) {
+ItemFn pick_item_fn(ffi::DataType cache_type, ffi::DataType query_type, int64_t head_size) {
   switch (cache_type) {
-    case ffi::DataType::F32: return pick_item_fn<float>(head_size);
-    case ffi::DataType::BF16: return pick_item_fn<bf16_t>(head_size);
-    case ffi::DataType::F16: return pick_item_fn<f16_t>(head_size);
-    case ffi::DataType::F8E4M3FN: return pick_item_fn<e4m3_t>(head_size);
-    case ffi::DataType::F8E5M2: return pick_item_fn<e5m2_t>(head_size);
+    case ffi::DataType::F32: return pick_item_fn<float, false>(head_size);
+    case ffi::DataType::BF16:
+#if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_BF16_DOT
+      if (query_type == ffi::DataType::BF16) {
+        const char* env = std::getenv("JAX_ATTN_CPU_BF16_DOT");
+        if (env == nullptr || std::atoi(env) != 0) return pick_item_fn<bf16_t, true>(head_size);
+      }
+#endif
+      return pick_item_fn<bf16_t, false>(head_size);
+    case ffi::DataType::F16: return pick_item_fn<f16_t, false>(head_size);
+    case ffi::DataType::F8E4M3FN: return pick_item_fn<e4m3_t, false>(head_size);
+    case ffi::DataType::F8E5M2: return pick_item_fn<e5m2_t, false>(head_size);
     default: return nullptr;
   }
 }
@@ -546,7 +641,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
   if (out->element_type() != p.query_type || dims_str(out->dimensions()) != dims_str(qd)) {
     return ffi::Error::InvalidArgument("output must have the query's shape and dtype");
   }
-  const ItemFn item_fn = pick_item_fn(key_cache.element_type(), p.head_size);
+  const ItemFn item_fn = pick_item_fn(key_cache.element_type(), p.query_type, p.head_size);
   if (item_fn == nullptr) {
     return ffi::Error::InvalidArgument(
         std::string("unsupported key_cache dtype ") + dtype_name(key_cache.element_type()) +
