@@ -71,6 +71,8 @@ def paged_attention_xla(
     """`paged_attention` on the XLA path, arguments already checked; `bias` holds its causal /
     ALiBi / window / soft cap / k_scale / v_scale keywords, handed on to `_paged_tiles`."""
     num_tokens, num_seqs = query.shape[0], md.seq_lens.shape[0]
+    if num_tokens == 0:  # a batch of empty sequences: nothing to gather from (static shape)
+        return jnp.zeros(query.shape, query.dtype)
     real = jnp.arange(num_seqs, dtype=jnp.int32) < md.num_seqs
     q_lens = jnp.where(real, md.query_lens, 0)
     seq_lens = jnp.where(real, md.seq_lens, 0)
@@ -121,6 +123,8 @@ def paged_decode_xla(
 ) -> Float[Array, "num_seqs num_heads head_size"]:
     """`paged_decode` on the XLA path: one one-row tile per sequence, at `seq_len - 1`."""
     num_seqs = query.shape[0]
+    if num_seqs == 0:  # an empty batch (static shape)
+        return jnp.zeros(query.shape, query.dtype)
     seq_lens = seq_lens.astype(jnp.int32)
     q_valid = (seq_lens > 0)[:, None]  # [S, 1]: one query row per tile
     out = _paged_tiles(

@@ -273,7 +273,12 @@ class XFormersImpl(PagedImpl[XFormersMetadata]):
         self, query: Queries, key: KeysValues, value: KeysValues, plan: StepPlan
     ) -> Queries:
         q_lens, kv_lens, causal = plan.q_lens, plan.kv_lens, plan.causal
-        bias = self.make_attn_bias(q_lens, kv_lens, causal, dtype=query.dtype, device=query.device)
+        # xformers' CUDA kernel takes a tensor bias only in the query's dtype; `_run`'s other
+        # path (CPU, soft cap) materializes it, in float32 (a bfloat16 ALiBi bias of 10 is off
+        # by up to 0.03: found by `jax-attn fuzz`).
+        kernel = query.is_cuda and self.logits_soft_cap is None
+        dtype = query.dtype if kernel else torch.float32
+        bias = self.make_attn_bias(q_lens, kv_lens, causal, dtype=dtype, device=query.device)
         if not isinstance(bias, list):
             return self._run(query, key, value, bias)
         output = torch.empty_like(query)

@@ -327,6 +327,8 @@ def paged_decode(
         checks.check_native_tile(
             pages_per_compute_block, "pages_per_compute_block", width=block_size
         )
+    if num_seqs == 0:  # an empty batch: a grid of no programs
+        return jnp.zeros(query.shape, query.dtype)
     max_blocks = max(block_tables.shape[1], 1)
     if pages_per_compute_block is None:
         block_k = softmax.default_block_k(

@@ -194,6 +194,39 @@ REGRESSIONS = {
             scale=0.3,
         ),
     ),
+    # XFORMERS materialized its ALiBi bias in the query's dtype on the CPU path too (as its
+    # CUDA kernel needs): a bfloat16 encoder batch 2.3e-2 off. Float32 off the kernel now.
+    "xformers-bfloat16-alibi-encoder": (
+        "XFORMERS",
+        0,
+        dict(
+            query_lens=(19, 1, 1, 1, 1),
+            context_lens=(0, 0, 0, 0, 0),
+            num_heads=14,
+            head_size=32,
+            block_size=8,
+            dtype="bfloat16",
+            alibi=True,
+            attn_type=fuzz.AttentionType.ENCODER,
+        ),
+    ),
+    # A batch of one empty sequence (no token at all): the XLA path gathered from the empty
+    # query and raised TypeError; kept for every JAX impl.
+    **{
+        f"{name}-empty-batch": (
+            name,
+            0,
+            dict(
+                query_lens=(0,),
+                context_lens=(0,),
+                num_heads=1,
+                num_kv_heads=1,
+                head_size=8,
+                block_size=1,
+            ),
+        )
+        for name in ("jax-xla", "jax-reference", "jax-pallas", "jax-cpu")
+    },
     # The cross-attention window case on the backends that always agreed with the oracle.
     **{
         f"{name}-cross-attention-window": (name, 0, _CROSS_WINDOW)

@@ -169,6 +169,27 @@ def test_decode_and_unified_entry_agree(rng):
     np.testing.assert_allclose(np.asarray(decode), np.asarray(unified[:num_seqs]), atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["xla", "reference", "pallas", "cpu"])
+def test_empty_batches_give_empty_outputs(impl: str):
+    """Zero tokens (a batch of empty sequences) and zero decode rows: empty outputs of the
+    query's shape, under jit too (the XLA path gathered from the empty query and failed:
+    found by `jax-attn fuzz`)."""
+    if impl == "cpu" and not jax_attn.cpu.available():
+        pytest.skip(f"native CPU kernels: {jax_attn.cpu.unavailable_reason()}")
+    interpret = dict(interpret=True) if impl == "pallas" else {}
+    kc = jnp.full((3, 1, 1, 8), jnp.nan)
+    md = jax_attn.RaggedMetadata.build(
+        query_lens=[0], context_lens=[0], block_tables=np.zeros((1, 1), np.int32), block_size=1
+    )
+    query = jnp.zeros((0, 2, 8), jnp.bfloat16)
+    out = jax_attn.paged_attention(query, kc, kc, md, scale=0.3, impl=impl, **interpret)
+    assert out.shape == (0, 2, 8) and out.dtype == jnp.bfloat16
+    tables, lens = jnp.zeros((0, 1), jnp.int32), jnp.zeros((0,), jnp.int32)
+    decode = jax.jit(jax_attn.paged_decode, static_argnames=("scale", "impl", "interpret"))
+    out = decode(query, kc, kc, tables, lens, scale=0.3, impl=impl, **interpret)
+    assert out.shape == (0, 2, 8) and out.dtype == jnp.bfloat16
+
+
 def test_nan_in_unused_memory_is_what_we_think(rng):
     """Guard the guard: the workload really poisons unused blocks and tail slots."""
     w = make_workload(rng, [3], [14], num_heads=2, num_kv_heads=1, head_size=8, block_size=8)
