@@ -15,6 +15,7 @@ Imports hypothesis, JAX and torch only when used.
 """
 
 import dataclasses
+import sys
 import time
 
 import numpy as np
@@ -267,6 +268,16 @@ class _Failed(AssertionError):
     pass
 
 
+def _drop_compiled_programs() -> None:
+    """Free JAX's compiled programs between batches. Nearly every example is a new shape, so a
+    new XLA program: kept for half an hour they exhaust the process's memory mappings
+    (vm.max_map_count), and XLA's JIT then fails ("LLVM compilation error: Cannot allocate
+    memory") and the process dies (seen after 22-27 minutes on jax-reference / jax-pallas)."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+
+
 def fuzz_backend(name: str, seconds: float, *, seed: int = 0, batch: int = 20) -> FuzzReport:
     """Run seeded hypothesis batches of `batch` examples on one backend until `seconds` pass or
     a counterexample is found (shrunk)."""
@@ -309,5 +320,6 @@ def fuzz_backend(name: str, seconds: float, *, seed: int = 0, batch: int = 20) -
                 raise e
             break
         run_seed += 1
+        _drop_compiled_programs()
     report.seconds = time.monotonic() - start
     return report
