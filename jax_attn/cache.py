@@ -36,13 +36,39 @@ def kv_cache_shape(
     return (num_blocks, block_size, num_kv_heads, head_size)
 
 
+def _split(a: Array) -> tuple[Array, Array]:
+    """Veltkamp's split of float32 `a` into hi + lo, each with at most 12 significant bits."""
+    c = a * jnp.float32(4097.0)
+    hi = c - (c - a)
+    return hi, a - hi
+
+
+def _divide_exactly(x: Array, s: Array) -> Array:
+    """`x / s` rounded as IEEE float32 division rounds it (what NumPy and torch compute).
+
+    XLA:CPU's float32 division is off by an ulp for some operands (-0.170625 / 0.42 gives
+    -0.40625, the true quotient is -0.4062500155), and an ulp across a tie between two fp8
+    numbers moves the stored value a whole fp8 step (found by `jax-attn fuzz`). One correction
+    step with the exact remainder fixes it: q0 * s = p + e exactly (Dekker's product), so
+    x - q0 * s = (x - p) - e, and q0 + (x - q0 * s) / s rounds to the IEEE quotient.
+    """
+    q0 = x / s
+    p = q0 * s
+    qh, ql = _split(q0)
+    sh, sl = _split(s)
+    e = ((qh * sh - p) + qh * sl + ql * sh) + ql * sl
+    q = q0 + ((x - p) - e) / s
+    # Keep q0 where the step cannot help: zeros (their sign) and huge |q0| (the split overflows).
+    return jnp.where((q0 == 0) | ~jnp.isfinite(q), q0, q)
+
+
 def quantize(x: Array, dtype, scale) -> Array:
     """`x` as stored in a cache of `dtype`: `saturate(x / scale)` for fp8, a cast otherwise."""
     dtype = jnp.dtype(dtype)
     if not is_fp8(dtype):
         return x.astype(dtype)
     finfo = jnp.finfo(dtype)
-    scaled = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    scaled = _divide_exactly(x.astype(jnp.float32), jnp.asarray(scale, jnp.float32))
     # fp8 has no infinities in e4m3fn and a cast would overflow to NaN: saturate first.
     return jnp.clip(scaled, float(finfo.min), float(finfo.max)).astype(dtype)
 

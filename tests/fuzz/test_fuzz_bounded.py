@@ -227,6 +227,25 @@ REGRESSIONS = {
         )
         for name in ("jax-xla", "jax-reference", "jax-pallas", "jax-cpu")
     },
+    # XLA:CPU's float32 division is an ulp off for some operands: write_kv stored
+    # -0.170625 / 0.42 (true quotient -0.4062500155) as e5m2 -0.375 instead of -0.4375, and
+    # every JAX impl came out 4.8e-3 off. write_kv divides exactly now (jax_attn.cache).
+    **{
+        f"{name}-fp8-write-ieee-division": (
+            name,
+            174,
+            dict(
+                query_lens=(1, 1),
+                context_lens=(14, 1),
+                num_heads=1,
+                num_kv_heads=1,
+                head_size=8,
+                block_size=1,
+                cache_dtype="float8_e5m2",
+            ),
+        )
+        for name in ("jax-xla", "jax-reference", "jax-cpu")
+    },
     # The cross-attention window case on the backends that always agreed with the oracle.
     **{
         f"{name}-cross-attention-window": (name, 0, _CROSS_WINDOW)

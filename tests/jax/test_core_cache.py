@@ -85,6 +85,27 @@ def test_fp8_write_saturates_and_scales(dtype, rng):
     )
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("scale", [0.42, 0.57, 1.3, 3.7e-3])
+def test_fp8_write_rounds_the_ieee_quotient(dtype, scale, rng):
+    """`x / scale` as IEEE float32 division rounds it (NumPy, torch), bit for bit, under jit:
+    XLA:CPU's own float32 division is an ulp off for a quarter to half of these values, and
+    an ulp across a tie moves the fp8 value a whole step (-0.170625 / 0.42 in e5m2: found by
+    `jax-attn fuzz`)."""
+    n = 1 << 16
+    x = (rng.standard_normal(n) * np.exp(rng.uniform(-12, 12, n))).astype(np.float32)
+    x[:3] = [-0.170625, 0.0, -0.0]
+    kc = jnp.zeros((n // 16, 16, 1, 1), dtype)
+    write = jax.jit(jax_attn.write_kv, static_argnames=("k_scale", "v_scale"))
+    new_k, _ = write(kc, kc, jnp.asarray(x)[:, None, None], jnp.asarray(x)[:, None, None],
+                     jnp.arange(n, dtype=jnp.int32), k_scale=scale, v_scale=scale)  # fmt: skip
+    finfo = ml_dtypes.finfo(np.dtype(dtype))
+    quotient = x / np.float32(scale)
+    expected = np.clip(quotient, float(finfo.min), float(finfo.max)).astype(np.dtype(dtype))
+    stored = np.asarray(new_k).reshape(-1)
+    np.testing.assert_array_equal(stored.view(np.uint8), expected.view(np.uint8))
+
+
 def test_write_kv_under_jit_with_donation(rng):
     kc = jnp.asarray(rng.standard_normal((4, 8, 2, 16)).astype(np.float32))
     vc = kc + 1
