@@ -351,9 +351,10 @@ kernels). Every counterexample is fixed and kept in `tests/fuzz/test_fuzz_bounde
 XLA path gathered from the empty query); fixed, then none |
 | jax-reference | 30.3 | 880 (0) | none |
 | jax-pallas (interpret) | 30.0 | 800 (320) | none |
-| jax-cpu (native) | 30.2, then 21.5 | 3480 (1423), then 2541 (1014) | 1: every JAX impl 4.8e-3 \
-off over an e5m2 cache: XLA:CPU's float32 division is an ulp off for a quarter to half of the \
-operands, which moved `write_kv`'s fp8 value across a tie; `write_kv` divides exactly now |
+| jax-cpu (native) | 30.2, then 21.5, then 30.0 | 3480 (1423), then 2541 (1014), then 10280 \
+(4182) | 1: every JAX impl 4.8e-3 off over an e5m2 cache: XLA:CPU's float32 division is an ulp \
+off for a quarter to half of the operands, which moved `write_kv`'s fp8 value across a tie; \
+`write_kv` divides exactly now; then none |
 | TORCH_SDPA | 14.2, then 30.0 | 5541, then 48180 (0) | 1: bfloat16 prefill with ALiBi 1.9e-2 \
 off (vLLM rounds the bias to the query dtype); the bias is float32 now |
 | XFORMERS | 0.3, then 30.0 | 126, then 15820 (0) | 1: the same bias rounding on its CPU path \
