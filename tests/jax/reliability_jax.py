@@ -347,8 +347,8 @@ kernels). Every counterexample is fixed and kept in `tests/fuzz/test_fuzz_bounde
 
 | backend | minutes | examples (n/a) | counterexamples |
 |---|---|---|---|
-| jax-xla | 3.3, then 30.5 | 48, then 460 (0) | 1: a batch of one empty sequence raised TypeError (the \
-XLA path gathered from the empty query); fixed, then none |
+| jax-xla | 3.3, then 30.5 | 48, then 460 (0) | 1: a batch of one empty sequence raised \
+TypeError (the XLA path gathered from the empty query); fixed, then none |
 | jax-reference | 30.3 | 880 (0) | none |
 | jax-pallas (interpret) | 30.0 | 800 (320) | none |
 | jax-cpu (native) | 30.2, then 21.5, then 30.0 | 3480 (1423), then 2541 (1014), then 10280 \
