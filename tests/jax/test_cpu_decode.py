@@ -89,8 +89,7 @@ def _run(case: Case, rng: np.random.Generator):
     return query, kc, vc, jnp.asarray(tables), jnp.asarray(seq_lens), kwargs, expected
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_cpu_paged_decode_matches_float64(case: Case, rng):
+def _check_against_float64(case: Case, rng) -> None:
     query, kc, vc, tables, seq_lens, kwargs, expected = _run(case, rng)
     kc_before, vc_before = np.asarray(kc).copy(), np.asarray(vc).copy()
     out = cpu.paged_decode(
@@ -104,6 +103,11 @@ def test_cpu_paged_decode_matches_float64(case: Case, rng):
         **kwargs,
     )
     assert_native_output(out, query, expected, case, (kc, vc), (kc_before, vc_before))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_cpu_paged_decode_matches_float64(case: Case, rng):
+    _check_against_float64(case, rng)
 
 
 @pytest.mark.parametrize(
@@ -127,13 +131,7 @@ def test_bf16_widened_keys_match_float64(case: Case, rng, monkeypatch):
     """bf16 over bf16 with the keys widened to float32 (JAX_ATTN_CPU_BF16_DOT=0), the path the
     cases above take on CPUs without AVX512_BF16; here they take the vdpbf16ps path."""
     monkeypatch.setenv("JAX_ATTN_CPU_BF16_DOT", "0")
-    query, kc, vc, tables, seq_lens, kwargs, expected = _run(case, rng)
-    kc_before, vc_before = np.asarray(kc).copy(), np.asarray(vc).copy()
-    out = cpu.paged_decode(
-        query, kc, vc, tables, seq_lens, scale=case.head_size**-0.5,
-        split_tokens=case.split_tokens, **kwargs,
-    )  # fmt: skip
-    assert_native_output(out, query, expected, case, (kc, vc), (kc_before, vc_before))
+    _check_against_float64(case, rng)
 
 
 def test_threads_and_splits_agree(rng, monkeypatch):

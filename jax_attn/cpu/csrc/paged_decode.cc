@@ -225,21 +225,24 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
 #if JAX_ATTN_AVX512
 
 
+// Prefetch one cache row of NC * 16 elements into L2.
+template <typename T, int NC>
+inline void prefetch_row_l2(const T* row) {
+  constexpr int64_t kLineElems = 64 / sizeof(T);
+  for (int64_t e = 0; e < NC * 16; e += kLineElems) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + e), _MM_HINT_T1);
+  }
+}
+
 // Widen one kv head's rows [0, n) of a tile into dst [16, DP] float32 (rows >= n: zeros, so
 // unused cache bytes never reach the math), prefetching the rows of a later tile into L2.
 template <typename KV, int NC>
 inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 last_mask,
                        float* dst, const KV* prefetch, int64_t prefetch_rows) {
   constexpr int64_t DP = NC * 16;
-  constexpr int64_t kLineElems = 64 / sizeof(KV);
   const bool full = n == 16 && last_mask == static_cast<__mmask16>(0xffff);
   for (int64_t t = 0; t < 16; ++t) {
-    if (t < prefetch_rows) {
-      const KV* pf = prefetch + t * row_stride;
-      for (int64_t e = 0; e < NC * 16; e += kLineElems) {
-        _mm_prefetch(reinterpret_cast<const char*>(pf + e), _MM_HINT_T1);
-      }
-    }
+    if (t < prefetch_rows) prefetch_row_l2<KV, NC>(prefetch + t * row_stride);
     const KV* row = src + t * row_stride;
     if (full) {
 #pragma GCC unroll 16
@@ -311,12 +314,7 @@ inline void copy_tile_bf16(const bf16_t* src, int64_t row_stride, int64_t n, int
   const __mmask32 last = tail >= 32 ? static_cast<__mmask32>(0xffffffffu)
                                     : static_cast<__mmask32>((1u << tail) - 1u);
   for (int64_t t = 0; t < 16; ++t) {
-    if (t < prefetch_rows) {
-      const bf16_t* pf = prefetch + t * row_stride;
-      for (int64_t e = 0; e < NC * 16; e += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(pf + e), _MM_HINT_T1);
-      }
-    }
+    if (t < prefetch_rows) prefetch_row_l2<bf16_t, NC>(prefetch + t * row_stride);
     const bf16_t* row = src + t * row_stride;
 #pragma GCC unroll 8
     for (int c = 0; c < NC2; ++c) {
@@ -440,7 +438,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   const int64_t block_stride = BS * row_stride;  // one physical block
   const int64_t tiles_per_block = (BS + 15) / 16;
 
-  FloatBuffer q(static_cast<size_t>(Hq * DP));  // [Hq, DP], scaled, zero-padded
+  FloatBuffer q(kDot ? 0 : static_cast<size_t>(Hq * DP));  // [Hq, DP], scaled, zero-padded
   constexpr int64_t DP2 = (NC + 1) / 2 * 32;  // bf16 elements per row of q2
   FloatBuffer q2(kDot ? static_cast<size_t>(Hq * DP2 / 2) : 0);  // [Hq, DP2] bf16, zero-padded
   if constexpr (kDot) {
