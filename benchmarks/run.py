@@ -9,9 +9,9 @@ Method (details and the latest table in `benchmarks/README.md`):
 2. Per workload: draw the data once; prepare each peer (layouts, metadata, JAX compilation:
    never timed; the JAX compile time is reported); warm up; check each peer's output once
    against the JAX xla path; then time `reps` rounds, each round calling every peer in a
-   rotated order (spreading machine noise across peers), twice in a row, timing the second
-   call (the first after another peer runs slow for reasons of the machine). Report medians
-   and IQRs.
+   rotated order (spreading machine noise across peers): untimed calls of the peer for at
+   least `SETTLE_S` (at least one), then one timed call. Report medians and IQRs (the first
+   untimed call's times are kept in the record as `after_other_s`).
 3. Per peer: median time, bytes moved (`Spec.bytes_moved`: K/V read once, queries and
    outputs), GB/s, fraction of the copy bandwidth, and `x_jax` = time / JAX xla time (> 1: the
    JAX xla path is faster).
@@ -40,6 +40,12 @@ COPY_BYTES = 512 * 2**20  # the source array; far larger than any cache here
 QUICK_COPY_BYTES = 16 * 2**20
 WORKLOAD_BUDGET_S = 45.0  # timed rounds stop early past this (at least MIN_REPS rounds)
 MIN_REPS = 5
+# Before each timed call, the peer runs untimed for at least this long (at least one call): on
+# the 2-core dev VM the first calls after another peer run slow for ~40 ms, for reasons of the
+# machine rather than of the peer (measured: the 5.7 ms native bf16 decode took 8-11 ms on each
+# of its first 3-4 calls after the 140 ms dense oracle, 5.7-5.9 ms from then on; NumPy freeing
+# 2 GB does the same), so a fast peer timed on its second call still paid for the slow one.
+SETTLE_S = 0.1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,6 +159,7 @@ def run_workload(
     budget_s: float | None,
     rng: np.random.Generator,
     progress,
+    settle_s: float = SETTLE_S,
 ) -> dict:
     task = progress.add_task(f"{spec.name}: preparing", total=len(peers) + 2 + reps)
     data = make_data(spec, rng)
@@ -190,22 +197,21 @@ def run_workload(
     progress.advance(task)
 
     # Timed rounds, every peer once per round, the order rotated each round. Each timed call
-    # comes right after an untimed call of the same peer: the call after another peer's runs
-    # slower for reasons of the machine, not of the peer (measured on the 2-core dev VM: the
-    # 5.7 ms native bf16 decode took 10.4 ms right after a 60 ms jax-xla call, 6.5 ms on the
-    # second call; nearly no slowdown after 50 ms of sleep), and a short call pays it in full.
+    # comes after `SETTLE_S` of untimed calls of the same peer (see SETTLE_S); the first of
+    # those, timed too, is kept as `after_other_s`.
     calls = {name: p.call for name, p in prepared.items()}
     calls["copy"] = copier
     if reader is not None:
         calls["read"] = reader
     names = list(calls)
     times = {name: [] for name in names}
+    after_other = {name: [] for name in names}
     started = time.perf_counter()
     for r in range(reps):
         progress.update(task, description=f"{spec.name}: round {r + 1}/{reps}")
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            calls[name]()  # settle (untimed)
+            after_other[name].append(_settle(calls[name], settle_s))
             start = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - start)
@@ -233,6 +239,7 @@ def run_workload(
         row.update(_stats(ts))
         row.update(
             times_s=[round(t, 6) for t in ts],
+            after_other_s=[round(t, 6) for t in after_other[name]],
             bytes=spec.bytes_moved,
             gb_s=spec.bytes_moved / row["median_s"] / 1e9,
             gflop_s=spec.flops / row["median_s"] / 1e9,
@@ -248,6 +255,16 @@ def run_workload(
         read=read,
         backends=rows,
     )
+
+
+def _settle(call: Callable[[], object], settle_s: float) -> float:
+    """Untimed calls for at least `settle_s` (at least one); returns the first call's time."""
+    start = time.perf_counter()
+    call()
+    first = time.perf_counter() - start
+    while time.perf_counter() - start < settle_s:
+        call()
+    return first
 
 
 def _verify(spec: Spec, outputs: dict[str, np.ndarray], rows: dict[str, dict]) -> None:
@@ -596,7 +613,8 @@ def main(args: argparse.Namespace) -> int:
         for spec in specs.values():
             reps = reps_arg or spec.reps
             budget = None if reps_arg or quick else WORKLOAD_BUDGET_S
-            result = run_workload(spec, peers, copier, reps, budget, rng, progress)
+            settle = 0.0 if quick else SETTLE_S  # --quick: one untimed call per timed one
+            result = run_workload(spec, peers, copier, reps, budget, rng, progress, settle)
             mark_unavailable(result, unavailable)
             record["workloads"][spec.name] = result
         copier.close()
