@@ -10,6 +10,30 @@ def _cell(value, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
+def compute_lines(record: dict) -> list[str]:
+    """The FMA peak measured in the run, and the GFLOP/s of each peer on every workload with
+    prefill tokens (the compute-bound steps) as a fraction of it."""
+    peak = record.get("fma_peak")
+    if not peak:
+        return []
+    if peak["status"] != "ok":
+        return [f"FMA peak: not measured ({peak['note']})."]
+    lines = [
+        f"FMA peak (same run, {peak['method']}): {peak['gflop_s']:.0f} GFLOP/s float32 on "
+        f"{peak['threads']} threads, {peak['one_thread_gflop_s']:.0f} on one."
+    ]
+    for name, result in record["workloads"].items():
+        if not result["spec"].get("num_prefills"):
+            continue
+        cells = [
+            f"{peer} {row['gflop_s']:.0f} ({row['fraction_of_fma_peak']:.0%})"
+            for peer, row in result["backends"].items()
+            if row["status"] == "ok" and row.get("fraction_of_fma_peak") is not None
+        ]
+        lines.append(f"{name}, GFLOP/s (of the FMA peak): " + ", ".join(cells) + ".")
+    return lines
+
+
 def markdown(record: dict) -> str:
     machine, copy = record["machine"], record["copy"]
     versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items() if v)
@@ -58,6 +82,9 @@ def markdown(record: dict) -> str:
                 f"| | read (jitted sum) | {r['median_s'] * 1e3:.1f} | {r['iqr_s'] * 1e3:.1f} | "
                 f"{r['gb_s']:.2f} | {r['gb_s'] / c['gb_s']:.0%} | 100% | | | |"
             )
+    compute = compute_lines(record)
+    if compute:
+        lines += ["", *compute]
     unavailable = record.get("unavailable", {})
     if unavailable:
         lines.append("")

@@ -12,7 +12,10 @@ Method (details and the latest table in `benchmarks/README.md`):
    rotated order (spreading machine noise across peers): untimed calls of the peer for at
    least `SETTLE_S` (at least one), then one timed call. Report medians and IQRs (the first
    untimed call's times are kept in the record as `after_other_s`).
-3. Per peer: median time, bytes moved (`Spec.bytes_moved`: K/V read once, queries and
+3. The FMA peak: a tight loop of vector FMAs on the native kernels' workers
+   (`jax_attn.cpu.fma_peak`), on one thread and on all; each peer's GFLOP/s is also reported
+   as a fraction of it (the compute-bound prefill steps are judged by it).
+4. Per peer: median time, bytes moved (`Spec.bytes_moved`: K/V read once, queries and
    outputs), GB/s, fraction of the copy bandwidth, and `x_jax` = time / JAX xla time (> 1: the
    JAX xla path is faster).
 """
@@ -32,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks import backends
+from benchmarks import backends, report
 from benchmarks.backends import BASELINE, PEERS, Prepared, Skip
 from benchmarks.workloads import Spec, make_data, named_workloads
 
@@ -106,6 +109,36 @@ def measure_copy(nbytes: int, reps: int, tick: Callable[[], None]) -> tuple[Copi
         if name != best:
             copier.close()
     return copiers[best], record
+
+
+def measure_fma_peak(quick: bool) -> dict:
+    """The float32 vector FMA peak on the native kernels' workers, one and all
+    (`jax_attn.cpu.fma_peak`): what compute-bound steps are reported against. A record with
+    status "unavailable" and the reason where the kernels are not built."""
+    from jax_attn import cpu
+
+    reason = cpu.unavailable_reason()
+    if reason is not None:
+        return dict(status="unavailable", note=f"native CPU kernels: {reason}")
+    seconds = 0.005 if quick else 0.05
+    one = cpu.fma_peak.measure(threads=1, seconds=seconds)
+    every = cpu.fma_peak.measure(seconds=seconds)
+    return dict(
+        status="ok",
+        gflop_s=every.gflop_s,
+        threads=every.threads,
+        one_thread_gflop_s=one.gflop_s,
+        vector_bits=every.vector_bits,
+        method=f"{every.vector_bits}-bit FMA loop, 24 chains, best of 5",
+    )
+
+
+def add_fma_fractions(result: dict, fma_peak: dict) -> None:
+    """Each timed row's GFLOP/s as a fraction of the run's FMA peak (None without one)."""
+    peak = fma_peak.get("gflop_s") if fma_peak.get("status") == "ok" else None
+    for row in result["backends"].values():
+        if row.get("status") == "ok":
+            row["fraction_of_fma_peak"] = None if peak is None else row["gflop_s"] / peak
 
 
 class ReadFloor:
@@ -575,6 +608,8 @@ def render(console, record: dict) -> None:
         "of copy / of read: GB/s as a fraction of the copy floor's / the read floor's (a jitted "
         "sum over the whole K/V cache, the lower bound for decode)."
     )
+    for line in report.compute_lines(record):
+        console.print(line)
     print_unavailable_and_targets(console, record, ".2f")
 
 
@@ -610,12 +645,15 @@ def main(args: argparse.Namespace) -> int:
         copier, record["copy"] = measure_copy(
             QUICK_COPY_BYTES if quick else COPY_BYTES, copy_reps, lambda: progress.advance(task)
         )
+        progress.update(task, description="FMA peak")
+        record["fma_peak"] = measure_fma_peak(quick)
         for spec in specs.values():
             reps = reps_arg or spec.reps
             budget = None if reps_arg or quick else WORKLOAD_BUDGET_S
             settle = 0.0 if quick else SETTLE_S  # --quick: one untimed call per timed one
             result = run_workload(spec, peers, copier, reps, budget, rng, progress, settle)
             mark_unavailable(result, unavailable)
+            add_fma_fractions(result, record["fma_peak"])
             record["workloads"][spec.name] = result
         copier.close()
     record["targets"] = [] if quick else check_targets(record["workloads"])

@@ -12,9 +12,11 @@ Environment: `JAX_ATTN_CPU_THREADS` sets the worker count (default: XLA's intra-
 kernels, `-fsanitize=address,undefined`), `JAX_ATTN_CPU_PREFETCH` sets the decode kernel's
 prefetch distance in kv-head tiles (0: off), `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen
 bf16 keys to float32 instead of dotting them with vdpbf16ps (both read per call: for A/B
-timing). `python -m jax_attn.cpu.build` builds eagerly.
+timing). `python -m jax_attn.cpu.build` builds eagerly. `fma_peak.measure()` times the
+vector FMA peak on the kernels' workers (what `jax-attn bench` reports compute against).
 """
 
+from jax_attn.cpu import fma_peak
 from jax_attn.cpu._build import unavailable_reason
 from jax_attn.cpu._shapes import shape_problem
 from jax_attn.cpu.paged_decode import paged_decode
@@ -28,6 +30,7 @@ def available() -> bool:
 
 __all__ = [
     "available",
+    "fma_peak",
     "paged_decode",
     "ragged_paged_attention",
     "shape_problem",

@@ -46,6 +46,7 @@ EXTRA_FLAGS_ENV = "JAX_ATTN_CPU_EXTRA_FLAGS"
 HANDLERS = (
     "jax_attn_cpu_paged_decode",
     "jax_attn_cpu_ragged_paged_attention",
+    "jax_attn_cpu_fma_peak",
 )
 
 _lock = threading.Lock()

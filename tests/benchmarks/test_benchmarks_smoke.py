@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("rich")
 
-from benchmarks import run
+from benchmarks import report, run
 from benchmarks.workloads import named_workloads
 
 ROW_FIELDS = {
@@ -51,6 +51,26 @@ def test_every_peer_that_ran_agrees_with_jax(record):
             assert row["reps"] == len(row["times_s"]) == len(row["after_other_s"]) >= 1
             assert row["bytes"] == result["bytes"]
     assert ran >= 2 * len(record["workloads"])  # jax-xla and jax-reference at least
+
+
+def test_fma_peak_is_measured_and_each_row_is_set_against_it(record):
+    from jax_attn import cpu
+
+    peak = record["fma_peak"]
+    if cpu.unavailable_reason() is not None:
+        assert peak == dict(
+            status="unavailable", note=f"native CPU kernels: {cpu.unavailable_reason()}"
+        )
+        return
+    assert peak["status"] == "ok" and peak["gflop_s"] > 0 and peak["one_thread_gflop_s"] > 0
+    for result in record["workloads"].values():
+        for row in result["backends"].values():
+            if row["status"] == "ok":
+                assert row["fraction_of_fma_peak"] == row["gflop_s"] / peak["gflop_s"]
+    lines = report.compute_lines(record)
+    assert lines[0].startswith("FMA peak (same run, ")
+    with_prefill = [n for n, r in record["workloads"].items() if r["spec"]["num_prefills"]]
+    assert [line.split(",")[0] for line in lines[1:]] == with_prefill
 
 
 def test_jax_compile_time_is_reported(record):

@@ -120,8 +120,9 @@ def test_shape_problem():
 @pytest.mark.slow
 def test_sanitizer_build_runs_a_small_grid():
     """ASan + UBSan build of the kernels (the native AVX-512 one and the portable one), each
-    running a slice of test_cpu_decode in a subprocess: any out-of-bounds read or undefined
-    behaviour aborts it. Two builds of ~1.5 min each (cached across runs)."""
+    running a slice of test_cpu_decode and the FMA-peak loop in a subprocess: any
+    out-of-bounds read or undefined behaviour aborts it. Two builds of ~1.5 min each (cached
+    across runs)."""
     if cpu.unavailable_reason() is not None:
         pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
     cxx = _build.find_compiler()
@@ -157,8 +158,10 @@ def test_sanitizer_build_runs_a_small_grid():
                 "-p",
                 "no:cacheprovider",
                 str(REPO / "tests" / "jax" / "test_cpu_decode.py"),
+                str(REPO / "tests" / "jax" / "test_cpu_fma_peak.py"),
                 "-k",
-                "block_size or window or split or head_size or bad_block or float8 or bfloat16",
+                "block_size or window or split or head_size or bad_block or float8 or bfloat16"
+                " or every_fma",
             ],
             capture_output=True,
             text=True,
