@@ -19,8 +19,9 @@ def compute_lines(record: dict) -> list[str]:
     if peak["status"] != "ok":
         return [f"FMA peak: not measured ({peak['note']})."]
     lines = [
-        f"FMA peak (same run, {peak['method']}): {peak['gflop_s']:.0f} GFLOP/s float32 on "
-        f"{peak['threads']} threads, {peak['one_thread_gflop_s']:.0f} on one."
+        f"FMA peak (same run, {peak['method']}): {peak['gflop_s']:.0f} GFLOP/s float32 = "
+        f"{peak['threads']} x one thread's {peak['one_thread_gflop_s']:.0f} "
+        f"({peak['all_threads_gflop_s']:.0f} measured on {peak['threads']} threads together)."
     ]
     for name, result in record["workloads"].items():
         if not result["spec"].get("num_prefills"):

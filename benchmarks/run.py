@@ -13,8 +13,8 @@ Method (details and the latest table in `benchmarks/README.md`):
    least `SETTLE_S` (at least one), then one timed call. Report medians and IQRs (the first
    untimed call's times are kept in the record as `after_other_s`).
 3. The FMA peak: a tight loop of vector FMAs on the native kernels' workers
-   (`jax_attn.cpu.fma_peak`), on one thread and on all; each peer's GFLOP/s is also reported
-   as a fraction of it (the compute-bound prefill steps are judged by it).
+   (`jax_attn.cpu.fma_peak`), on one thread (the peak is that times the workers) and on all
+   together; each peer's GFLOP/s is also reported as a fraction of the peak.
 4. Per peer: median time, bytes moved (`Spec.bytes_moved`: K/V read once, queries and
    outputs), GB/s, fraction of the copy bandwidth, and `x_jax` = time / JAX xla time (> 1: the
    JAX xla path is faster).
@@ -112,9 +112,10 @@ def measure_copy(nbytes: int, reps: int, tick: Callable[[], None]) -> tuple[Copi
 
 
 def measure_fma_peak(quick: bool) -> dict:
-    """The float32 vector FMA peak on the native kernels' workers, one and all
-    (`jax_attn.cpu.fma_peak`): what compute-bound steps are reported against. A record with
-    status "unavailable" and the reason where the kernels are not built."""
+    """The float32 vector FMA peak of the native kernels' workers (`jax_attn.cpu.fma_peak`):
+    one worker's measured peak times the workers (`gflop_s`, what compute-bound steps are
+    reported against), and all workers measured together. A record with status "unavailable"
+    and the reason where the kernels are not built."""
     from jax_attn import cpu
 
     reason = cpu.unavailable_reason()
@@ -125,9 +126,10 @@ def measure_fma_peak(quick: bool) -> dict:
     every = cpu.fma_peak.measure(seconds=seconds)
     return dict(
         status="ok",
-        gflop_s=every.gflop_s,
-        threads=every.threads,
+        gflop_s=every.workers * one.gflop_s,
+        threads=every.workers,
         one_thread_gflop_s=one.gflop_s,
+        all_threads_gflop_s=every.gflop_s,
         vector_bits=every.vector_bits,
         method=f"{every.vector_bits}-bit FMA loop, 24 chains, best of 5",
     )

@@ -2,9 +2,9 @@
 
 `jax-attn bench` reports compute-bound steps (the prefill) in GFLOP/s against this peak,
 measured in the same run: a tight loop of fused multiply-adds on independent register chains,
-on the same workers (XLA's intra-op pool, `JAX_ATTN_CPU_THREADS`) the attention kernels use.
-Tested in tests/jax/test_cpu_fma_peak.py (the chains' exact final values show that every
-worker ran every FMA the count claims).
+in work items over the same workers (XLA's intra-op pool, `JAX_ATTN_CPU_THREADS`) the
+attention kernels use. Tested in tests/jax/test_cpu_fma_peak.py (the chains' exact final
+values show that every item ran every FMA the count claims).
 """
 
 import dataclasses
@@ -24,26 +24,32 @@ MAX_ITERATIONS = 2**24
 
 
 @dataclasses.dataclass(frozen=True)
-class FmaPeak:
-    """One measurement: the best of `repeats` timed calls."""
+class Run:
+    """One call's result (the kernel's float32 [5] output) and its wall time."""
 
-    gflop_s: float  # float32 FLOP/s over all workers (an FMA counts 2), / 1e9
-    threads: int  # workers that ran
+    workers: int
+    items: int
+    fmas_per_iteration: int  # per item: vector lanes x independent chains
     vector_bits: int  # 512 (AVX-512), 256 (AVX2 + FMA) or 32 (scalar)
-    fmas_per_iteration: int  # per worker: lanes x independent chains
-    iterations: int  # per worker and call
-    seconds: float  # the best call's wall time
+    chain_value: float  # mean final lane value: iterations * 2**-20 when every FMA ran
+    iterations: int  # per item
+    seconds: float
 
     @property
-    def per_thread_gflop_s(self) -> float:
-        return self.gflop_s / self.threads
+    def flops(self) -> float:
+        return 2.0 * self.items * self.fmas_per_iteration * self.iterations  # an FMA counts 2
+
+    @property
+    def gflop_s(self) -> float:
+        return self.flops / self.seconds / 1e9
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(iterations: int, threads: int):
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.float32))
+def _compiled(iterations: int, items: int, threads: int):
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((5,), jnp.float32))
     attrs = dict(
         iterations=np.int64(iterations),
+        items=np.int64(items),
         threads=np.int64(threads),
         multiplier=np.float32(1.0),
         addend=np.float32(_ADDEND),
@@ -51,39 +57,31 @@ def _compiled(iterations: int, threads: int):
     return jax.jit(lambda: call(**attrs)).lower().compile()
 
 
-def run(iterations: int, threads: int = 0) -> tuple[np.ndarray, float]:
-    """One call: (the kernel's float32 [4] result, wall seconds). `threads` 0: the kernels'
-    worker count. The result is [workers, FMAs per worker per iteration, vector bits, the mean
-    final chain value], the last exactly `iterations * 2**-20` when every FMA ran."""
+def run(iterations: int, threads: int = 0, items: int = 0) -> Run:
+    """One call: `items` work items (0: 8 per worker) of `iterations` steps each, handed out
+    one at a time to `threads` workers (0: as the kernels run)."""
     _ffi.require_native()
     if not 0 <= iterations <= MAX_ITERATIONS:
         raise ValueError(f"{iterations=} must be in [0, {MAX_ITERATIONS}]")
     if threads < 0:
         raise ValueError(f"{threads=} must be >= 0 (0: the kernels' worker count)")
-    compiled = _compiled(iterations, threads)
+    if items < 0:
+        raise ValueError(f"{items=} must be >= 0 (0: 8 per worker)")
+    compiled = _compiled(iterations, items, threads)
     start = time.perf_counter()
     out = np.asarray(jax.block_until_ready(compiled()))
-    return out, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    workers, n_items, per_iteration, bits = (int(v) for v in out[:4])
+    return Run(workers, n_items, per_iteration, bits, float(out[4]), iterations, seconds)
 
 
-def measure(threads: int = 0, seconds: float = 0.05, repeats: int = 5) -> FmaPeak:
-    """The FMA peak on `threads` workers (0: as the kernels run): iterations sized so that one
-    call takes about `seconds`, the best of `repeats` calls (a peak: machine noise only ever
-    slows a call down)."""
-    iterations = 1 << 12
-    out, elapsed = run(iterations, threads)
-    while elapsed < seconds / 4 and iterations < MAX_ITERATIONS:
+def measure(threads: int = 0, seconds: float = 0.05, repeats: int = 5) -> Run:
+    """The fastest of `repeats` calls on `threads` workers (0: as the kernels run), each sized
+    to take about `seconds` (a peak: machine noise only ever slows a call down)."""
+    iterations = 1 << 10
+    probe = run(iterations, threads)
+    while probe.seconds < seconds / 4 and iterations < MAX_ITERATIONS:
         iterations = min(MAX_ITERATIONS, iterations * 4)
-        out, elapsed = run(iterations, threads)
-    iterations = int(min(MAX_ITERATIONS, max(iterations, iterations * seconds / elapsed)))
-    best = min(run(iterations, threads)[1] for _ in range(repeats))
-    workers, per_iteration, bits, _ = (int(v) for v in out)
-    flops = 2.0 * workers * per_iteration * iterations
-    return FmaPeak(
-        gflop_s=flops / best / 1e9,
-        threads=workers,
-        vector_bits=bits,
-        fmas_per_iteration=per_iteration,
-        iterations=iterations,
-        seconds=best,
-    )
+        probe = run(iterations, threads)
+    iterations = int(min(MAX_ITERATIONS, max(iterations, iterations * seconds / probe.seconds)))
+    return min((run(iterations, threads) for _ in range(repeats)), key=lambda r: r.seconds)
