@@ -131,7 +131,10 @@ def measure_fma_peak(quick: bool) -> dict:
         one_thread_gflop_s=one.gflop_s,
         all_threads_gflop_s=every.gflop_s,
         vector_bits=every.vector_bits,
-        method=f"{every.vector_bits}-bit FMA loop, 24 chains, best of 5",
+        method=(
+            f"{every.vector_bits}-bit FMA loop, "
+            f"{every.fmas_per_iteration * 32 // every.vector_bits} chains, best of 5"
+        ),
     )
 
 

@@ -25,63 +25,50 @@
 namespace jax_attn_cpu {
 namespace {
 
-constexpr int kChains = 24;
 constexpr int64_t kItemsPerWorker = 8;  // the default item count, per worker
 // The chains' start value (0), read anew by every item: the compiler must not see that items
 // compute the same thing and run the loop once for all of them.
 volatile float kStart = 0.0f;
 
+// One vector of float32 lanes and its FMA, at the widest width the build has.
 #if JAX_ATTN_AVX512
-constexpr int kLanes = 16;
+using Vec = __m512;
 constexpr int kBits = 512;
-
-double run_chains(int64_t iterations, float m, float c) {
-  __m512 x[kChains];
-  const __m512 vm = _mm512_set1_ps(m), vc = _mm512_set1_ps(c);
-  for (int i = 0; i < kChains; ++i) x[i] = _mm512_set1_ps(kStart);
-  for (int64_t it = 0; it < iterations; ++it) {
-#pragma GCC unroll 24
-    for (int i = 0; i < kChains; ++i) x[i] = _mm512_fmadd_ps(x[i], vm, vc);
-  }
-  double sum = 0.0;
-  for (int i = 0; i < kChains; ++i) sum += _mm512_reduce_add_ps(x[i]);
-  return sum;
-}
+inline Vec splat(float v) { return _mm512_set1_ps(v); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+constexpr int kChains = 24;  // of AVX-512's 32 registers
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
+using Vec = __m256;
 constexpr int kBits = 256;
+inline Vec splat(float v) { return _mm256_set1_ps(v); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+constexpr int kChains = 12;  // of AVX2's 16 registers (24 would spill)
+#else
+using Vec = float;
+constexpr int kBits = 32;
+inline Vec splat(float v) { return v; }
+inline Vec fma(Vec a, Vec b, Vec c) { return std::fma(a, b, c); }
+constexpr int kChains = 12;
+#endif
+constexpr int kLanes = kBits / 32;
 
+// kChains chains of `iterations` FMAs each; returns the sum of all their final lanes.
 double run_chains(int64_t iterations, float m, float c) {
-  __m256 x[kChains];
-  const __m256 vm = _mm256_set1_ps(m), vc = _mm256_set1_ps(c);
-  for (int i = 0; i < kChains; ++i) x[i] = _mm256_set1_ps(kStart);
+  Vec x[kChains];
+  const Vec vm = splat(m), vc = splat(c);
+  for (Vec& v : x) v = splat(kStart);
   for (int64_t it = 0; it < iterations; ++it) {
 #pragma GCC unroll 24
-    for (int i = 0; i < kChains; ++i) x[i] = _mm256_fmadd_ps(x[i], vm, vc);
+    for (int i = 0; i < kChains; ++i) x[i] = fma(x[i], vm, vc);
   }
   double sum = 0.0;
-  alignas(32) float lanes[kLanes];
-  for (int i = 0; i < kChains; ++i) {
-    _mm256_store_ps(lanes, x[i]);
-    for (float v : lanes) sum += v;
+  float lanes[kLanes];
+  for (const Vec& v : x) {
+    std::memcpy(lanes, &v, sizeof(lanes));
+    for (float lane : lanes) sum += lane;
   }
   return sum;
 }
-#else
-constexpr int kLanes = 1;
-constexpr int kBits = 32;
-
-double run_chains(int64_t iterations, float m, float c) {
-  float x[kChains];
-  for (float& v : x) v = kStart;
-  for (int64_t it = 0; it < iterations; ++it) {
-    for (float& v : x) v = std::fma(v, m, c);
-  }
-  double sum = 0.0;
-  for (float v : x) sum += v;
-  return sum;
-}
-#endif
 
 ffi::Error FmaPeak(ffi::ThreadPool pool, ffi::Result<ffi::BufferR1<ffi::F32>> out,
                    int64_t iterations, int64_t items, int64_t threads, float multiplier,
