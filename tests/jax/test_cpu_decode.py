@@ -53,6 +53,31 @@ CASES = [
     Case(dtype="bfloat16", head_size=256, num_heads=16, num_kv_heads=2, split_tokens=32),
     Case(dtype="bfloat16", head_size=128, sliding_window=5, alibi=True, block_size=8),
     Case(dtype="bfloat16", cache_dtype="float8_e4m3fn"),
+    # bf16 queries on fp8 caches: odd head sizes, block sizes 1/8/32/128, GQA 7/1, split-K,
+    # window, ALiBi and soft cap.
+    Case(dtype="bfloat16", cache_dtype="float8_e5m2", head_size=80, num_heads=7, num_kv_heads=1),
+    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=40, block_size=1),
+    Case(
+        dtype="bfloat16",
+        cache_dtype="float8_e4m3fn",
+        head_size=256,
+        num_heads=16,
+        num_kv_heads=2,
+        block_size=32,
+        split_tokens=32,
+    ),
+    Case(
+        dtype="bfloat16",
+        cache_dtype="float8_e5m2",
+        head_size=72,
+        sliding_window=5,
+        alibi=True,
+        soft_cap=3.0,
+        block_size=8,
+    ),
+    Case(
+        dtype="bfloat16", cache_dtype="float8_e4m3fn", num_heads=32, num_kv_heads=8, block_size=128
+    ),
     Case(dtype="float32", cache_dtype="float8_e5m2"),
     Case(dtype="float16", cache_dtype="float8_e5m2", alibi=True, block_size=8),
     Case(dtype="float32", cache_dtype="float8_e4m3fn", head_size=80, num_heads=7, num_kv_heads=1),
@@ -132,6 +157,33 @@ def test_bf16_widened_keys_match_float64(case: Case, rng, monkeypatch):
     cases above take on CPUs without AVX512_BF16; here they take the vdpbf16ps path."""
     monkeypatch.setenv("JAX_ATTN_CPU_BF16_DOT", "0")
     _check_against_float64(case, rng)
+
+
+@pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_every_fp8_code_is_read_exactly(cache_dtype, query_dtype):
+    """All 256 codes of the cache dtype as values of one-key sequences: each output is the
+    code's value exactly (NaN and inf included)."""
+    fp8 = jnp.dtype(cache_dtype)
+    codes = np.arange(256, dtype=np.uint8).view(fp8).reshape(4, 64)  # 4 sequences x D=64
+    block_size = 16
+    values = np.zeros((4, block_size, 1, 64), fp8)
+    values[:, 0, 0, :] = codes  # token 0 of block s holds sequence s's value
+    values[:, 1:] = np.float32(np.nan)  # unused slots: NaN, never read
+    keys = np.zeros_like(values)
+    query = jnp.ones((4, 1, 64), query_dtype)
+    out = cpu.paged_decode(
+        query,
+        jnp.asarray(keys),
+        jnp.asarray(values),
+        jnp.arange(4, dtype=jnp.int32).reshape(4, 1),
+        jnp.ones((4,), jnp.int32),
+    )
+    expected = codes.astype(np.float32)
+    got = np.asarray(out.astype(jnp.float32))[:, 0, :]
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    np.testing.assert_array_equal(got[finite], expected[finite])
 
 
 def test_threads_and_splits_agree(rng, monkeypatch):
