@@ -134,8 +134,10 @@ def test_sanitizer_build_runs_a_small_grid():
         if not os.path.isabs(path):
             pytest.skip(f"{cxx} has no {lib} (needed for the sanitizer build)")
         runtime[lib] = path
+    # -Werror too: the kernels build warning-free, natively and portably.
     sanitize = (
         "-fsanitize=address,undefined -fno-sanitize-recover=all -DJAX_ATTN_CPU_FEW_HEAD_SIZES"
+        " -Werror"
     )
     for extra in (sanitize, f"-march=x86-64-v3 {sanitize}"):
         env = {
@@ -154,6 +156,7 @@ def test_sanitizer_build_runs_a_small_grid():
                 "pytest",
                 "-q",
                 "-x",
+                "-rs",  # a failed build shows as skips: print their reason
                 "-s",  # the sanitizer's report goes to fd 2: keep it out of pytest's capture
                 "-p",
                 "no:cacheprovider",

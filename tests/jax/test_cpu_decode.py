@@ -161,17 +161,18 @@ def test_bf16_widened_keys_match_float64(case: Case, rng, monkeypatch):
 
 @pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_every_fp8_code_is_read_exactly(cache_dtype, query_dtype):
-    """All 256 codes of the cache dtype as values of one-key sequences: each output is the
-    code's value exactly (NaN and inf included)."""
+def test_every_fp8_code_is_read_exactly(cache_dtype, query_dtype, rng):
+    """All 256 codes of the cache dtype as values of one-key sequences: a single key gets
+    weight 1 whatever its logit, so each output is the code's value exactly (NaN and inf
+    included)."""
     fp8 = jnp.dtype(cache_dtype)
-    codes = np.arange(256, dtype=np.uint8).view(fp8).reshape(4, 64)  # 4 sequences x D=64
+    codes = rng.permutation(256).astype(np.uint8).view(fp8).reshape(4, 64)  # 4 seqs x D=64
     block_size = 16
-    values = np.zeros((4, block_size, 1, 64), fp8)
+    values = np.full((4, block_size, 1, 64), np.nan, np.float32).astype(fp8)  # unused: NaN
     values[:, 0, 0, :] = codes  # token 0 of block s holds sequence s's value
-    values[:, 1:] = np.float32(np.nan)  # unused slots: NaN, never read
-    keys = np.zeros_like(values)
-    query = jnp.ones((4, 1, 64), query_dtype)
+    keys = values.copy()
+    keys[:, 0, 0, :] = rng.standard_normal((4, 64)).astype(fp8)  # finite logits
+    query = jnp.asarray(rng.standard_normal((4, 1, 64)), query_dtype)
     out = cpu.paged_decode(
         query,
         jnp.asarray(keys),

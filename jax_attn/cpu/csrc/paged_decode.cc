@@ -545,7 +545,8 @@ ItemFn pick_item_fn(int64_t head_size) {
 #endif
 }
 
-ItemFn pick_item_fn(ffi::DataType cache_type, ffi::DataType query_type, int64_t head_size) {
+ItemFn pick_item_fn(ffi::DataType cache_type, [[maybe_unused]] ffi::DataType query_type,
+                    int64_t head_size) {
   switch (cache_type) {
     case ffi::DataType::F32: return pick_item_fn<float, false>(head_size);
     case ffi::DataType::BF16:
