@@ -116,6 +116,8 @@ def measure_fma_peak(quick: bool) -> dict:
     one worker's measured peak times the workers (`gflop_s`, what compute-bound steps are
     reported against), and all workers measured together. A record with status "unavailable"
     and the reason where the kernels are not built."""
+    if importlib.util.find_spec("jax") is None:
+        return dict(status="unavailable", note="JAX is not installed")
     from jax_attn import cpu
 
     reason = cpu.unavailable_reason()
