@@ -53,8 +53,9 @@ CASES = [
     Case(dtype="bfloat16", head_size=256, num_heads=16, num_kv_heads=2, split_tokens=32),
     Case(dtype="bfloat16", head_size=128, sliding_window=5, alibi=True, block_size=8),
     Case(dtype="bfloat16", cache_dtype="float8_e4m3fn"),
-    # bf16 queries on fp8 caches: odd head sizes, block sizes 1/8/32/128, GQA 7/1, split-K,
-    # window, ALiBi and soft cap.
+    # bf16 queries on fp8 caches take the vdpbf16ps path too (keys and values converted by
+    # table lookups, 64 codes at a time): tails of 8/16/40 elements, block sizes 1/8/32/128,
+    # GQA 7/1, split-K, window, ALiBi and soft cap.
     Case(dtype="bfloat16", cache_dtype="float8_e5m2", head_size=80, num_heads=7, num_kv_heads=1),
     Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=40, block_size=1),
     Case(
@@ -149,22 +150,23 @@ def test_cpu_paged_decode_matches_jax_oracle(case: Case, rng):
     assert_close(out, expected, case.dtype)
 
 
-@pytest.mark.parametrize(
-    "case", [c for c in CASES if c.dtype == "bfloat16" and not c.cache_dtype], ids=str
-)
+@pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "bfloat16"], ids=str)
 def test_bf16_widened_keys_match_float64(case: Case, rng, monkeypatch):
-    """bf16 over bf16 with the keys widened to float32 (JAX_ATTN_CPU_BF16_DOT=0), the path the
-    cases above take on CPUs without AVX512_BF16; here they take the vdpbf16ps path."""
+    """bf16 queries over bf16 and fp8 caches with the keys widened to float32
+    (JAX_ATTN_CPU_BF16_DOT=0), the path the cases above take on CPUs without AVX512_BF16 (or,
+    for fp8, AVX512_VBMI); here they take the vdpbf16ps path."""
     monkeypatch.setenv("JAX_ATTN_CPU_BF16_DOT", "0")
     _check_against_float64(case, rng)
 
 
+@pytest.mark.parametrize("dot", ["1", "0"])
 @pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_every_fp8_code_is_read_exactly(cache_dtype, query_dtype, rng):
+def test_every_fp8_code_is_read_exactly(cache_dtype, query_dtype, dot, rng, monkeypatch):
     """All 256 codes of the cache dtype as values of one-key sequences: a single key gets
     weight 1 whatever its logit, so each output is the code's value exactly (NaN and inf
-    included)."""
+    included), on the lookup-table path (bf16 queries) and the widening ones."""
+    monkeypatch.setenv("JAX_ATTN_CPU_BF16_DOT", dot)
     fp8 = jnp.dtype(cache_dtype)
     codes = rng.permutation(256).astype(np.uint8).view(fp8).reshape(4, 64)  # 4 seqs x D=64
     block_size = 16

@@ -17,7 +17,9 @@
 // only the visible range, and a tile's unused rows are zeros in the widened copy, so NaN in
 // unused cache memory cannot reach an output. bf16 queries on a bf16 cache (CPUs with
 // AVX512_BF16) copy the key rows as bf16 and take their dot products with vdpbf16ps: half the
-// tile and half the instructions ($JAX_ATTN_CPU_BF16_DOT=0 widens them instead).
+// tile and half the instructions ($JAX_ATTN_CPU_BF16_DOT=0 widens them instead). bf16 queries
+// on an fp8 cache (AVX512_VBMI too) take the same path: keys to bf16 and values to float32
+// by table lookups (vpermi2b), 64 codes at a time, every fp8 value being exact in bf16.
 //
 // Measured on the 2-core AMD EPYC (AVX-512) dev machine, one thread, B=32 ctx=1024 Hq=32
 // Hkv=8 D=128 BS=16: the math alone (cache resident in L2) takes ~6.6 ms (f32) / ~5.2 ms (bf16)
@@ -32,6 +34,7 @@
 // anything is read or written.
 
 #include <cstdio>
+#include <type_traits>
 #include <vector>
 
 #include "attention_common.h"
@@ -350,6 +353,111 @@ inline void dot_keys_bf16(const bf16_t* q2, const bf16_t* ktile2, __m512* dots) 
 #define JAX_ATTN_DECODE_BF16_DOT 0
 #endif
 
+#if JAX_ATTN_DECODE_BF16_DOT && defined(__AVX512VBMI__)
+#define JAX_ATTN_DECODE_FP8_DOT 1
+// fp8 caches under bf16 queries: every fp8 value (e4m3fn, e5m2; NaN and inf included) is
+// exact in bf16, so the keys go into the bf16 tile of the vdpbf16ps path and the values into
+// the float32 tile, converted 64 at a time by table lookups (vpermi2b over the 128 magnitude
+// codes, the sign ORed back) instead of 16 at a time through the fp16 converter.
+struct Fp8Tables {
+  __m512i lo0, lo1, hi0, hi1;  // low / high byte of the bf16 pattern of codes 0..63, 64..127
+  __m512i spread;              // kFp8Spread
+};
+
+// Byte order that makes the in-lane unpacks below produce codes in order: lane L (16 bytes)
+// gets codes 8L..8L+7, then 32+8L..32+8L+7.
+alignas(64) constexpr uint8_t kFp8Spread[64] = {
+    0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39,  //
+    8,  9,  10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,  //
+    16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,  //
+    24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
+
+template <typename F8>
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables = [] {
+    alignas(64) uint8_t lo[128], hi[128];
+    for (int code = 0; code < 128; ++code) {
+      const uint32_t bits = float_to_bits(widen(F8{static_cast<uint8_t>(code)}));
+      lo[code] = static_cast<uint8_t>(bits >> 16);  // exact: the low 16 bits are zero
+      hi[code] = static_cast<uint8_t>(bits >> 24);
+    }
+    return Fp8Tables{_mm512_load_si512(lo), _mm512_load_si512(lo + 64), _mm512_load_si512(hi),
+                     _mm512_load_si512(hi + 64), _mm512_load_si512(kFp8Spread)};
+  }();
+  return tables;
+}
+
+// The 64 fp8 codes at src (lanes outside m read nothing: zeros) as bf16 bit patterns, in
+// order: out[0] codes 0..31, out[1] codes 32..63.
+inline void fp8_to_bf16_64(const uint8_t* src, __mmask64 m, const Fp8Tables& t, __m512i* out) {
+  const __m512i x = _mm512_permutexvar_epi8(t.spread, _mm512_maskz_loadu_epi8(m, src));
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, x, t.lo1);  // index bits 0..6: magnitude
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, x, t.hi1), x,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)),
+                                               0xF8);  // hi | (x & 0x80): the sign
+  out[0] = _mm512_unpacklo_epi8(lo, hi);
+  out[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+
+inline __mmask64 fp8_chunk_mask(int64_t t, int64_t n, int64_t left) {
+  if (t >= n || left <= 0) return 0;
+  return left >= 64 ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << left) - 1;
+}
+
+// One kv head's fp8 key rows [0, n) of a tile as bf16 into dst [16, NC2 * 32] (rows >= n and
+// elements past head_size: zeros), prefetching a later tile's rows into L2 as widen_tile.
+template <typename F8, int NC>
+inline void convert_tile_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t row_stride,
+                                  int64_t n, int64_t head_size, bf16_t* dst, const F8* prefetch,
+                                  int64_t prefetch_rows) {
+  constexpr int64_t DP2 = (NC + 1) / 2 * 32;
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t < prefetch_rows) prefetch_row_l2<F8, NC>(prefetch + t * row_stride);
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * row_stride);
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < DP2; c += 64) {
+      __m512i out[2];
+      fp8_to_bf16_64(row + c, fp8_chunk_mask(t, n, head_size - c), tables, out);
+      _mm512_store_si512(dst + t * DP2 + c, out[0]);
+      if (c + 32 < DP2) _mm512_store_si512(dst + t * DP2 + c + 32, out[1]);
+    }
+  }
+}
+
+// bf16 bit patterns (32 per register) -> 16 float32 lanes each half.
+inline __m512 bf16_half_to_f32(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One kv head's fp8 value rows [0, n) of a tile widened into dst [16, NC * 16] float32 (rows
+// >= n and elements past head_size: zeros), prefetching as widen_tile.
+template <typename F8, int NC>
+inline void widen_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
+                           int64_t n, int64_t head_size, float* dst, const F8* prefetch,
+                           int64_t prefetch_rows) {
+  constexpr int64_t DP = NC * 16;
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t < prefetch_rows) prefetch_row_l2<F8, NC>(prefetch + t * row_stride);
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * row_stride);
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < DP; c += 64) {
+      __m512i out[2];
+      fp8_to_bf16_64(row + c, fp8_chunk_mask(t, n, head_size - c), tables, out);
+      float* d = dst + t * DP + c;
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {  // quarter q: codes c + 16q .. c + 16q + 15
+        if (c + 16 * q >= DP) break;
+        const __m256i half = q % 2 == 0 ? _mm512_castsi512_si256(out[q / 2])
+                                        : _mm512_extracti64x4_epi64(out[q / 2], 1);
+        _mm512_store_ps(d + 16 * q, bf16_half_to_f32(half));
+      }
+    }
+  }
+}
+#else
+#define JAX_ATTN_DECODE_FP8_DOT 0
+#endif
+
 // The query rows of one item: float32 scaled by qk_scale ([Hq, DP], zero-padded), and for the
 // bf16 dot path the unscaled bf16 rows ([Hq, DP2], zero-padded; DP2 = NC2 * 32).
 struct Queries {
@@ -427,6 +535,7 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
 template <typename KV, int NC, bool kDot>
 void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<int32_t>* arrivals) {
   constexpr int64_t DP = NC * 16;
+  constexpr bool kFp8 = std::is_same_v<KV, e4m3_t> || std::is_same_v<KV, e5m2_t>;
   const int64_t D = p.head_size, Hq = p.num_heads, Hkv = p.num_kv_heads;
   const int64_t BS = p.block_size;
   const __mmask16 last_mask = tail_mask(D - (NC - 1) * 16);
@@ -456,6 +565,11 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   alignas(64) bf16_t ktile2[kDot ? 16 * DP2 : 32];
   alignas(64) float vtile[16 * DP];
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#if JAX_ATTN_DECODE_FP8_DOT
+  // The fp8 lookup tables, in registers for the whole item.
+  Fp8Tables fp8{};
+  if constexpr (kDot && kFp8) fp8 = fp8_tables<KV>();
+#endif
 
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
   // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous, in
@@ -487,14 +601,25 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           pf_offset = table[bb] * block_stride + tt * 16 * row_stride + hh * D;
         }
         const int64_t offset = block_offset + t0 * row_stride + h * D;
-        if constexpr (kDot) {
-          copy_tile_bf16<NC>(reinterpret_cast<const bf16_t*>(kc + offset), row_stride, n, D,
-                             ktile2, reinterpret_cast<const bf16_t*>(kc + pf_offset), pf_rows);
+        if constexpr (kDot && kFp8) {
+#if JAX_ATTN_DECODE_FP8_DOT
+          convert_tile_fp8_bf16<KV, NC>(fp8, kc + offset, row_stride, n, D, ktile2,
+                                        kc + pf_offset, pf_rows);
+          widen_tile_fp8<KV, NC>(fp8, vc + offset, row_stride, n, D, vtile, vc + pf_offset,
+                                 pf_rows);
+#endif
         } else {
-          widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile, kc + pf_offset,
+          if constexpr (kDot) {
+            copy_tile_bf16<NC>(reinterpret_cast<const bf16_t*>(kc + offset), row_stride, n, D,
+                               ktile2, reinterpret_cast<const bf16_t*>(kc + pf_offset),
+                               pf_rows);
+          } else {
+            widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile, kc + pf_offset,
+                               pf_rows);
+          }
+          widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile, vc + pf_offset,
                              pf_rows);
         }
-        widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile, vc + pf_offset, pf_rows);
         attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile, h, n, distance);
       }
     }
@@ -545,21 +670,38 @@ ItemFn pick_item_fn(int64_t head_size) {
 #endif
 }
 
+// $JAX_ATTN_CPU_BF16_DOT=0 turns the vdpbf16ps paths off (keys widened to float32 instead).
+inline bool dot_enabled() {
+  const char* env = std::getenv("JAX_ATTN_CPU_BF16_DOT");
+  return env == nullptr || std::atoi(env) != 0;
+}
+
 ItemFn pick_item_fn(ffi::DataType cache_type, [[maybe_unused]] ffi::DataType query_type,
                     int64_t head_size) {
   switch (cache_type) {
     case ffi::DataType::F32: return pick_item_fn<float, false>(head_size);
     case ffi::DataType::BF16:
 #if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_BF16_DOT
-      if (query_type == ffi::DataType::BF16) {
-        const char* env = std::getenv("JAX_ATTN_CPU_BF16_DOT");
-        if (env == nullptr || std::atoi(env) != 0) return pick_item_fn<bf16_t, true>(head_size);
+      if (query_type == ffi::DataType::BF16 && dot_enabled()) {
+        return pick_item_fn<bf16_t, true>(head_size);
       }
 #endif
       return pick_item_fn<bf16_t, false>(head_size);
     case ffi::DataType::F16: return pick_item_fn<f16_t, false>(head_size);
-    case ffi::DataType::F8E4M3FN: return pick_item_fn<e4m3_t, false>(head_size);
-    case ffi::DataType::F8E5M2: return pick_item_fn<e5m2_t, false>(head_size);
+    case ffi::DataType::F8E4M3FN:
+#if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_FP8_DOT
+      if (query_type == ffi::DataType::BF16 && dot_enabled()) {
+        return pick_item_fn<e4m3_t, true>(head_size);
+      }
+#endif
+      return pick_item_fn<e4m3_t, false>(head_size);
+    case ffi::DataType::F8E5M2:
+#if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_FP8_DOT
+      if (query_type == ffi::DataType::BF16 && dot_enabled()) {
+        return pick_item_fn<e5m2_t, true>(head_size);
+      }
+#endif
+      return pick_item_fn<e5m2_t, false>(head_size);
     default: return nullptr;
   }
 }
