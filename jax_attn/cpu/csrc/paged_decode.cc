@@ -404,24 +404,36 @@ inline __mmask64 fp8_chunk_mask(int64_t t, int64_t n, int64_t left) {
   return left >= 64 ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << left) - 1;
 }
 
-// One kv head's fp8 key rows [0, n) of a tile as bf16 into dst [16, NC2 * 32] (rows >= n and
-// elements past head_size: zeros), prefetching a later tile's rows into L2 as widen_tile.
+// Walks one kv head's fp8 rows [0, n) of a tile, 64 codes at a time up to `row_elems` (rows
+// >= n and codes past head_size: zeros), prefetching a later tile's rows into L2 as
+// widen_tile; store(t, c, out) puts row t's codes c..c+63 (as bf16, out[0] and out[1]).
+template <typename F8, int NC, typename Store>
+inline void convert_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
+                             int64_t n, int64_t head_size, int64_t row_elems, const F8* prefetch,
+                             int64_t prefetch_rows, Store&& store) {
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t < prefetch_rows) prefetch_row_l2<F8, NC>(prefetch + t * row_stride);
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * row_stride);
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < row_elems; c += 64) {
+      __m512i out[2];
+      fp8_to_bf16_64(row + c, fp8_chunk_mask(t, n, head_size - c), tables, out);
+      store(t, c, out);
+    }
+  }
+}
+
+// Keys: into the bf16 tile dst [16, NC2 * 32] of the vdpbf16ps path.
 template <typename F8, int NC>
 inline void convert_tile_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t row_stride,
                                   int64_t n, int64_t head_size, bf16_t* dst, const F8* prefetch,
                                   int64_t prefetch_rows) {
   constexpr int64_t DP2 = (NC + 1) / 2 * 32;
-  for (int64_t t = 0; t < 16; ++t) {
-    if (t < prefetch_rows) prefetch_row_l2<F8, NC>(prefetch + t * row_stride);
-    const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * row_stride);
-#pragma GCC unroll 4
-    for (int64_t c = 0; c < DP2; c += 64) {
-      __m512i out[2];
-      fp8_to_bf16_64(row + c, fp8_chunk_mask(t, n, head_size - c), tables, out);
-      _mm512_store_si512(dst + t * DP2 + c, out[0]);
-      if (c + 32 < DP2) _mm512_store_si512(dst + t * DP2 + c + 32, out[1]);
-    }
-  }
+  convert_tile_fp8<F8, NC>(tables, src, row_stride, n, head_size, DP2, prefetch, prefetch_rows,
+                           [dst](int64_t t, int64_t c, const __m512i* out) {
+                             _mm512_store_si512(dst + t * DP2 + c, out[0]);
+                             if (c + 32 < DP2) _mm512_store_si512(dst + t * DP2 + c + 32, out[1]);
+                           });
 }
 
 // bf16 bit patterns (32 per register) -> 16 float32 lanes each half.
@@ -429,30 +441,24 @@ inline __m512 bf16_half_to_f32(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// One kv head's fp8 value rows [0, n) of a tile widened into dst [16, NC * 16] float32 (rows
-// >= n and elements past head_size: zeros), prefetching as widen_tile.
+// Values: widened into the float32 tile dst [16, NC * 16].
 template <typename F8, int NC>
 inline void widen_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
                            int64_t n, int64_t head_size, float* dst, const F8* prefetch,
                            int64_t prefetch_rows) {
   constexpr int64_t DP = NC * 16;
-  for (int64_t t = 0; t < 16; ++t) {
-    if (t < prefetch_rows) prefetch_row_l2<F8, NC>(prefetch + t * row_stride);
-    const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * row_stride);
+  convert_tile_fp8<F8, NC>(tables, src, row_stride, n, head_size, DP, prefetch, prefetch_rows,
+                           [dst](int64_t t, int64_t c, const __m512i* out) {
+                             float* d = dst + t * DP + c;
 #pragma GCC unroll 4
-    for (int64_t c = 0; c < DP; c += 64) {
-      __m512i out[2];
-      fp8_to_bf16_64(row + c, fp8_chunk_mask(t, n, head_size - c), tables, out);
-      float* d = dst + t * DP + c;
-#pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) {  // quarter q: codes c + 16q .. c + 16q + 15
-        if (c + 16 * q >= DP) break;
-        const __m256i half = q % 2 == 0 ? _mm512_castsi512_si256(out[q / 2])
-                                        : _mm512_extracti64x4_epi64(out[q / 2], 1);
-        _mm512_store_ps(d + 16 * q, bf16_half_to_f32(half));
-      }
-    }
-  }
+                             for (int q = 0; q < 4; ++q) {  // codes c + 16q .. c + 16q + 15
+                               if (c + 16 * q >= DP) break;
+                               const __m256i half =
+                                   q % 2 == 0 ? _mm512_castsi512_si256(out[q / 2])
+                                              : _mm512_extracti64x4_epi64(out[q / 2], 1);
+                               _mm512_store_ps(d + 16 * q, bf16_half_to_f32(half));
+                             }
+                           });
 }
 #else
 #define JAX_ATTN_DECODE_FP8_DOT 0
@@ -676,32 +682,39 @@ inline bool dot_enabled() {
   return env == nullptr || std::atoi(env) != 0;
 }
 
-ItemFn pick_item_fn(ffi::DataType cache_type, [[maybe_unused]] ffi::DataType query_type,
-                    int64_t head_size) {
+#if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_BF16_DOT
+constexpr bool kBf16DotBuilt = true;
+#else
+constexpr bool kBf16DotBuilt = false;
+#endif
+#if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_FP8_DOT
+constexpr bool kFp8DotBuilt = true;
+#else
+constexpr bool kFp8DotBuilt = false;
+#endif
+
+// The item function for cache elements KV: the vdpbf16ps path for bf16 queries where this
+// build has it (kDotBuilt) and $JAX_ATTN_CPU_BF16_DOT allows it, else the widening one.
+template <typename KV, bool kDotBuilt>
+ItemFn pick_item_fn_dot(ffi::DataType query_type, int64_t head_size) {
+  if constexpr (kDotBuilt) {
+    if (query_type == ffi::DataType::BF16 && dot_enabled()) {
+      return pick_item_fn<KV, true>(head_size);
+    }
+  }
+  return pick_item_fn<KV, false>(head_size);
+}
+
+ItemFn pick_item_fn(ffi::DataType cache_type, ffi::DataType query_type, int64_t head_size) {
   switch (cache_type) {
     case ffi::DataType::F32: return pick_item_fn<float, false>(head_size);
     case ffi::DataType::BF16:
-#if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_BF16_DOT
-      if (query_type == ffi::DataType::BF16 && dot_enabled()) {
-        return pick_item_fn<bf16_t, true>(head_size);
-      }
-#endif
-      return pick_item_fn<bf16_t, false>(head_size);
+      return pick_item_fn_dot<bf16_t, kBf16DotBuilt>(query_type, head_size);
     case ffi::DataType::F16: return pick_item_fn<f16_t, false>(head_size);
     case ffi::DataType::F8E4M3FN:
-#if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_FP8_DOT
-      if (query_type == ffi::DataType::BF16 && dot_enabled()) {
-        return pick_item_fn<e4m3_t, true>(head_size);
-      }
-#endif
-      return pick_item_fn<e4m3_t, false>(head_size);
+      return pick_item_fn_dot<e4m3_t, kFp8DotBuilt>(query_type, head_size);
     case ffi::DataType::F8E5M2:
-#if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_FP8_DOT
-      if (query_type == ffi::DataType::BF16 && dot_enabled()) {
-        return pick_item_fn<e5m2_t, true>(head_size);
-      }
-#endif
-      return pick_item_fn<e5m2_t, false>(head_size);
+      return pick_item_fn_dot<e5m2_t, kFp8DotBuilt>(query_type, head_size);
     default: return nullptr;
   }
 }
