@@ -228,24 +228,63 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
 #if JAX_ATTN_AVX512
 
 
-// Prefetch one cache row of NC * 16 elements into L2.
-template <typename T, int NC>
-inline void prefetch_row_l2(const T* row) {
-  constexpr int64_t kLineElems = 64 / sizeof(T);
-  for (int64_t e = 0; e < NC * 16; e += kLineElems) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + e), _MM_HINT_T1);
+// Prefetches (into L2) the K and V rows of a later tile a few cache lines at a time, so the
+// requests are spread over the current tile's math. Issued in one burst (as the tile copy
+// reads its rows), they fill the core's miss buffers, the copy waits for them, and the math
+// that follows runs with the memory idle: on the Zen 4 dev VM a burst per tile left memory and
+// math additive (f32: 25 ms on one thread = 10.5 ms of math with the cache in L2 + ~15 ms of
+// reading), while the same requests spread over the math overlap the two (see NOTES.md).
+class TilePrefetcher {
+ public:
+  TilePrefetcher() = default;
+  // `rows` rows of `row_bytes` bytes each, `row_stride` bytes apart, from key and value.
+  TilePrefetcher(const void* key, const void* value, int64_t row_stride, int64_t rows,
+                 int64_t row_bytes)
+      : k_(static_cast<const char*>(key)),
+        v_(static_cast<const char*>(value)),
+        stride_(row_stride),
+        row_bytes_(row_bytes),
+        rows_(rows) {
+    start_row();
   }
-}
+  // Cache lines (per cache) not yet requested.
+  int64_t remaining() const { return rows_ > 0 ? (rows_ - 1) * lines_per_row_ + left_ : 0; }
+  // Request the next n lines of each cache.
+  inline void issue(int64_t n) {
+    for (; n > 0 && rows_ > 0; --n) {
+      _mm_prefetch(k_ + offset_, _MM_HINT_T1);
+      _mm_prefetch(v_ + offset_, _MM_HINT_T1);
+      offset_ += 64;
+      if (--left_ == 0) {
+        k_ += stride_;
+        v_ += stride_;
+        if (--rows_ > 0) start_row();
+      }
+    }
+  }
+
+ private:
+  // The lines of the current row: from the one holding its first byte to its last byte's.
+  void start_row() {
+    const auto misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(k_) & 63);
+    offset_ = -misalign;
+    left_ = (misalign + row_bytes_ + 63) / 64;
+    if (lines_per_row_ == 0) lines_per_row_ = left_;
+  }
+  const char* k_ = nullptr;
+  const char* v_ = nullptr;
+  int64_t stride_ = 0, row_bytes_ = 0, rows_ = 0;
+  int64_t offset_ = 0, left_ = 0, lines_per_row_ = 0;
+};
 
 // Widen one kv head's rows [0, n) of a tile into dst [16, DP] float32 (rows >= n: zeros, so
-// unused cache bytes never reach the math), prefetching the rows of a later tile into L2.
+// unused cache bytes never reach the math).
 template <typename KV, int NC>
 inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 last_mask,
-                       float* dst, const KV* prefetch, int64_t prefetch_rows) {
+                       float* dst) {
   constexpr int64_t DP = NC * 16;
   const bool full = n == 16 && last_mask == static_cast<__mmask16>(0xffff);
   for (int64_t t = 0; t < 16; ++t) {
-    if (t < prefetch_rows) prefetch_row_l2<KV, NC>(prefetch + t * row_stride);
     const KV* row = src + t * row_stride;
     if (full) {
 #pragma GCC unroll 16
@@ -266,9 +305,11 @@ inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 l
 
 // acc[r] = acc[r] * factor[r] + sum_t probs[r][t] * v[t] for RG query rows at once, so each
 // value chunk is loaded once per RG rows: 4 chunks x RG rows of accumulators in registers.
+// Each token's step also requests `per_step` lines of a later tile (pf).
 template <int NC, int RG>
 inline void accumulate_values(const float* vt, int64_t n, const float (*probs)[16],
-                              const float* factor, float* const* acc) {
+                              const float* factor, float* const* acc, TilePrefetcher& pf,
+                              int64_t per_step) {
   constexpr int64_t DP = NC * 16;
 #pragma GCC unroll 4
   for (int cb = 0; cb < NC; cb += 4) {
@@ -283,6 +324,7 @@ inline void accumulate_values(const float* vt, int64_t n, const float (*probs)[1
       }
     }
     for (int64_t t = 0; t < n; ++t) {
+      pf.issue(per_step);
       __m512 v[kMaxCB];
 #pragma GCC unroll 4
       for (int j = 0; j < kMaxCB; ++j) {
@@ -308,16 +350,15 @@ inline void accumulate_values(const float* vt, int64_t n, const float (*probs)[1
 }
 
 // Copy one kv head's rows [0, n) of a bf16 tile into dst [16, NC2 * 32] bf16 (rows >= n and
-// elements past head_size: zeros), prefetching the rows of a later tile into L2 as widen_tile.
+// elements past head_size: zeros).
 template <int NC>
 inline void copy_tile_bf16(const bf16_t* src, int64_t row_stride, int64_t n, int64_t head_size,
-                           bf16_t* dst, const bf16_t* prefetch, int64_t prefetch_rows) {
+                           bf16_t* dst) {
   constexpr int NC2 = (NC + 1) / 2;
   const int64_t tail = head_size - (NC2 - 1) * 32;
   const __mmask32 last = tail >= 32 ? static_cast<__mmask32>(0xffffffffu)
                                     : static_cast<__mmask32>((1u << tail) - 1u);
   for (int64_t t = 0; t < 16; ++t) {
-    if (t < prefetch_rows) prefetch_row_l2<bf16_t, NC>(prefetch + t * row_stride);
     const bf16_t* row = src + t * row_stride;
 #pragma GCC unroll 8
     for (int c = 0; c < NC2; ++c) {
@@ -405,14 +446,12 @@ inline __mmask64 fp8_chunk_mask(int64_t t, int64_t n, int64_t left) {
 }
 
 // Walks one kv head's fp8 rows [0, n) of a tile, 64 codes at a time up to `row_elems` (rows
-// >= n and codes past head_size: zeros), prefetching a later tile's rows into L2 as
-// widen_tile; store(t, c, out) puts row t's codes c..c+63 (as bf16, out[0] and out[1]).
+// >= n and codes past head_size: zeros); store(t, c, out) puts row t's codes c..c+63 (as
+// bf16, out[0] and out[1]).
 template <typename F8, int NC, typename Store>
 inline void convert_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
-                             int64_t n, int64_t head_size, int64_t row_elems, const F8* prefetch,
-                             int64_t prefetch_rows, Store&& store) {
+                             int64_t n, int64_t head_size, int64_t row_elems, Store&& store) {
   for (int64_t t = 0; t < 16; ++t) {
-    if (t < prefetch_rows) prefetch_row_l2<F8, NC>(prefetch + t * row_stride);
     const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * row_stride);
 #pragma GCC unroll 4
     for (int64_t c = 0; c < row_elems; c += 64) {
@@ -426,10 +465,9 @@ inline void convert_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row
 // Keys: into the bf16 tile dst [16, NC2 * 32] of the vdpbf16ps path.
 template <typename F8, int NC>
 inline void convert_tile_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t row_stride,
-                                  int64_t n, int64_t head_size, bf16_t* dst, const F8* prefetch,
-                                  int64_t prefetch_rows) {
+                                  int64_t n, int64_t head_size, bf16_t* dst) {
   constexpr int64_t DP2 = (NC + 1) / 2 * 32;
-  convert_tile_fp8<F8, NC>(tables, src, row_stride, n, head_size, DP2, prefetch, prefetch_rows,
+  convert_tile_fp8<F8, NC>(tables, src, row_stride, n, head_size, DP2,
                            [dst](int64_t t, int64_t c, const __m512i* out) {
                              _mm512_store_si512(dst + t * DP2 + c, out[0]);
                              if (c + 32 < DP2) _mm512_store_si512(dst + t * DP2 + c + 32, out[1]);
@@ -444,10 +482,9 @@ inline __m512 bf16_half_to_f32(__m256i h) {
 // Values: widened into the float32 tile dst [16, NC * 16].
 template <typename F8, int NC>
 inline void widen_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
-                           int64_t n, int64_t head_size, float* dst, const F8* prefetch,
-                           int64_t prefetch_rows) {
+                           int64_t n, int64_t head_size, float* dst) {
   constexpr int64_t DP = NC * 16;
-  convert_tile_fp8<F8, NC>(tables, src, row_stride, n, head_size, DP, prefetch, prefetch_rows,
+  convert_tile_fp8<F8, NC>(tables, src, row_stride, n, head_size, DP,
                            [dst](int64_t t, int64_t c, const __m512i* out) {
                              float* d = dst + t * DP + c;
 #pragma GCC unroll 4
@@ -474,15 +511,20 @@ struct Queries {
 // All G query rows of kv head h against one tile of n tokens: logits, online softmax, values.
 // Keys: the widened tile ktile ([16, DP] float32), or with kDot the bf16 tile ktile2 ([16, DP2]);
 // values: the widened tile vtile ([16, DP]). Independent of the cache dtype: instantiated once
-// per head size and path.
+// per head size and path. The prefetches of a later tile (pf) are spread evenly over the steps
+// of the math (each query row's logits, each token of the value sums); what is left is issued
+// at the end.
 template <int NC, bool kDot>
 __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, RowsState& st,
                                            const float* ktile, const bf16_t* ktile2,
                                            const float* vtile, int64_t h, int64_t n,
-                                           __m512 distance) {
+                                           __m512 distance, TilePrefetcher& prefetcher) {
   constexpr int64_t DP = NC * 16;
   constexpr int NC2 = (NC + 1) / 2;
   const int64_t G = p.group;
+  TilePrefetcher pf = prefetcher;  // a local copy: kept in registers
+  const int64_t steps = G + (G + 3) / 4 * ((NC + 3) / 4) * n;
+  const int64_t per_step = (pf.remaining() + steps - 1) / steps;
   const __mmask16 valid = tail_mask(n);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float probs[4][16];
@@ -492,6 +534,7 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
     float factor[4];
     float* acc[4];
     for (int r = 0; r < rg; ++r) {
+      pf.issue(per_step);
       const int64_t row = h * G + g0 + r;
       // logits[t] = q . k[t]: 16 independent accumulators, one per key.
       __m512 dots[16];
@@ -528,12 +571,13 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
       acc[r] = st.acc.get() + row * DP;
     }
     switch (rg) {
-      case 4: accumulate_values<NC, 4>(vtile, n, probs, factor, acc); break;
-      case 3: accumulate_values<NC, 3>(vtile, n, probs, factor, acc); break;
-      case 2: accumulate_values<NC, 2>(vtile, n, probs, factor, acc); break;
-      default: accumulate_values<NC, 1>(vtile, n, probs, factor, acc); break;
+      case 4: accumulate_values<NC, 4>(vtile, n, probs, factor, acc, pf, per_step); break;
+      case 3: accumulate_values<NC, 3>(vtile, n, probs, factor, acc, pf, per_step); break;
+      case 2: accumulate_values<NC, 2>(vtile, n, probs, factor, acc, pf, per_step); break;
+      default: accumulate_values<NC, 1>(vtile, n, probs, factor, acc, pf, per_step); break;
     }
   }
+  pf.issue(pf.remaining());
 }
 
 // One item on AVX-512. NC = ceil(D / 16) 16-float chunks per row; the last may be partial.
@@ -600,33 +644,30 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
             ++bb;
           }
         }
-        int64_t pf_rows = 0;
-        int64_t pf_offset = 0;
+        TilePrefetcher pf;
         if (bb <= last_block && p.prefetch_tiles > 0) {
-          pf_rows = std::min<int64_t>(16, BS - tt * 16);
-          pf_offset = table[bb] * block_stride + tt * 16 * row_stride + hh * D;
+          const int64_t pf_offset = table[bb] * block_stride + tt * 16 * row_stride + hh * D;
+          pf = TilePrefetcher(kc + pf_offset, vc + pf_offset,
+                              row_stride * static_cast<int64_t>(sizeof(KV)),
+                              std::min<int64_t>(16, BS - tt * 16),
+                              D * static_cast<int64_t>(sizeof(KV)));
         }
         const int64_t offset = block_offset + t0 * row_stride + h * D;
         if constexpr (kDot && kFp8) {
 #if JAX_ATTN_DECODE_FP8_DOT
-          convert_tile_fp8_bf16<KV, NC>(fp8, kc + offset, row_stride, n, D, ktile2,
-                                        kc + pf_offset, pf_rows);
-          widen_tile_fp8<KV, NC>(fp8, vc + offset, row_stride, n, D, vtile, vc + pf_offset,
-                                 pf_rows);
+          convert_tile_fp8_bf16<KV, NC>(fp8, kc + offset, row_stride, n, D, ktile2);
+          widen_tile_fp8<KV, NC>(fp8, vc + offset, row_stride, n, D, vtile);
 #endif
         } else {
           if constexpr (kDot) {
             copy_tile_bf16<NC>(reinterpret_cast<const bf16_t*>(kc + offset), row_stride, n, D,
-                               ktile2, reinterpret_cast<const bf16_t*>(kc + pf_offset),
-                               pf_rows);
+                               ktile2);
           } else {
-            widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile, kc + pf_offset,
-                               pf_rows);
+            widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile);
           }
-          widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile, vc + pf_offset,
-                             pf_rows);
+          widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile);
         }
-        attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile, h, n, distance);
+        attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile, h, n, distance, pf);
       }
     }
   }
