@@ -304,13 +304,14 @@ inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 l
 }
 
 // acc[r] = acc[r] * factor[r] + sum_t probs[r][t] * v[t] for RG query rows at once, so each
-// value chunk is loaded once per RG rows: 4 chunks x RG rows of accumulators in registers.
+// value chunk is loaded (and widened) once per RG rows: 4 chunks x RG rows of accumulators in
+// registers. Values: rows [0, n) at v, `stride` elements apart, read in place (the cache's
+// rows) or from a widened tile; only the first lanes of the last chunk (last_mask) are read.
 // Each token's step also requests `per_step` lines of a later tile (pf).
-template <int NC, int RG>
-inline void accumulate_values(const float* vt, int64_t n, const float (*probs)[16],
-                              const float* factor, float* const* acc, TilePrefetcher& pf,
-                              int64_t per_step) {
-  constexpr int64_t DP = NC * 16;
+template <typename VT, int NC, int RG>
+inline void accumulate_values(const VT* v_rows, int64_t stride, __mmask16 last_mask, int64_t n,
+                              const float (*probs)[16], const float* factor, float* const* acc,
+                              TilePrefetcher& pf, int64_t per_step) {
 #pragma GCC unroll 4
   for (int cb = 0; cb < NC; cb += 4) {
     constexpr int kMaxCB = 4;
@@ -328,7 +329,10 @@ inline void accumulate_values(const float* vt, int64_t n, const float (*probs)[1
       __m512 v[kMaxCB];
 #pragma GCC unroll 4
       for (int j = 0; j < kMaxCB; ++j) {
-        if (cb + j < NC) v[j] = _mm512_load_ps(vt + t * DP + 16 * (cb + j));
+        if (cb + j < NC) {
+          const __mmask16 m = cb + j == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
+          v[j] = load16<VT>(v_rows + t * stride + 16 * (cb + j), m);
+        }
       }
 #pragma GCC unroll 4
       for (int r = 0; r < RG; ++r) {
@@ -510,15 +514,16 @@ struct Queries {
 
 // All G query rows of kv head h against one tile of n tokens: logits, online softmax, values.
 // Keys: the widened tile ktile ([16, DP] float32), or with kDot the bf16 tile ktile2 ([16, DP2]);
-// values: the widened tile vtile ([16, DP]). Independent of the cache dtype: instantiated once
-// per head size and path. The prefetches of a later tile (pf) are spread evenly over the steps
-// of the math (each query row's logits, each token of the value sums); what is left is issued
-// at the end.
-template <int NC, bool kDot>
+// values: rows [0, n) at v_rows, v_stride elements apart, widened as they are summed (the
+// cache's own rows, or with fp8 caches under kDot a float32 tile). The prefetches of a later
+// tile (pf) are spread evenly over the steps of the math (each query row's logits, each token
+// of the value sums); what is left is issued at the end.
+template <typename VT, int NC, bool kDot>
 __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, RowsState& st,
                                            const float* ktile, const bf16_t* ktile2,
-                                           const float* vtile, int64_t h, int64_t n,
-                                           __m512 distance, TilePrefetcher& prefetcher) {
+                                           const VT* v_rows, int64_t v_stride, int64_t h,
+                                           int64_t n, __m512 distance,
+                                           TilePrefetcher& prefetcher) {
   constexpr int64_t DP = NC * 16;
   constexpr int NC2 = (NC + 1) / 2;
   const int64_t G = p.group;
@@ -526,6 +531,7 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
   const int64_t steps = G + (G + 3) / 4 * ((NC + 3) / 4) * n;
   const int64_t per_step = (pf.remaining() + steps - 1) / steps;
   const __mmask16 valid = tail_mask(n);
+  const __mmask16 last_mask = tail_mask(p.head_size - (NC - 1) * 16);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float probs[4][16];
   // The G query rows of this kv head, up to 4 at a time.
@@ -571,10 +577,22 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
       acc[r] = st.acc.get() + row * DP;
     }
     switch (rg) {
-      case 4: accumulate_values<NC, 4>(vtile, n, probs, factor, acc, pf, per_step); break;
-      case 3: accumulate_values<NC, 3>(vtile, n, probs, factor, acc, pf, per_step); break;
-      case 2: accumulate_values<NC, 2>(vtile, n, probs, factor, acc, pf, per_step); break;
-      default: accumulate_values<NC, 1>(vtile, n, probs, factor, acc, pf, per_step); break;
+      case 4:
+        accumulate_values<VT, NC, 4>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
+                                       per_step);
+        break;
+      case 3:
+        accumulate_values<VT, NC, 3>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
+                                       per_step);
+        break;
+      case 2:
+        accumulate_values<VT, NC, 2>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
+                                       per_step);
+        break;
+      default:
+        accumulate_values<VT, NC, 1>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
+                                     per_step);
+        break;
     }
   }
   pf.issue(pf.remaining());
@@ -613,7 +631,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // [16, DP] (with kDot: bf16 keys [16, DP2]) and widened values [16, DP].
   alignas(64) float ktile[kDot ? 16 : 16 * DP];
   alignas(64) bf16_t ktile2[kDot ? 16 * DP2 : 32];
-  alignas(64) float vtile[16 * DP];
+  alignas(64) float vtile[kDot && kFp8 ? 16 * DP : 16];
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #if JAX_ATTN_DECODE_FP8_DOT
   // The fp8 lookup tables, in registers for the whole item.
@@ -657,6 +675,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
 #if JAX_ATTN_DECODE_FP8_DOT
           convert_tile_fp8_bf16<KV, NC>(fp8, kc + offset, row_stride, n, D, ktile2);
           widen_tile_fp8<KV, NC>(fp8, vc + offset, row_stride, n, D, vtile);
+          attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance,
+                                       pf);
 #endif
         } else {
           if constexpr (kDot) {
@@ -665,9 +685,9 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           } else {
             widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile);
           }
-          widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile);
+          attend_tile<KV, NC, kDot>(p, queries, st, ktile, ktile2, vc + offset, row_stride, h, n,
+                                    distance, pf);
         }
-        attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile, h, n, distance, pf);
       }
     }
   }
