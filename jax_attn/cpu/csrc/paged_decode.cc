@@ -8,26 +8,32 @@
 // online-softmax states are merged in float32 by whichever part finishes last); items go to
 // XLA's intra-op pool (ffi::ThreadPool) and the calling thread. Inside an item the kernel
 // walks the sequence's blocks in table order, each block in tiles of up to 16 tokens, and kv
-// heads in turn: a head's 16 rows are widened to float32 once into an L1-resident tile (bf16
-// by a shift, fp8 through the fp16 converter), which then serves all G query rows of its GQA
-// group. Logits of a tile come out as one 16-lane vector per query row (a transpose-and-add
+// heads in turn: a head's 16 key rows are widened to float32 once into an L1-resident tile
+// (bf16 by a shift, fp8 through the fp16 converter), which then serves all G query rows of its
+// GQA group. Logits of a tile come out as one 16-lane vector per query row (a transpose-and-add
 // tree), so the online softmax (max, exp, sum) runs on whole vectors; values are accumulated
-// for up to 4 query rows at once, so each value chunk is loaded once per 4 rows. Keys outside
-// the visible range (past seq_len, before the sliding window) are never loaded: tiles cover
-// only the visible range, and a tile's unused rows are zeros in the widened copy, so NaN in
-// unused cache memory cannot reach an output. bf16 queries on a bf16 cache (CPUs with
-// AVX512_BF16) copy the key rows as bf16 and take their dot products with vdpbf16ps: half the
-// tile and half the instructions ($JAX_ATTN_CPU_BF16_DOT=0 widens them instead). bf16 queries
-// on an fp8 cache (AVX512_VBMI too) take the same path: keys to bf16 and values to float32
-// by table lookups (vpermi2b), 64 codes at a time, every fp8 value being exact in bf16.
+// for up to 4 query rows at once, read straight from the cache rows (float32, bf16; other
+// caches through a widened tile) and widened in registers, so each value chunk is loaded once
+// per 4 rows. Keys outside the visible range (past seq_len, before the sliding window) are
+// never loaded: tiles cover only the visible range, a tile's unused key rows are zeros in the
+// widened copy and value rows past the tile's tokens are never read, so NaN in unused cache
+// memory cannot reach an output. bf16 queries on a bf16 cache (CPUs with AVX512_BF16) copy
+// the key rows as bf16 and take their dot products with vdpbf16ps: half the tile and half the
+// instructions ($JAX_ATTN_CPU_BF16_DOT=0 widens them instead). bf16 queries on an fp8 cache
+// (AVX512_VBMI too) take the same path: keys to bf16 and values to float32 by table lookups
+// (vpermi2b), 64 codes at a time, every fp8 value being exact in bf16.
 //
-// Measured on the 2-core AMD EPYC (AVX-512) dev machine, one thread, B=32 ctx=1024 Hq=32
-// Hkv=8 D=128 BS=16: the math alone (cache resident in L2) takes ~6.6 ms (f32) / ~5.2 ms (bf16)
-// of CPU time, widening alone from DRAM ~15 ms (f32), a jitted XLA sum of the same f32 cache
-// ~8 ms: the limit is how fast one core pulls the strided rows out of DRAM, not the FMAs.
-// Software prefetch of the tile 4 kv-head steps ahead (into L2) gains ~20% (f32) to ~30%
-// (bf16); whole-block sequential widening (all heads of a tile into one 128 KB buffer) and
-// reading f32 caches in place (4 KB-aliased rows thrash L1) were both slower.
+// Memory: the rows of the tile kPrefetchTiles kv-head steps ahead are prefetched into L2, the
+// requests spread over the current tile's math (TilePrefetcher). Measured on the 2-core Zen 4
+// dev VM (B=32 ctx=1024 Hq=32 Hkv=8 D=128 BS=16, NOTES.md): one thread, f32, the math alone
+// (cache in L2) ~10 ms, from DRAM 25 ms with the prefetches issued in one burst per tile
+// (memory and math additive) and 20 ms spread; every cache line must be requested (one
+// request per 128 bytes ran as slowly as none). Tried and no faster there: keys read in place
+// with 4 tokens x 4 rows per register block (slower math: loads from L2 instead of L1),
+// prefetching whole token rows of the next tile (sequential 4 KB pages), distances 1-16
+// tiles, skipping the max update of tiles that raise no row's max. On the Zen 5 VM before:
+// whole-block sequential widening and reading f32 keys in place (4 KB-aliased rows thrash L1)
+// were both slower.
 //
 // Bad input (block ids outside [0, NB) among the blocks a sequence reads, seq_len outside
 // [0, max_blocks * BS], wrong shapes or dtypes) returns ffi::Error::InvalidArgument before
@@ -627,11 +633,14 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   }
   const Queries queries{q.get(), reinterpret_cast<const bf16_t*>(q2.get())};
   RowsState st(Hq, DP);
-  // One kv head's tile, L1-resident, reused by the G query rows of its group: widened keys
-  // [16, DP] (with kDot: bf16 keys [16, DP2]) and widened values [16, DP].
+  // One kv head's keys as an L1-resident tile, reused by the G query rows of its group: widened
+  // [16, DP] (with kDot: bf16 [16, DP2]).
   alignas(64) float ktile[kDot ? 16 : 16 * DP];
   alignas(64) bf16_t ktile2[kDot ? 16 * DP2 : 32];
-  alignas(64) float vtile[kDot && kFp8 ? 16 * DP : 16];
+  // Values are read in place from float32 and bf16 caches; other caches' values are widened
+  // into a float32 tile first (one instantiation of the math for all of them).
+  constexpr bool kValuesInPlace = std::is_same_v<KV, float> || std::is_same_v<KV, bf16_t>;
+  alignas(64) float vtile[kValuesInPlace ? 16 : 16 * DP];
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #if JAX_ATTN_DECODE_FP8_DOT
   // The fp8 lookup tables, in registers for the whole item.
@@ -685,8 +694,14 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           } else {
             widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile);
           }
-          attend_tile<KV, NC, kDot>(p, queries, st, ktile, ktile2, vc + offset, row_stride, h, n,
-                                    distance, pf);
+          if constexpr (kValuesInPlace) {
+            attend_tile<KV, NC, kDot>(p, queries, st, ktile, ktile2, vc + offset, row_stride, h,
+                                      n, distance, pf);
+          } else {
+            widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile);
+            attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance,
+                                         pf);
+          }
         }
       }
     }
