@@ -60,7 +60,8 @@ def paged_decode(
 
     The native kernel: per sequence (split into parts of whole blocks for long contexts, merged
     in float32), each block read once for all kv heads, all query heads of a GQA group against
-    one widened copy of the kv head's keys and values, online softmax in float32. Rows with
+    one widened copy of the kv head's keys and its values read in place (widened in registers),
+    online softmax in float32. Rows with
     `seq_lens[i] == 0` give zeros. `scale` defaults to `head_size ** -0.5`. `split_tokens`
     (keys per split-K part; None: chosen from the batch) exists for tests.
 
