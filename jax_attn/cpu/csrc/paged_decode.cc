@@ -27,7 +27,8 @@
 // requests spread over the current tile's math (TilePrefetcher). Measured on the 2-core Zen 4
 // dev VM (B=32 ctx=1024 Hq=32 Hkv=8 D=128 BS=16, NOTES.md): one thread, f32, the math alone
 // (cache in L2) ~10 ms, from DRAM 25 ms with the prefetches issued in one burst per tile
-// (memory and math additive) and 20 ms spread; every cache line must be requested (one
+// (memory and math additive), 20 ms spread at each query row, 16 ms spread at each key chunk
+// (the finer, the better the overlap); every cache line must be requested (one
 // request per 128 bytes ran as slowly as none). Tried and no faster there: keys read in place
 // with 4 tokens x 4 rows per register block (slower math: loads from L2 instead of L1),
 // prefetching whole token rows of the next tile (sequential 4 KB pages), distances 1-16
@@ -385,13 +386,16 @@ inline void copy_tile_bf16(const bf16_t* src, int64_t row_stride, int64_t n, int
 // Logits of one query row against a bf16 key tile: dots[t] = sum over d pairs of q[d] * k[t][d]
 // by vdpbf16ps (bf16 products are exact, accumulated in float32): half the instructions of the
 // float32 dot, on half the tile. q2: the row's unscaled bf16 query, ktile2: [16, NC2 * 32],
-// both zero beyond the head size (copy_tile_bf16).
+// both zero beyond the head size (copy_tile_bf16). Each chunk after the first also requests
+// `per_step` lines of a later tile (pf).
 template <int NC2>
-inline void dot_keys_bf16(const bf16_t* q2, const bf16_t* ktile2, __m512* dots) {
+inline void dot_keys_bf16(const bf16_t* q2, const bf16_t* ktile2, __m512* dots,
+                          TilePrefetcher& pf, int64_t per_step) {
 #pragma GCC unroll 16
   for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
 #pragma GCC unroll 8
   for (int c = 0; c < NC2; ++c) {
+    if (c > 0) pf.issue(per_step);
     const __m512bh qc = (__m512bh)_mm512_load_si512(q2 + 32 * c);
 #pragma GCC unroll 16
     for (int t = 0; t < 16; ++t) {
@@ -522,8 +526,8 @@ struct Queries {
 // Keys: the widened tile ktile ([16, DP] float32), or with kDot the bf16 tile ktile2 ([16, DP2]);
 // values: rows [0, n) at v_rows, v_stride elements apart, widened as they are summed (the
 // cache's own rows, or with fp8 caches under kDot a float32 tile). The prefetches of a later
-// tile (pf) are spread evenly over the steps of the math (each query row's logits, each token
-// of the value sums); what is left is issued at the end.
+// tile (pf) are spread evenly over the steps of the math (each key chunk of each query row's
+// logits, each token of the value sums: ~16 FMAs apart); what is left is issued at the end.
 template <typename VT, int NC, bool kDot>
 __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, RowsState& st,
                                            const float* ktile, const bf16_t* ktile2,
@@ -534,7 +538,7 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
   constexpr int NC2 = (NC + 1) / 2;
   const int64_t G = p.group;
   TilePrefetcher pf = prefetcher;  // a local copy: kept in registers
-  const int64_t steps = G + (G + 3) / 4 * ((NC + 3) / 4) * n;
+  const int64_t steps = G * (kDot ? NC2 : NC) + (G + 3) / 4 * ((NC + 3) / 4) * n;
   const int64_t per_step = (pf.remaining() + steps - 1) / steps;
   const __mmask16 valid = tail_mask(n);
   const __mmask16 last_mask = tail_mask(p.head_size - (NC - 1) * 16);
@@ -553,7 +557,7 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
       __m512 logits;
 #if JAX_ATTN_DECODE_BF16_DOT
       if constexpr (kDot) {
-        dot_keys_bf16<NC2>(q.bf16 + row * NC2 * 32, ktile2, dots);
+        dot_keys_bf16<NC2>(q.bf16 + row * NC2 * 32, ktile2, dots, pf, per_step);
         logits = _mm512_mul_ps(transpose_sum16(dots), _mm512_set1_ps(p.qk_scale));
       } else
 #endif
@@ -563,6 +567,7 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
         for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
 #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c) {
+          if (c > 0) pf.issue(per_step);
           const __m512 qc = _mm512_load_ps(qrow + 16 * c);
 #pragma GCC unroll 16
           for (int t = 0; t < 16; ++t) {
