@@ -10,11 +10,11 @@ Environment: `JAX_ATTN_CPU_THREADS` sets the worker count (default: XLA's intra-
 `JAX_ATTN_CACHE_DIR` moves the build cache (default ~/.cache/jax-attn),
 `JAX_ATTN_CPU_EXTRA_FLAGS` adds compiler flags (e.g. `-march=x86-64-v3` for the portable
 kernels, `-fsanitize=address,undefined`), `JAX_ATTN_CPU_PREFETCH` sets the decode kernel's
-prefetch distance in kv-head tiles (0: off), `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen
-bf16 and fp8 keys (under bf16 queries) to float32 instead of dotting them with vdpbf16ps
-(both read per call: for A/B timing). `python -m jax_attn.cpu.build` builds eagerly.
-`fma_peak.measure()` times the vector FMA peak on the kernels' workers (what `jax-attn bench`
-reports compute against).
+prefetch distance in kv-head tiles for keys (values: twice as far; 0: off),
+`JAX_ATTN_CPU_BF16_DOT=0` makes decode widen bf16 and fp8 keys (under bf16 queries) to
+float32 instead of dotting them with vdpbf16ps (both read per call: for A/B timing).
+`python -m jax_attn.cpu.build` builds eagerly. `fma_peak.measure()` times the vector FMA peak
+on the kernels' workers (what `jax-attn bench` reports compute against).
 """
 
 from jax_attn.cpu import fma_peak

@@ -23,18 +23,19 @@
 // (AVX512_VBMI too) take the same path: keys to bf16 and values to float32 by table lookups
 // (vpermi2b), 64 codes at a time, every fp8 value being exact in bf16.
 //
-// Memory: the rows of the tile kPrefetchTiles kv-head steps ahead are prefetched into L2, the
-// requests spread over the current tile's math (TilePrefetcher). Measured on the 2-core Zen 4
-// dev VM (B=32 ctx=1024 Hq=32 Hkv=8 D=128 BS=16, NOTES.md): one thread, f32, the math alone
-// (cache in L2) ~10 ms, from DRAM 25 ms with the prefetches issued in one burst per tile
-// (memory and math additive), 20 ms spread at each query row, 16 ms spread at each key chunk
-// (the finer, the better the overlap); every cache line must be requested (one
-// request per 128 bytes ran as slowly as none). Tried and no faster there: keys read in place
-// with 4 tokens x 4 rows per register block (slower math: loads from L2 instead of L1),
-// prefetching whole token rows of the next tile (sequential 4 KB pages), distances 1-16
-// tiles, skipping the max update of tiles that raise no row's max. On the Zen 5 VM before:
-// whole-block sequential widening and reading f32 keys in place (4 KB-aliased rows thrash L1)
-// were both slower.
+// Memory: the key rows of the tile kPrefetchTiles kv-head steps ahead and the value rows of the
+// tile twice as far are prefetched into L2, the requests spread over the current tile's math
+// (TilePrefetcher). Measured on the 2-core Zen 4 dev VM (B=32 ctx=1024 Hq=32 Hkv=8 D=128
+// BS=16, NOTES.md): one thread, f32, the math alone (cache in L2) ~10 ms, from DRAM 25 ms with
+// the prefetches issued in one burst per tile (memory and math additive), 20 ms spread at each
+// query row, 16-18 ms spread at each key chunk (the finer, the better the overlap); values
+// further ahead than keys: two threads f32 12.0 vs 14.3 ms, bf16 6.8 vs 8.5. Every cache line
+// must be requested (one request per 128 bytes ran as slowly as none). Tried and no faster
+// there: keys read in place with 4 tokens x 4 rows per register block (slower math: loads
+// from L2 instead of L1), prefetching whole token rows of the next tile (sequential 4 KB
+// pages), equal distances of 1-16 tiles, skipping the max update of tiles that raise no row's
+// max. On the Zen 5 VM before: whole-block sequential widening and reading f32 keys in place
+// (4 KB-aliased rows thrash L1) were both slower.
 //
 // Bad input (block ids outside [0, NB) among the blocks a sequence reads, seq_len outside
 // [0, max_blocks * BS], wrong shapes or dtypes) returns ffi::Error::InvalidArgument before
@@ -63,8 +64,8 @@ class FloatBuffer {
   float* data_;
 };
 
-// How far ahead (in kv-head tiles of 16 tokens, in processing order) the kernel prefetches;
-// $JAX_ATTN_CPU_PREFETCH overrides (0: no software prefetch).
+// How far ahead (in kv-head tiles of 16 tokens, in processing order) the kernel prefetches
+// keys (values: twice as far); $JAX_ATTN_CPU_PREFETCH overrides (0: no software prefetch).
 constexpr int64_t kPrefetchTiles = 4;
 
 struct Problem {
@@ -235,8 +236,10 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
 #if JAX_ATTN_AVX512
 
 
-// Prefetches (into L2) the K and V rows of a later tile a few cache lines at a time, so the
-// requests are spread over the current tile's math. Issued in one burst (as the tile copy
+// Prefetches (into L2) the key rows of one later tile and the value rows of another (further
+// ahead: values are requested twice as many kv-head steps ahead as keys, which measured
+// faster than equal distances on the Zen 4 VM), a few cache lines at a time, so the requests
+// are spread over the current tile's math. Issued in one burst (as the tile copy
 // reads its rows), they fill the core's miss buffers, the copy waits for them, and the math
 // that follows runs with the memory idle: on the Zen 4 dev VM a burst per tile left memory and
 // math additive (f32: 25 ms on one thread = 10.5 ms of math with the cache in L2 + ~15 ms of
@@ -244,23 +247,25 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
 class TilePrefetcher {
  public:
   TilePrefetcher() = default;
-  // `rows` rows of `row_bytes` bytes each, `row_stride` bytes apart, from key and value.
+  // `rows` rows of keys from `key` and of values from `value` (nullptr: keys only), rows
+  // `row_stride` bytes apart and `row_bytes` long; a row's requests cover every line it
+  // touches, in keys and in values, whatever their alignments.
   TilePrefetcher(const void* key, const void* value, int64_t row_stride, int64_t rows,
                  int64_t row_bytes)
       : k_(static_cast<const char*>(key)),
-        v_(static_cast<const char*>(value)),
+        v_(static_cast<const char*>(value ? value : key)),
         stride_(row_stride),
         row_bytes_(row_bytes),
         rows_(rows) {
-    start_row();
+    if (rows_ > 0) start_row();
   }
-  // Cache lines (per cache) not yet requested.
+  // Lines (of each cache) not yet requested; rows after the current one counted like the first.
   int64_t remaining() const { return rows_ > 0 ? (rows_ - 1) * lines_per_row_ + left_ : 0; }
   // Request the next n lines of each cache.
   inline void issue(int64_t n) {
     for (; n > 0 && rows_ > 0; --n) {
-      _mm_prefetch(k_ + offset_, _MM_HINT_T1);
-      _mm_prefetch(v_ + offset_, _MM_HINT_T1);
+      _mm_prefetch(k_line_ + offset_, _MM_HINT_T1);
+      _mm_prefetch(v_line_ + offset_, _MM_HINT_T1);
       offset_ += 64;
       if (--left_ == 0) {
         k_ += stride_;
@@ -271,15 +276,19 @@ class TilePrefetcher {
   }
 
  private:
-  // The lines of the current row: from the one holding its first byte to its last byte's.
   void start_row() {
-    const auto misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(k_) & 63);
-    offset_ = -misalign;
-    left_ = (misalign + row_bytes_ + 63) / 64;
+    const auto k_mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(k_) & 63);
+    const auto v_mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_) & 63);
+    k_line_ = k_ - k_mis;
+    v_line_ = v_ - v_mis;
+    offset_ = 0;
+    left_ = (std::max(k_mis, v_mis) + row_bytes_ + 63) / 64;
     if (lines_per_row_ == 0) lines_per_row_ = left_;
   }
-  const char* k_ = nullptr;
+  const char* k_ = nullptr;  // the current rows' first bytes
   const char* v_ = nullptr;
+  const char* k_line_ = nullptr;  // ... and the lines that hold them
+  const char* v_line_ = nullptr;
   int64_t stride_ = 0, row_bytes_ = 0, rows_ = 0;
   int64_t offset_ = 0, left_ = 0, lines_per_row_ = 0;
 };
@@ -656,8 +665,28 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
   // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous, in
   // tiles of <= 16 tokens; kv heads in turn read their tile's 16 rows (D elements, Hkv * D
-  // apart) into L1 as float32, while the rows of the tile kPrefetchTiles steps ahead (same
-  // order: blocks, tiles, heads; through the block table) are prefetched into L2.
+  // apart), while rows of later tiles (same order: blocks, tiles, heads; through the block
+  // table) are prefetched into L2.
+  //
+  // Where the rows of the tile `steps` kv-head steps after (block b, tile t0, head h) start
+  // (element offset in a cache) and how many there are, in the order below: heads, then tiles,
+  // then blocks (rows = 0 past the item's last block).
+  struct TileRows {
+    int64_t offset, rows;
+  };
+  auto tile_ahead = [&](int64_t b, int64_t t0, int64_t h, int64_t steps) {
+    int64_t hh = h + steps, tt = t0 / 16, bb = b;
+    while (hh >= Hkv) {
+      hh -= Hkv;
+      if (++tt >= tiles_per_block) {
+        tt = 0;
+        ++bb;
+      }
+    }
+    if (bb > last_block) return TileRows{0, 0};
+    return TileRows{table[bb] * block_stride + tt * 16 * row_stride + hh * D,
+                    std::min<int64_t>(16, BS - tt * 16)};
+  };
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
     const int64_t t_end = std::min(it.end, b * BS + BS) - b * BS;
@@ -667,22 +696,17 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       const __m512 distance = _mm512_add_ps(
           iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
       for (int64_t h = 0; h < Hkv; ++h) {
-        // The tile kPrefetchTiles ahead: head hh of tile tt (16 tokens) of block bb.
-        int64_t hh = h + p.prefetch_tiles, tt = t0 / 16, bb = b;
-        while (hh >= Hkv) {
-          hh -= Hkv;
-          if (++tt >= tiles_per_block) {
-            tt = 0;
-            ++bb;
-          }
-        }
+        // Keys of the tile kPrefetchTiles kv-head steps ahead, values of the one twice as far.
         TilePrefetcher pf;
-        if (bb <= last_block && p.prefetch_tiles > 0) {
-          const int64_t pf_offset = table[bb] * block_stride + tt * 16 * row_stride + hh * D;
-          pf = TilePrefetcher(kc + pf_offset, vc + pf_offset,
-                              row_stride * static_cast<int64_t>(sizeof(KV)),
-                              std::min<int64_t>(16, BS - tt * 16),
-                              D * static_cast<int64_t>(sizeof(KV)));
+        if (p.prefetch_tiles > 0) {
+          const TileRows keys = tile_ahead(b, t0, h, p.prefetch_tiles);
+          const TileRows values = tile_ahead(b, t0, h, 2 * p.prefetch_tiles);
+          if (keys.rows > 0) {
+            pf = TilePrefetcher(kc + keys.offset, values.rows > 0 ? vc + values.offset : nullptr,
+                                row_stride * static_cast<int64_t>(sizeof(KV)),
+                                std::max(keys.rows, values.rows),
+                                D * static_cast<int64_t>(sizeof(KV)));
+          }
         }
         const int64_t offset = block_offset + t0 * row_stride + h * D;
         if constexpr (kDot && kFp8) {
