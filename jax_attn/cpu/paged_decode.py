@@ -61,9 +61,9 @@ def paged_decode(
     The native kernel: per sequence (split into parts of whole blocks for long contexts, merged
     in float32), each block read once for all kv heads, all query heads of a GQA group against
     one widened copy of the kv head's keys and its values read in place (widened in registers),
-    online softmax in float32. Rows with
-    `seq_lens[i] == 0` give zeros. `scale` defaults to `head_size ** -0.5`. `split_tokens`
-    (keys per split-K part; None: chosen from the batch) exists for tests.
+    online softmax in float32. Rows with `seq_lens[i] == 0` give zeros. `scale` defaults to
+    `head_size ** -0.5`. `split_tokens` (keys per split-K part; None: chosen from the batch)
+    exists for tests.
 
     Bad values (block ids outside [0, num_blocks) among the blocks a sequence reads,
     `seq_lens` outside [0, max_blocks * block_size]) raise an XlaRuntimeError naming the

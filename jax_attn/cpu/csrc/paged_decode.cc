@@ -29,7 +29,7 @@
 // BS=16, NOTES.md): one thread, f32, the math alone (cache in L2) ~10 ms, from DRAM 25 ms with
 // the prefetches issued in one burst per tile (memory and math additive), 20 ms spread at each
 // query row, 16-18 ms spread at each key chunk (the finer, the better the overlap); values
-// further ahead than keys: two threads f32 12.0 vs 14.3 ms, bf16 6.8 vs 8.5. Every cache line
+// twice as far ahead as keys: two threads bf16 5.9 vs 8.3 ms, f32 unchanged. Every cache line
 // must be requested (one request per 128 bytes ran as slowly as none). Tried and no faster
 // there: keys read in place with 4 tokens x 4 rows per register block (slower math: loads
 // from L2 instead of L1), prefetching whole token rows of the next tile (sequential 4 KB
@@ -236,14 +236,10 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
 #if JAX_ATTN_AVX512
 
 
-// Prefetches (into L2) the key rows of one later tile and the value rows of another (further
-// ahead: values are requested twice as many kv-head steps ahead as keys, which measured
-// faster than equal distances on the Zen 4 VM), a few cache lines at a time, so the requests
-// are spread over the current tile's math. Issued in one burst (as the tile copy
-// reads its rows), they fill the core's miss buffers, the copy waits for them, and the math
-// that follows runs with the memory idle: on the Zen 4 dev VM a burst per tile left memory and
-// math additive (f32: 25 ms on one thread = 10.5 ms of math with the cache in L2 + ~15 ms of
-// reading), while the same requests spread over the math overlap the two (see NOTES.md).
+// Prefetches (into L2) the key rows of one later tile and the value rows of another, further
+// ahead, a few cache lines at a time, so that the requests are spread over the current tile's
+// math: issued in one burst they fill the core's miss buffers and the math that follows runs
+// with the memory idle (figures: the top of this file).
 class TilePrefetcher {
  public:
   TilePrefetcher() = default;
@@ -321,7 +317,7 @@ inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 l
 
 // acc[r] = acc[r] * factor[r] + sum_t probs[r][t] * v[t] for RG query rows at once, so each
 // value chunk is loaded (and widened) once per RG rows: 4 chunks x RG rows of accumulators in
-// registers. Values: rows [0, n) at v, `stride` elements apart, read in place (the cache's
+// registers. Values: rows [0, n) at v_rows, `stride` elements apart, read in place (the cache's
 // rows) or from a widened tile; only the first lanes of the last chunk (last_mask) are read.
 // Each token's step also requests `per_step` lines of a later tile (pf).
 template <typename VT, int NC, int RG>
