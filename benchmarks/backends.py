@@ -216,9 +216,11 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
         spec.head_size**-0.5,
         spec.num_kv_heads,
         kv_cache_dtype=kv_cache_dtype[spec.cache_dtype],
+        alibi_slopes=None,
+        sliding_window=None,
     )
     layer = AttentionLayer(spec.k_scale, spec.v_scale)
-    builder = backend.get_builder_cls()()
+    builder = backend.get_builder_cls()(None)
     hidden = spec.num_heads * spec.head_size
     query = _torch_tensor(data.query).reshape(spec.num_tokens, hidden).to(device)
     output = torch.empty_like(query)
@@ -235,6 +237,8 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
         md = builder.build(
             data.seq_lens[:num_pre].tolist(),
             data.query_lens[:num_pre].tolist(),
+            -1,
+            -1,
             block_tables=tables[:num_pre],
             block_size=spec.block_size,
         )
@@ -248,6 +252,8 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
         md = builder.build(
             data.seq_lens[num_pre:].tolist(),
             data.query_lens[num_pre:].tolist(),
+            -1,
+            -1,
             block_tables=tables[num_pre:],
             block_size=spec.block_size,
         )

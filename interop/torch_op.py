@@ -28,6 +28,7 @@ from torch_backends.abstract import AttentionType
 from torch_backends.host_batch import cumsum
 from torch_backends.layouts import NhdLayout, PagedCache
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
+from torch_backends.plan import StepPlan
 from torch_backends.shapes import Queries
 from torch_backends.torch_sdpa import TorchSDPAMetadata, TorchSDPAMetadataBuilder
 
@@ -155,13 +156,34 @@ class JaxAttnBackendImpl(PagedImpl[TorchSDPAMetadata]):
     backend_name = "JAX"
     layout_cls = NhdLayout
 
+    @staticmethod
+    def _one_call(plan: StepPlan, cache: PagedCache | None) -> bool:
+        """Whether the whole step runs as one ragged call over the cache: every sequence
+        has a table row covering all its keys (vLLM gives prefills rows only with chunked
+        prefill or prefix caching; cross attention's first step gets `[S, 0]`), and every
+        query fits bottom-right (cross attention may have decoder prefills longer than
+        their encoder outputs, which only the varlen op takes)."""
+        if cache is None or plan.block_tables is None or min(plan.ctx_lens, default=0) < 0:
+            return False
+        if not plan.num_prefills:
+            return True
+        width = plan.prefill_block_tables.shape[1]
+        return max(plan.kv_lens, default=0) <= width * cache.block_size
+
+    def prefill_cache_reads(
+        self, plan: StepPlan, key: Tensor | None, cache: PagedCache | None
+    ) -> list[int]:
+        """In one ragged call, each prefill reads all of its keys from the cache."""
+        if self._one_call(plan, cache):
+            return plan.kv_lens
+        return super().prefill_cache_reads(plan, key, cache)
+
     def attend(self, step: Step) -> Queries:
         plan, cache = step.plan, step.cache
-        tables = None if cache is None else plan.block_tables
-        # Bottom-right positions need q_len <= kv_len: cross attention may have longer
-        # decoder prefills than encoders, which only the varlen op takes.
-        if tables is not None and min(plan.ctx_lens, default=0) >= 0:
-            return self._ragged(step.query, cache, plan.query_start_loc, plan.seq_lens, tables)
+        if self._one_call(plan, cache):
+            return self._ragged(
+                step.query, cache, plan.query_start_loc, plan.seq_lens, plan.block_tables
+            )
         out = torch.empty_like(step.query)
         if plan.num_prefill_tokens:  # no cache, or prefills without tables
             key, value = step.prefill_kv()
@@ -215,7 +237,18 @@ class JaxAttnBackend(PagedBackend):
     """The JAX core behind vLLM V0's backend API; cache in the core's `[NB, BS, Hkv, D]`,
     metadata and builder TORCH_SDPA's."""
 
-    name = "JAX"
-    impl_cls = JaxAttnBackendImpl
-    metadata_cls = TorchSDPAMetadata
-    builder_cls = TorchSDPAMetadataBuilder
+    @staticmethod
+    def get_name() -> str:
+        return "JAX"
+
+    @staticmethod
+    def get_impl_cls() -> type[JaxAttnBackendImpl]:
+        return JaxAttnBackendImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[TorchSDPAMetadata]:
+        return TorchSDPAMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
+        return TorchSDPAMetadataBuilder

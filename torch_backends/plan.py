@@ -12,6 +12,7 @@ Token order in a step: prefill tokens first, then one token per decode sequence:
 """
 
 import dataclasses
+import itertools
 
 import torch
 from jaxtyping import Int
@@ -108,6 +109,13 @@ class StepPlan:
         return [k - q for q, k in zip(self.q_lens, self.kv_lens, strict=True)]
 
     @property
+    def cached_lens(self) -> list[int]:
+        """Keys each prefill reads from the cache when its new K/V are given: the cached
+        prefix for decoder self-attention, none for cross attention (its first step brings
+        every encoder key)."""
+        return self.ctx_lens if self.causal else [0] * len(self.q_lens)
+
+    @property
     def has_cached_prefix(self) -> bool:
         """Chunked prefill: some decoder prefill reads keys cached by earlier steps."""
         return self.causal and any(self.ctx_lens)
@@ -170,13 +178,28 @@ def query_start_loc(given: Tensor | None, q_lens: list[int], num_decodes: int) -
     built from the prefill lengths and one token per decode."""
     if given is not None and given.shape[0] == len(q_lens) + num_decodes + 1:
         return given
-    return cumsum([*q_lens, *[1] * num_decodes])
+    starts = [0, *itertools.accumulate([*q_lens, *[1] * num_decodes])]
+    # int64 when a (bad) length overflows int32: the checks then name the length.
+    fits = all(-(2**31) <= s < 2**31 for s in starts)
+    return torch.tensor(starts, dtype=torch.int32 if fits else torch.int64)
 
 
-def encoder_plan(attn_metadata, attn_type: AttentionType) -> StepPlan:
-    """ENCODER / ENCODER_ONLY: every token is a bidirectional prefill token, no cache."""
-    require(attn_metadata.encoder_seq_lens, "encoder_seq_lens", attn_type)
-    lens = list(attn_metadata.encoder_seq_lens)
+def encoder_only_lens(attn_metadata) -> list[int] | None:
+    """The sequence lengths of ENCODER_ONLY attention: `seq_lens`, as vLLM's runners fill
+    them (every sequence a prefill), or `encoder_seq_lens` in metadata that has no decoder
+    sequences (`num_prefills == 0`), as the standalone builders make an encoder batch."""
+    if attn_metadata.num_prefills == 0 and attn_metadata.encoder_seq_lens is not None:
+        return attn_metadata.encoder_seq_lens
+    return attn_metadata.seq_lens
+
+
+def encoder_plan(attn_metadata, attn_type: AttentionType, lens: list[int] | None) -> StepPlan:
+    """ENCODER / ENCODER_ONLY: every token is a bidirectional prefill token, no cache.
+    `lens`: the sequences' lengths (vLLM: `encoder_seq_lens` for ENCODER, `seq_lens` for
+    ENCODER_ONLY)."""
+    name = "encoder_seq_lens" if attn_type == AttentionType.ENCODER else "seq_lens"
+    require(lens, name, attn_type)
+    lens = list(lens)
     return StepPlan(
         attn_type=attn_type,
         num_prefills=len(lens),
@@ -230,8 +253,10 @@ def per_sequence_plan(attn_metadata, attn_type: AttentionType) -> StepPlan:
     Prefills read a cached prefix through `block_tables[:num_prefills]` when those rows are
     there (vLLM: `prefill_meta.block_tables.numel() != 0`).
     """
-    if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-        return encoder_plan(attn_metadata, attn_type)
+    if attn_type == AttentionType.ENCODER:
+        return encoder_plan(attn_metadata, attn_type, attn_metadata.encoder_seq_lens)
+    if attn_type == AttentionType.ENCODER_ONLY:
+        return encoder_plan(attn_metadata, attn_type, encoder_only_lens(attn_metadata))
     num_prefills, num_decodes = attn_metadata.num_prefills, attn_metadata.num_decode_tokens
     q_lens = seq_lens = []
     if attn_metadata.num_prefill_tokens or num_prefills:  # empty sequences count too

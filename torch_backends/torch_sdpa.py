@@ -28,15 +28,16 @@ from torch_backends.abstract import (
     AttentionType,
     check_attn_type,
 )
+from torch_backends.cpu_paged_attn import PagedAttention as CpuPagedAttention
 from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_tables
 from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
-from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
+from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
 from torch_backends.plan import (
     SPLIT_FIELDS,
-    CrossAttentionMetadata,
     StepPlan,
     cross_plan,
+    encoder_only_lens,
     encoder_plan,
     query_start_loc,
     require,
@@ -45,127 +46,202 @@ from torch_backends.shapes import KeysValues, Queries
 
 PAD_SLOT_ID = -1
 
-# vLLM V0 (v0.8.x) TORCH_SDPA: `PagedAttention.get_supported_head_sizes()` of its CPU paged ops.
-_CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 192, 256]
-
 
 @dataclasses.dataclass
-class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttentionMetadata):
-    """Metadata of one step. Decode fields (`seq_lens_tensor`, `max_decode_seq_len`,
-    `block_tables`) describe only the decode sequences; prefill fields only the prefills."""
+class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
+    """vLLM V0's `TorchSDPAMetadata`, field for field (order, defaults, meaning).
 
-    # True when prefills may have a cached prefix (q_len < seq_len): then the prefill reads
-    # the cache through `prefill_block_tables`.
+    Decode fields (`seq_lens_tensor`, `max_decode_seq_len`, `block_tables`) describe only the
+    decode sequences; in a step without decodes vLLM's builder puts the prefills' lengths in
+    `seq_lens_tensor` and an empty tensor in `block_tables`. Prefill fields describe only the
+    prefills: `seq_lens` their total lengths and, when `chunked_prefill` is set (vLLM: chunked
+    prefill or prefix caching enabled), `query_start_loc` / `kv_start_loc` the running sums of
+    their query and kv lengths and `prefill_block_tables` their tables, through which a prefill
+    reads its cached prefix.
+
+        seq_lens [7, 3], query_start_loc [0, 2, 5]: prefill 0 has 5 cached + 2 new tokens,
+        prefill 1 is a plain prefill of 3.
+
+    ENCODER_ONLY attention reads `seq_lens`, ENCODER `encoder_seq_lens`, cross attention
+    decoder `seq_lens` over `encoder_seq_lens`. `attn_bias` (set by `__post_init__`, as in
+    vLLM) caches each attention type's prefill masks for the step.
+    """
+
     chunked_prefill: bool
-    # Total length of each prefill sequence (cached prefix + new tokens).
-    seq_lens: list[int] | None = None
-    # Chunked prefill only:
+    seq_lens: list[int] | None = None  # For non-chunked prefill
+
+    # For chunked prefill only
     max_query_len: int | None = None
     max_kv_len: int | None = None
-    prefill_query_start_loc: Tensor | None = None  # [num_prefills + 1]
+    query_start_loc: Tensor | None = None  # [num_prefills + 1]
     kv_start_loc: Tensor | None = None  # [num_prefills + 1]
     prefill_block_tables: Tensor | None = None  # [num_prefills, max_blocks]
-    query_start_loc: Tensor | None = None
+
     # Encoder and encoder/decoder cross attention:
     encoder_seq_lens: list[int] | None = None
     encoder_seq_lens_tensor: Tensor | None = None
     max_encoder_seq_len: int | None = None
     num_encoder_tokens: int | None = None
-    # Where the encoder's keys/values go in the cache, and where each decoder sequence's
-    # encoder keys live (one table row per decoder sequence, all sequences).
+    # Where the encoder's keys/values go in the cache (first step only), and each decoder
+    # sequence's cross blocks (`[S, 0]` in the first step: nothing is read from the cache).
     cross_slot_mapping: Tensor | None = None
     cross_block_tables: Tensor | None = None
 
+    def __post_init__(self):
+        # Per attention type, the step's prefill masks, built by the first layer that needs
+        # them (vLLM's fields; not part of __init__ or __repr__).
+        self.attn_bias: list[Tensor | None] | None = None
+        self.encoder_attn_bias: list[Tensor | None] | None = None
+        self.cross_attn_bias: list[Tensor | None] | None = None
+
     @property
     def is_all_encoder_attn_metadata_set(self) -> bool:
-        return self.encoder_seq_lens is not None and self.num_encoder_tokens is not None
+        return (
+            self.encoder_seq_lens is not None
+            and self.encoder_seq_lens_tensor is not None
+            and self.max_encoder_seq_len is not None
+        )
+
+    @property
+    def is_all_cross_attn_metadata_set(self) -> bool:
+        return (
+            self.is_all_encoder_attn_metadata_set
+            and self.cross_slot_mapping is not None
+            and self.cross_block_tables is not None
+        )
 
     @property
     def prefill_metadata(self) -> "TorchSDPAMetadata | None":
-        return self if self.num_prefill_tokens > 0 or self.num_encoder_tokens else None
+        if self.num_prefill_tokens == 0:
+            return None
+        return self
 
     @property
     def decode_metadata(self) -> "TorchSDPAMetadata | None":
-        return self if self.num_decode_tokens > 0 else None
+        if self.num_decode_tokens == 0:
+            return None
+        return self
 
-    def get_seq_lens(self, attn_type: str) -> tuple[list[int], list[int]]:
-        """(query lengths, key lengths) of the prefill sequences for `attn_type`."""
+    def get_seq_lens(self, attn_type: str) -> tuple[list[int] | None, list[int] | None]:
+        """(query lengths, key lengths) of the prefill sequences of `attn_type`, as vLLM
+        reads them (a chunked prefill's query length: `plan.StepPlan.q_lens`)."""
         attn_type = check_attn_type(attn_type)
-        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            require(self.encoder_seq_lens, "encoder_seq_lens", attn_type)
+        if attn_type in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
+            return self.seq_lens, self.seq_lens
+        if attn_type == AttentionType.ENCODER:
             return self.encoder_seq_lens, self.encoder_seq_lens
-        require(self.seq_lens, "seq_lens", attn_type)
-        q_lens = self.seq_lens
-        if self.prefill_query_start_loc is not None:
-            q_lens = torch.diff(self.prefill_query_start_loc).tolist()
+        return self.seq_lens, self.encoder_seq_lens
+
+    def get_attn_bias(self, attn_type: str) -> list[Tensor | None] | None:
+        """The prefill masks cached for `attn_type` this step (None until set)."""
+        return getattr(self, _BIAS_FIELD[check_attn_type(attn_type)])
+
+    def set_attn_bias(self, attn_bias: list[Tensor | None], attn_type: str) -> None:
+        setattr(self, _BIAS_FIELD[check_attn_type(attn_type)], attn_bias)
+
+    def get_seq_len_block_table_args(self, attn_type: str) -> tuple:
+        """(seq_lens tensor, max seq len, block tables) the decode of `attn_type` reads:
+        decoder self-attention its own fields, cross attention the encoder lengths and cross
+        tables, encoder attention no tables."""
+        attn_type = check_attn_type(attn_type)
+        if attn_type in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
+            return self.seq_lens_tensor, self.max_decode_seq_len, self.block_tables
         if attn_type == AttentionType.ENCODER_DECODER:
-            require(self.encoder_seq_lens, "encoder_seq_lens", attn_type)
-            return q_lens, self.encoder_seq_lens[: self.num_prefills]
-        return q_lens, self.seq_lens
+            return (
+                self.encoder_seq_lens_tensor,
+                self.max_encoder_seq_len,
+                self.cross_block_tables,
+            )
+        return self.encoder_seq_lens_tensor, self.max_encoder_seq_len, None
 
     def step_plan(self, attn_type: str) -> StepPlan:
-        """This step in the shared vocabulary (`plan.StepPlan`): decode fields describe the
-        decode sequences only; prefills read a cached prefix through `prefill_block_tables`
-        when `chunked_prefill` is set."""
+        """This step in the shared vocabulary (`plan.StepPlan`)."""
         attn_type = check_attn_type(attn_type)
-        if attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            return encoder_plan(self, attn_type)
+        if attn_type == AttentionType.ENCODER:
+            return encoder_plan(self, attn_type, self.encoder_seq_lens)
+        if attn_type == AttentionType.ENCODER_ONLY:
+            return encoder_plan(self, attn_type, encoder_only_lens(self))
         # Prefills with no new token (empty sequences) still count: their rows are in the tables.
         prefills = self.num_prefill_tokens or self.num_prefills
-        q_lens, kv_lens = self.get_seq_lens(attn_type) if prefills else ([], [])
+        kv_lens, q_lens = [], []
+        if prefills:
+            require(self.seq_lens, "seq_lens", attn_type)
+            kv_lens = q_lens = list(self.seq_lens[: self.num_prefills])
+            if self.chunked_prefill and self.query_start_loc is not None:
+                q_lens = torch.diff(self.query_start_loc[: self.num_prefills + 1]).tolist()
         if attn_type == AttentionType.ENCODER_DECODER:
             return cross_plan(self, attn_type, q_lens)
+        decodes = self.num_decode_tokens
         return StepPlan(
             attn_type=attn_type,
             num_prefills=self.num_prefills,
             num_prefill_tokens=self.num_prefill_tokens,
-            num_decode_tokens=self.num_decode_tokens,
+            num_decode_tokens=decodes,
             slot_mapping=self.slot_mapping,
             q_lens=q_lens,
             kv_lens=kv_lens,
-            query_start_loc=query_start_loc(self.query_start_loc, q_lens, self.num_decode_tokens),
+            query_start_loc=query_start_loc(None, q_lens, decodes),
             prefill_block_tables=self.prefill_block_tables if self.chunked_prefill else None,
-            decode_block_tables=self.block_tables,
-            decode_seq_lens=self.seq_lens_tensor,
+            decode_block_tables=self.block_tables if decodes else None,
+            decode_seq_lens=self.seq_lens_tensor if decodes else None,
             max_decode_seq_len=self.max_decode_seq_len,
             fields=SPLIT_FIELDS,
         )
 
 
-class TorchSDPAMetadataBuilder(HostBatchBuilder[TorchSDPAMetadata]):
-    """Builds `TorchSDPAMetadata` from per-sequence lengths and block tables (`build`'s
-    keywords: see `HostBatchBuilder`). Decode fields describe only the decodes, prefill
-    fields only the prefills; `chunked_prefill` (vLLM's runner setting) lets prefills read a
-    cached prefix."""
+_BIAS_FIELD = {
+    AttentionType.DECODER: "attn_bias",
+    AttentionType.ENCODER_ONLY: "attn_bias",
+    AttentionType.ENCODER: "encoder_attn_bias",
+    AttentionType.ENCODER_DECODER: "cross_attn_bias",
+}
 
-    def __init__(self, input_builder: Any = None, *, chunked_prefill: bool = True) -> None:
+
+class TorchSDPAMetadataBuilder(HostBatchBuilder[TorchSDPAMetadata]):
+    """vLLM V0's builder: inside vLLM's engine it reads the CPU model runner's step
+    (`input_builder.input_data`) and builds the same metadata vLLM's did; standalone
+    (`input_builder=None`) `build` takes the block tables and block size as keywords.
+    `chunked_prefill` is the runner's setting (chunked prefill or prefix caching): only then
+    do prefills get `prefill_block_tables` and can read a cached prefix. Standalone it
+    defaults to True."""
+
+    def __init__(self, input_builder: Any, *, chunked_prefill: bool | None = None) -> None:
         super().__init__(input_builder)
-        self.chunked_prefill = chunked_prefill
+        if chunked_prefill is not None:
+            self.chunked_prefill = chunked_prefill
 
     def metadata(self, batch: HostBatch) -> TorchSDPAMetadata:
-        num_prefills = batch.num_prefills
-        prefill_q, prefill_s = batch.query_lens[:num_prefills], batch.seq_lens[:num_prefills]
-        decode_s = batch.seq_lens[num_prefills:]
+        p = batch.num_prefills
+        prefill_q, prefill_s = batch.query_lens[:p], batch.seq_lens[:p]
+        # vLLM's builder tests num_prefill_tokens; prefills with no new token (which its runner
+        # never makes) need their query lengths too.
+        chunked = self.chunked_prefill and batch.num_prefills != 0
+        if batch.num_decode_tokens:
+            seq_lens_tensor = torch.tensor(batch.seq_lens[p:], dtype=torch.int32)
+            block_tables = pad_tables(batch.block_tables[p:])
+        else:  # vLLM's builder: the prefills' lengths, no tables
+            seq_lens_tensor = torch.tensor(prefill_s, dtype=torch.int32)
+            block_tables = torch.tensor([])
         return TorchSDPAMetadata(
             **batch.common_fields(),
-            seq_lens_tensor=torch.tensor(decode_s, dtype=torch.int32),
-            max_decode_seq_len=max(decode_s, default=0),
-            block_tables=pad_tables(batch.block_tables[num_prefills:]),
+            seq_lens_tensor=seq_lens_tensor,
+            max_decode_seq_len=max(batch.seq_lens[p:], default=0),
+            block_tables=block_tables,
             chunked_prefill=self.chunked_prefill,
             seq_lens=prefill_s,
-            max_query_len=max(prefill_q, default=0),
-            max_kv_len=max(prefill_s, default=0),
-            prefill_query_start_loc=cumsum(prefill_q),
-            kv_start_loc=cumsum(prefill_s),
-            prefill_block_tables=pad_tables(batch.block_tables[:num_prefills]),
-            query_start_loc=cumsum(batch.query_lens),
+            max_query_len=max(prefill_q) if chunked else None,
+            max_kv_len=max(prefill_s) if chunked else None,
+            query_start_loc=cumsum(prefill_q) if chunked else None,
+            kv_start_loc=cumsum(prefill_s) if chunked else None,
+            prefill_block_tables=pad_tables(batch.block_tables[:p]) if chunked else None,
             **batch.encoder_fields(),
         )
 
 
 class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
     """Prefills through `scaled_dot_product_attention`, chunked prefill through
-    `PagedAttention.forward_prefix`, decodes through `PagedAttention.forward_decode`."""
+    `PagedAttention.forward_prefix`, decodes through the CPU ops' `forward_decode`
+    (`cpu_paged_attn`, the file vLLM's TORCH_SDPA used)."""
 
     backend_name = "Torch SPDA"  # vLLM's spelling, kept so its error messages match
     layout_cls = SplitLayout
@@ -174,11 +250,11 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
     def get_supported_head_sizes(cls) -> list[int]:
         """vLLM V0's TORCH_SDPA checked against its CPU paged ops
         (`vllm/attention/ops/ipex_attn.py`), whose list lacks 120."""
-        return list(_CPU_HEAD_SIZES)
+        return CpuPagedAttention.get_supported_head_sizes()
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.need_mask = self.alibi_slopes is not None or self.sliding_window is not None
+    @property
+    def need_mask(self) -> bool:
+        return self.alibi_slopes is not None or self.sliding_window is not None
 
     def attend(self, step: Step) -> Queries:
         plan, out = step.plan, torch.empty_like(step.query)
@@ -187,7 +263,24 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         elif plan.num_prefill_tokens:
             out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)
         if plan.num_decode_tokens:
-            out[plan.decode_tokens] = forward_decode(self, step)
+            cache = step.cache
+            CpuPagedAttention.forward_decode(
+                out[plan.decode_tokens],
+                step.decode_query,
+                cache.key_cache,
+                cache.value_cache,
+                plan.decode_block_tables,
+                plan.decode_seq_lens,
+                plan.max_decode_seq_len,
+                self.kv_cache_dtype,
+                self.num_kv_heads,
+                self.scale,
+                self.alibi_slopes,
+                cache.k_scale,
+                cache.v_scale,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
+            )
         return out
 
     def _prefix(self, step: Step) -> Queries:
@@ -225,7 +318,7 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         masks = None
         if self.need_mask:  # causal here
             masks = (
-                _make_alibi_bias(self.alibi_slopes, q_lens)
+                _make_alibi_bias(self.alibi_slopes, query.dtype, q_lens)
                 if self.alibi_slopes is not None
                 else _make_sliding_window_bias(q_lens, self.sliding_window, query.dtype)
             )
@@ -253,11 +346,13 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         return output
 
 
-def _make_alibi_bias(alibi_slopes: Tensor, seq_lens: list[int]) -> list[Tensor]:
+def _make_alibi_bias(alibi_slopes: Tensor, dtype: torch.dtype, seq_lens: list[int]) -> list[Tensor]:
     """Per prefill sequence: `[Hq, L, L]` ALiBi bias `slope * (p_k - p_q)`, -inf above the
-    diagonal (causal). Float32 whatever the query dtype (SDPA adds a float32 mask to 16-bit
-    logits): vLLM rounds it to the query dtype, which in bfloat16 moves a bias of 20 by up to
-    0.06 and the output past bfloat16's tolerance (found by `jax-attn fuzz`)."""
+    diagonal (causal). Float32 whatever the query `dtype` (SDPA adds a float32 mask to 16-bit
+    logits): vLLM counted positions in `dtype` (bfloat16 has no integer above 256 exactly) and
+    rounded the bias to it, which in bfloat16 moves a bias of 20 by up to 0.06 and the output
+    past bfloat16's tolerance (found by `jax-attn fuzz`). `dtype` stays in the signature."""
+    del dtype  # vLLM's parameter; the bias is float32 on purpose (above)
     biases = []
     for seq_len in seq_lens:
         pos = torch.arange(seq_len, dtype=torch.float32)
@@ -287,7 +382,28 @@ def _make_sliding_window_bias(
 class TorchSDPABackend(PagedBackend):
     """vLLM's paged split layout; prefills through SDPA."""
 
-    name = "TORCH_SDPA"
-    impl_cls = TorchSDPABackendImpl
-    metadata_cls = TorchSDPAMetadata
-    builder_cls = TorchSDPAMetadataBuilder
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH_SDPA"
+
+    @staticmethod
+    def get_impl_cls() -> type[TorchSDPABackendImpl]:
+        return TorchSDPABackendImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[TorchSDPAMetadata]:
+        return TorchSDPAMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
+        return TorchSDPAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return CpuPagedAttention.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def copy_blocks(kv_caches: list[Tensor], src_to_dists: Tensor) -> None:
+        CpuPagedAttention.copy_blocks(kv_caches, src_to_dists)

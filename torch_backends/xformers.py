@@ -110,6 +110,10 @@ class XFormersMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttention
     max_query_len: int | None = None
     max_decode_query_len: int | None = None
     query_start_loc: Tensor | None = None  # [S + 1], cumulative query_lens
+    # vLLM's lazily built prefill / decode views, kept as fields so that positional
+    # construction lines up with vLLM's; the views here are cheap and built on each access.
+    _cached_prefill_metadata: "XFormersMetadata | None" = None
+    _cached_decode_metadata: "XFormersMetadata | None" = None
     # Encoder and encoder/decoder cross attention:
     encoder_seq_lens: list[int] | None = None
     encoder_seq_lens_tensor: Tensor | None = None
@@ -118,6 +122,12 @@ class XFormersMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttention
     num_encoder_tokens: int | None = None
     cross_slot_mapping: Tensor | None = None
     cross_block_tables: Tensor | None = None
+
+    def __post_init__(self):
+        # vLLM's per-step mask caches (not part of __init__); the masks are rebuilt per call.
+        self.attn_bias = None
+        self.encoder_attn_bias = None
+        self.cross_attn_bias = None
 
     @property
     def is_all_encoder_attn_metadata_set(self) -> bool:
@@ -407,7 +417,18 @@ def _make_alibi_bias(
 class XFormersBackend(PagedBackend):
     """vLLM's paged split layout (as TORCH_SDPA); prefills through xformers."""
 
-    name = "XFORMERS"
-    impl_cls = XFormersImpl
-    metadata_cls = XFormersMetadata
-    builder_cls = XFormersMetadataBuilder
+    @staticmethod
+    def get_name() -> str:
+        return "XFORMERS"
+
+    @staticmethod
+    def get_impl_cls() -> type[XFormersImpl]:
+        return XFormersImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[XFormersMetadata]:
+        return XFormersMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[XFormersMetadataBuilder]:
+        return XFormersMetadataBuilder

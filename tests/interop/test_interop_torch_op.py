@@ -1,6 +1,7 @@
 """The JAX core as torch ops and the "JAX" backend: float64 agreement, opcheck, compile."""
 
 import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -75,10 +76,17 @@ def test_encoder_through_varlen_op(rng):
     lens = [4, 9]
     q, k, v = (torch.randn(13, h, 64, generator=gen) for h in (4, 2, 2))
     impl = JaxAttnBackendImpl(
-        4, 64, 0.125, 2, attn_type=AttentionType.ENCODER_ONLY, sliding_window=3
+        4,
+        64,
+        0.125,
+        2,
+        attn_type=AttentionType.ENCODER_ONLY,
+        sliding_window=3,
+        alibi_slopes=None,
+        kv_cache_dtype="auto",
     )
-    md = TorchSDPAMetadataBuilder().build(
-        [], [], block_tables=[], block_size=16, encoder_seq_lens=lens
+    md = TorchSDPAMetadataBuilder(None).build(
+        [], [], -1, -1, block_tables=[], block_size=16, encoder_seq_lens=lens
     )
     out = impl.forward(
         AttentionLayer(), q.view(13, -1), k.view(13, -1), v.view(13, -1), torch.empty(0), md
@@ -186,7 +194,10 @@ def test_jax_backend_one_ragged_call_per_step(case, rng, monkeypatch):
     out = _impl(case).forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)
     assert len(calls["paged"]) == 1 and calls["varlen"] == 0
     (args,) = calls["paged"]
-    assert args[3] is step.metadata.query_start_loc  # reused, not rebuilt
+    # Every row's running query length (TORCH_SDPA's own query_start_loc covers the prefills).
+    md = step.metadata
+    q_lens = torch.diff(md.query_start_loc).tolist() if md.num_prefills else []
+    assert args[3].tolist() == [0, *itertools.accumulate(q_lens + [1] * md.num_decode_tokens)]
     assert args[4].tolist() == step.seq_lens
     assert_close(out.view(-1, case[3], case[5]).float(), step.expected, *dtypes)
 

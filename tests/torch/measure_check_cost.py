@@ -40,8 +40,8 @@ def measure(backend: str, repeats: int = 30) -> tuple[float, float]:
         used += n
     shape = backend_cls.get_kv_cache_shape(sum(blocks), BS, HKV, D)
     kv_cache = torch.randn(shape, generator=gen)
-    md = backend_cls.get_builder_cls()().build(
-        seq_lens, [1] * NUM_SEQS, block_tables=tables, block_size=BS
+    md = backend_cls.get_builder_cls()(None).build(
+        seq_lens, [1] * NUM_SEQS, -1, -1, block_tables=tables, block_size=BS
     )
     impl = backend_cls.get_impl_cls()(HQ, D, D**-0.5, HKV)
     layer = AttentionLayer()

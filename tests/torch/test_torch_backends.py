@@ -101,9 +101,11 @@ def test_encoder_attention(backend, attn_type, extras, dtype, head_size, rng):
         sliding_window=extras.get("sliding_window"),
         logits_soft_cap=extras.get("logits_soft_cap"),
     )
-    impl = backend_cls.get_impl_cls()(hq, d, 0.1, hkv, attn_type=attn_type, **bias)
-    md = backend_cls.get_builder_cls()().build(
-        [], [], block_tables=[], block_size=16, encoder_seq_lens=lens
+    impl = backend_cls.get_impl_cls()(
+        hq, d, 0.1, hkv, kv_cache_dtype="auto", attn_type=attn_type, **bias
+    )
+    md = backend_cls.get_builder_cls()(None).build(
+        [], [], -1, -1, block_tables=[], block_size=16, encoder_seq_lens=lens
     )
     flat = [x.reshape(len(x), -1) for x in (q, k, v)]
     out = impl.forward(AttentionLayer(), *flat, torch.empty(0), md)
@@ -128,11 +130,20 @@ def test_cross_attention_prefill_then_decode(backend, dtype, block_size, num_kv_
     shape = backend_cls.get_kv_cache_shape(7, bs, hkv, d)
     kv_cache = torch.full(shape, float("nan"), dtype=dtype)
     enc_k, enc_v = (torch.randn(sum(enc_lens), hkv, d, generator=gen).to(dtype) for _ in "kv")
-    impl = backend_cls.get_impl_cls()(hq, d, d**-0.5, hkv, attn_type=AttentionType.ENCODER_DECODER)
-    builder = backend_cls.get_builder_cls()()
+    impl = backend_cls.get_impl_cls()(
+        hq,
+        d,
+        d**-0.5,
+        hkv,
+        attn_type=AttentionType.ENCODER_DECODER,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
+    builder = backend_cls.get_builder_cls()(None)
     tables = dict(block_size=bs, encoder_seq_lens=enc_lens, cross_block_tables=cross_tables)
     # Step 1: the decoder prefill of every sequence, the encoder K/V given.
-    md = builder.build(dec_lens, dec_lens, block_tables=[[1], [3]], **tables)
+    md = builder.build(dec_lens, dec_lens, -1, -1, block_tables=[[1], [3]], **tables)
     q = torch.randn(sum(dec_lens), hq, d, generator=gen).to(dtype)
     out = impl.forward(
         AttentionLayer(),
@@ -145,7 +156,7 @@ def test_cross_attention_prefill_then_decode(backend, dtype, block_size, num_kv_
     expected = reference_attention(q, enc_k, enc_v, dec_lens, enc_lens, causal=False, scale=d**-0.5)
     assert_close(out.view(-1, hq, d).float(), expected, dtype)
     # Step 2: one decode token per sequence; the encoder K/V come from the cache.
-    md = builder.build([4, 3], [1, 1], block_tables=[[1], [3]], **tables)
+    md = builder.build([4, 3], [1, 1], -1, -1, block_tables=[[1], [3]], **tables)
     q = torch.randn(2, hq, d, generator=gen).to(dtype)
     out = impl.forward(AttentionLayer(), q.view(2, -1), None, None, kv_cache, md)
     expected = reference_attention(q, enc_k, enc_v, [1, 1], enc_lens, causal=False, scale=d**-0.5)
@@ -192,7 +203,11 @@ IMPL_ERRORS = [
 @pytest.mark.parametrize("kwargs, error, match", IMPL_ERRORS)
 def test_impl_errors(backend, kwargs, error, match):
     impl_cls = get_attn_backend(backend).get_impl_cls()
-    args = dict(num_heads=4, head_size=64, scale=0.1, num_kv_heads=2) | kwargs
+    args = (
+        dict(num_heads=4, head_size=64, scale=0.1, num_kv_heads=2)
+        | dict(alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+        | kwargs
+    )
     with pytest.raises(error, match=match):
         impl_cls(**args)
 
@@ -200,23 +215,41 @@ def test_impl_errors(backend, kwargs, error, match):
 @pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
 def test_missing_metadata_errors(backend):
     backend_cls = get_attn_backend(backend)
-    impl_cls, builder = backend_cls.get_impl_cls(), backend_cls.get_builder_cls()()
+    impl_cls, builder = backend_cls.get_impl_cls(), backend_cls.get_builder_cls()(None)
     x = torch.zeros(2, 256)
     kv_cache = torch.zeros(backend_cls.get_kv_cache_shape(2, 16, 4, 64))
-    md = builder.build([2], [2], block_tables=[[0]], block_size=16)
-    cross = impl_cls(4, 64, 0.1, 4, attn_type=AttentionType.ENCODER_DECODER)
+    md = builder.build([2], [2], -1, -1, block_tables=[[0]], block_size=16)
+    cross = impl_cls(
+        4,
+        64,
+        0.1,
+        4,
+        attn_type=AttentionType.ENCODER_DECODER,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
     with pytest.raises(AttributeError, match="requires setting cross-attention metadata"):
         cross.forward(AttentionLayer(), x, x, x, kv_cache, md)
-    encoder = impl_cls(4, 64, 0.1, 4, attn_type=AttentionType.ENCODER)
+    encoder = impl_cls(
+        4,
+        64,
+        0.1,
+        4,
+        attn_type=AttentionType.ENCODER,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
     with pytest.raises(AttributeError, match="Encoder attention requires setting encoder"):
         encoder.forward(AttentionLayer(), x, x, x, torch.empty(0), md)
-    decoder = impl_cls(4, 64, 0.1, 4)
+    decoder = impl_cls(4, 64, 0.1, 4, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
     with pytest.raises(ValueError, match="attn_metadata is required"):
         decoder.forward(AttentionLayer(), x, x, x, kv_cache, None)
     with pytest.raises(ValueError, match="query has 1 tokens but the metadata describes 2"):
         decoder.forward(AttentionLayer(), x[:1], x[:1], x[:1], kv_cache, md)
     with pytest.raises(ValueError, match="decode needs a kv_cache"):
-        md = builder.build([5], [1], block_tables=[[0]], block_size=16)
+        md = builder.build([5], [1], -1, -1, block_tables=[[0]], block_size=16)
         decoder.forward(AttentionLayer(), x[:1], x[:1], x[:1], torch.empty(0), md)
 
 
@@ -237,11 +270,15 @@ def test_head_sizes_as_vllm_v0(backend):
     assert impl_cls.get_supported_head_sizes() == supported
     for head_size in [16, 32, 48, 64, 72, 80, 96, 112, 120, 128, 160, 192, 256, 512]:
         if head_size in supported:
-            impl_cls(4, head_size, 0.1, 2)
+            impl_cls(
+                4, head_size, 0.1, 2, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto"
+            )
             continue
         message = (
             f"Head size {head_size} is not supported by PagedAttention. "
             f"Supported head sizes are: {supported}."
         )
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-            impl_cls(4, head_size, 0.1, 2)
+            impl_cls(
+                4, head_size, 0.1, 2, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto"
+            )

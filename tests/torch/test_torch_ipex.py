@@ -35,7 +35,9 @@ from torch_backends.layouts import PagedCache  # noqa: E402
 
 
 def test_pad_slots_write_nothing(rng):
-    impl = IpexAttnBackendImpl(2, 64, 0.125, 2)
+    impl = IpexAttnBackendImpl(
+        2, 64, 0.125, 2, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto"
+    )
     kv_cache = torch.full((2, 3, 8 * 2 * 64), float("nan"))
     key_cache, value_cache = impl.layout.split(kv_cache)
     before = kv_cache.clone()
@@ -53,10 +55,17 @@ def test_ipex_encoder(attn_type, rng):
     lens = [5, 1, 12]
     q, k, v = (torch.randn(sum(lens), h, d, generator=gen) for h in (hq, hkv, hkv))
     impl = IpexAttnBackendImpl(
-        hq, d, 0.1, hkv, attn_type=attn_type, alibi_slopes=alibi(hq), sliding_window=4
+        hq,
+        d,
+        0.1,
+        hkv,
+        attn_type=attn_type,
+        alibi_slopes=alibi(hq),
+        sliding_window=4,
+        kv_cache_dtype="auto",
     )
-    md = IpexAttnMetadataBuilder().build(
-        [], [], block_tables=[], block_size=16, encoder_seq_lens=lens
+    md = IpexAttnMetadataBuilder(None).build(
+        [], [], -1, -1, block_tables=[], block_size=16, encoder_seq_lens=lens
     )
     out = impl.forward(
         AttentionLayer(),
@@ -75,11 +84,30 @@ def test_ipex_encoder(attn_type, rng):
 def test_ipex_errors():
     assert get_attn_backend("IPEX") is IpexAttnBackend
     with pytest.raises(NotImplementedError, match="supports only 'auto' and 'fp8_e5m2'"):
-        IpexAttnBackendImpl(4, 64, 0.1, kv_cache_dtype="fp8")
+        IpexAttnBackendImpl(
+            4, 64, 0.1, kv_cache_dtype="fp8", num_kv_heads=4, alibi_slopes=None, sliding_window=None
+        )
     with pytest.raises(ValueError, match="Head size 72 is not supported by PagedAttention"):
-        IpexAttnBackendImpl(4, 72, 0.1)
+        IpexAttnBackendImpl(
+            4,
+            72,
+            0.1,
+            num_kv_heads=4,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype="auto",
+        )
     with pytest.raises(ValueError, match="IPEX does not support block-sparse attention"):
-        IpexAttnBackendImpl(4, 64, 0.1, blocksparse_params={})
+        IpexAttnBackendImpl(
+            4,
+            64,
+            0.1,
+            blocksparse_params={},
+            num_kv_heads=4,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype="auto",
+        )
 
 
 # Counterexamples found by `jax-attn fuzz` (each failed before the fix), against the float64

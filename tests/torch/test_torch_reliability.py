@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 from reliability_cases import (
+    ACCEPTED,
+    ACCEPTED_BACKENDS,
     BACKENDS,
     CASES,
     DOC,
@@ -20,6 +22,7 @@ from reliability_cases import (
     backend_param,
     cache_hash,
     prepare,
+    run_accepted,
     section,
     sections,
 )
@@ -42,6 +45,19 @@ def test_bad_input_raises_and_leaves_the_cache(backend, case):
     with pytest.raises(case.error, match=case.match):
         call()
     assert cache_hash(kv_cache) == before, f"{case.name}: the cache changed before the error"
+
+
+ACCEPTED_PARAMS = [
+    pytest.param(b.values[0], case, marks=b.marks, id=f"{b.id}-{case.name}")
+    for case in ACCEPTED
+    for b in (backend_param(name) for name in ACCEPTED_BACKENDS[case.name])
+]
+
+
+@pytest.mark.parametrize("backend, case", ACCEPTED_PARAMS)
+def test_valid_vllm_metadata_is_accepted(backend, case):
+    """Metadata vLLM's runners build runs, with the same output and cache bits."""
+    assert run_accepted(case, backend) == "yes"
 
 
 @pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
@@ -162,41 +178,59 @@ def test_write_to_paged_cache_checks_first(slots, match, rng):
     before = cache_hash(kv_cache)
     with pytest.raises(ValueError, match=match):
         PagedAttention.write_to_paged_cache(
-            x, x, key_cache, value_cache, torch.tensor(slots), "auto"
+            x, x, key_cache, value_cache, torch.tensor(slots), "auto", 1.0, 1.0
         )
     assert cache_hash(kv_cache) == before
 
 
-def _cross_step(backend, rng):
+def _cross_step(backend, rng, decode=False):
     """A decoder prefill over an 11- and a 4-token encoder output, cross tables [[2, 5], [0]]
-    of 7 blocks of 8."""
+    of 7 blocks of 8; with `decode`, the next step: one token per sequence, the encoder K/V
+    read from the cache through the cross tables (key and value None)."""
     from torch_backends import AttentionType
 
     backend_cls = backend_class(backend)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     kv_cache = torch.randn(backend_cls.get_kv_cache_shape(7, 8, 2, 64), generator=gen)
-    impl = backend_cls.get_impl_cls()(4, 64, 0.125, 2, attn_type=AttentionType.ENCODER_DECODER)
-    md = backend_cls.get_builder_cls()().build(
-        [3, 2], [3, 2], block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
+    impl = backend_cls.get_impl_cls()(
+        4,
+        64,
+        0.125,
+        2,
+        attn_type=AttentionType.ENCODER_DECODER,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
+    lens = ([4, 3], [1, 1]) if decode else ([3, 2], [3, 2])
+    md = backend_cls.get_builder_cls()(None).build(
+        *lens, -1, -1, block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
         cross_block_tables=[[2, 5], [0]],
     )  # fmt: skip
-    q = torch.randn(5, 4 * 64, generator=gen)
+    q = torch.randn(sum(lens[1]), 4 * 64, generator=gen)
+    if decode:
+        return impl, kv_cache, md, q, None, None
     k, v = (torch.randn(15, 2 * 64, generator=gen) for _ in "kv")
     return impl, kv_cache, md, q, k, v
 
 
 CROSS_ERRORS = [
     pytest.param(
+        False,
         lambda md: md.cross_slot_mapping.__setitem__(4, 56),
         r"attn_metadata.cross_slot_mapping value 56 is out of range: the cache has 56 slots",
         id="cross-slot-past-cache",
     ),
     pytest.param(
+        False,
         lambda md: md.cross_slot_mapping.__setitem__(12, 3),
         r"attn_metadata.cross_slot_mapping writes slot 3 twice",
         id="cross-slot-twice",
     ),
+    # The first step brings every encoder key (vLLM gives it `[S, 0]` cross tables); the
+    # decodes read them through the tables.
     pytest.param(
+        True,
         lambda md: md.cross_block_tables.__setitem__((0, 1), 7),
         r"attn_metadata.cross_block_tables\[0, 1\]=7 is out of range",
         id="cross-block-past-cache",
@@ -205,9 +239,9 @@ CROSS_ERRORS = [
 
 
 @pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
-@pytest.mark.parametrize("mutate, match", CROSS_ERRORS)
-def test_cross_attention_bad_input_leaves_the_cache(backend, mutate, match, rng):
-    impl, kv_cache, md, q, k, v = _cross_step(backend, rng)
+@pytest.mark.parametrize("decode, mutate, match", CROSS_ERRORS)
+def test_cross_attention_bad_input_leaves_the_cache(backend, decode, mutate, match, rng):
+    impl, kv_cache, md, q, k, v = _cross_step(backend, rng, decode)
     mutate(md)
     before = cache_hash(kv_cache)
     with pytest.raises(ValueError, match=match):
@@ -219,13 +253,13 @@ def test_builder_rejects_negative_cross_blocks():
     from torch_backends.torch_sdpa import TorchSDPAMetadataBuilder
 
     with pytest.raises(ValueError, match=r"cross_block_tables\[1\]\[0\]=-1 must be a block id"):
-        TorchSDPAMetadataBuilder().build(
-            [3, 2], [3, 2], block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
+        TorchSDPAMetadataBuilder(None).build(
+            [3, 2], [3, 2], -1, -1, block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
             cross_block_tables=[[2, 5], [-1]],
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"cross_block_tables\[0\] has 1 blocks of 8 for enc"):
-        TorchSDPAMetadataBuilder().build(
-            [3, 2], [3, 2], block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
+        TorchSDPAMetadataBuilder(None).build(
+            [3, 2], [3, 2], -1, -1, block_tables=[[1], [3]], block_size=8, encoder_seq_lens=[11, 4],
             cross_block_tables=[[2], [0]],
         )  # fmt: skip
 
@@ -236,7 +270,7 @@ def test_wrong_output_buffer_raises_before_the_write(backend):
     from reliability_cases import BLOCK_SIZE, BLOCK_TABLES, QUERY_LENS, SEQ_LENS, make_step
 
     backend_cls, impl, kv_cache, query, key, value, build = make_step(backend)
-    md = backend_cls.get_builder_cls()().build(SEQ_LENS, QUERY_LENS, **build)
+    md = backend_cls.get_builder_cls()(None).build(SEQ_LENS, QUERY_LENS, -1, -1, **build)
     assert build == dict(block_tables=BLOCK_TABLES, block_size=BLOCK_SIZE)
     before = cache_hash(kv_cache)
     with pytest.raises(ValueError, match=r"output has shape \(9, 256\), expected \[10, 256\]"):
@@ -253,16 +287,18 @@ def test_empty_sequences_are_valid(backend, rng):
     backend_cls = backend_class(backend)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     kv_cache = torch.randn(backend_cls.get_kv_cache_shape(12, 8, 2, 64), generator=gen)
-    impl = backend_cls.get_impl_cls()(4, 64, 0.125, 2)
+    impl = backend_cls.get_impl_cls()(
+        4, 64, 0.125, 2, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto"
+    )
     q = torch.randn(1, 256, generator=gen)
     k, v = (torch.randn(1, 128, generator=gen) for _ in "kv")
-    builder = backend_cls.get_builder_cls()()
+    builder = backend_cls.get_builder_cls()(None)
     outs = []
     for seq_lens, q_lens, tables in (
         ([0, 4, 11], [0, 0, 1], [[], [7], [4, 10]]),
         ([11], [1], [[4, 10]]),
     ):
-        md = builder.build(seq_lens, q_lens, block_tables=tables, block_size=8)
+        md = builder.build(seq_lens, q_lens, -1, -1, block_tables=tables, block_size=8)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
             outs.append(impl.forward(AttentionLayer(), q, k, v, kv_cache.clone(), md))

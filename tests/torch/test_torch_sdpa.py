@@ -168,13 +168,13 @@ def test_block_sparse_decode_rejected():
     with pytest.raises(ValueError, match="Block-sparse attention is not supported"):
         PagedAttention.forward_decode(
             q, cache, cache, torch.zeros(1, 1), torch.tensor([3]), 3, "auto", 4, 0.1, None,
-            blocksparse_vert_stride=4,
+            1.0, 1.0, blocksparse_vert_stride=4,
         )  # fmt: skip
 
 
 def test_vllm_mask_helpers():
     slopes = torch.tensor([0.5, 0.25])
-    (bias,) = _make_alibi_bias(slopes, [3])
+    (bias,) = _make_alibi_bias(slopes, torch.bfloat16, [3])
     assert bias.shape == (2, 3, 3) and bias.dtype == torch.float32
     assert bias[0, 2, 0] == -1.0 and bias[1, 2, 1] == -0.25 and bias[0, 0, 1] == float("-inf")
     (window,) = _make_sliding_window_bias([4], 2, torch.float32)
@@ -192,23 +192,30 @@ def test_metadata_builder_fields():
 
     |<-- prefill_0 (3 new, 5 cached) -->|<-- prefill_1 (4) -->|d0|d1|
     """
-    md = TorchSDPAMetadataBuilder().build(
-        [8, 4, 10, 17], [3, 4, 1, 1], block_tables=[[2], [0], [4, 5], [6, 7, 3]], block_size=8
+    md = TorchSDPAMetadataBuilder(None).build(
+        [8, 4, 10, 17],
+        [3, 4, 1, 1],
+        -1,
+        -1,
+        block_tables=[[2], [0], [4, 5], [6, 7, 3]],
+        block_size=8,
     )
     assert (md.num_prefills, md.num_prefill_tokens, md.num_decode_tokens) == (2, 7, 2)
     assert md.slot_mapping.tolist() == [21, 22, 23, 0, 1, 2, 3, 41, 24]
     assert md.seq_lens == [8, 4] and md.seq_lens_tensor.tolist() == [10, 17]
     assert md.block_tables.tolist() == [[4, 5, 0], [6, 7, 3]]
-    assert md.prefill_query_start_loc.tolist() == [0, 3, 7]
+    assert md.query_start_loc.tolist() == [0, 3, 7]
     assert md.kv_start_loc.tolist() == [0, 8, 12]
     assert md.prefill_block_tables.tolist() == [[2], [0]]
     assert md.prefill_metadata is md and md.decode_metadata is md
     with pytest.raises(ValueError, match="prefills first, then decodes"):
-        TorchSDPAMetadataBuilder().build([5, 3], [1, 3], block_tables=[[0], [1]], block_size=8)
+        TorchSDPAMetadataBuilder(None).build(
+            [5, 3], [1, 3], -1, -1, block_tables=[[0], [1]], block_size=8
+        )
     with pytest.raises(ValueError, match=r"query_lens\[0\]=4 must be <= seq_lens\[0\]=3"):
-        TorchSDPAMetadataBuilder().build([3], [4], block_tables=[[0]], block_size=8)
+        TorchSDPAMetadataBuilder(None).build([3], [4], -1, -1, block_tables=[[0]], block_size=8)
     with pytest.raises(ValueError, match=r"block_tables\[0\] has 1 blocks of 8 for"):
-        TorchSDPAMetadataBuilder().build([9], [9], block_tables=[[0]], block_size=8)
+        TorchSDPAMetadataBuilder(None).build([9], [9], -1, -1, block_tables=[[0]], block_size=8)
 
 
 def test_registry_and_backend_surface():

@@ -26,9 +26,18 @@ def test_cpu_execution_warns_once(rng):
     import torch_backends.xformers as xf
 
     xf._warned_cpu = False
-    impl = XFormersImpl(2, 64, 0.125, attn_type=AttentionType.ENCODER_ONLY)
-    md = TorchSDPAMetadataBuilder().build(
-        [], [], block_tables=[], block_size=16, encoder_seq_lens=[3]
+    impl = XFormersImpl(
+        2,
+        64,
+        0.125,
+        attn_type=AttentionType.ENCODER_ONLY,
+        num_kv_heads=2,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
+    md = TorchSDPAMetadataBuilder(None).build(
+        [], [], -1, -1, block_tables=[], block_size=16, encoder_seq_lens=[3]
     )
     x = torch.randn(3, 128)
     with pytest.warns(RuntimeWarning, match="xformers has no CPU kernel"):
@@ -39,17 +48,21 @@ def test_cpu_execution_warns_once(rng):
 
 
 def test_masks_are_xformers_objects():
-    impl = XFormersImpl(4, 64, 0.1, 2)
+    impl = XFormersImpl(
+        4, 64, 0.1, 2, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto"
+    )
     assert isinstance(impl.make_attn_bias([3, 5], [3, 5], True), xbias.BlockDiagonalCausalMask)
     assert isinstance(
         impl.make_attn_bias([2], [7], True), xbias.BlockDiagonalCausalFromBottomRightMask
     )
     assert isinstance(impl.make_attn_bias([2], [7], False), xbias.BlockDiagonalMask)
-    local = XFormersImpl(4, 64, 0.1, 2, sliding_window=4)
+    local = XFormersImpl(4, 64, 0.1, 2, sliding_window=4, alibi_slopes=None, kv_cache_dtype="auto")
     assert isinstance(
         local.make_attn_bias([3, 5], [3, 5], True), xbias.BlockDiagonalCausalLocalAttentionMask
     )
-    with_alibi = XFormersImpl(4, 64, 0.1, 2, alibi_slopes=alibi(4))
+    with_alibi = XFormersImpl(
+        4, 64, 0.1, 2, alibi_slopes=alibi(4), sliding_window=None, kv_cache_dtype="auto"
+    )
     biases = with_alibi.make_attn_bias([3, 5], [3, 5], True)
     assert all(isinstance(b, xbias.LowerTriangularMaskWithTensorBias) for b in biases)
 
@@ -68,10 +81,21 @@ def test_reference_execution_of_a_bias_object(rng):
 def test_registry_and_builder():
     assert get_attn_backend("XFORMERS") is XFormersBackend
     assert XFormersBackend.get_name() == "XFORMERS"
-    md = XFormersMetadataBuilder().build([3, 9], [3, 1], block_tables=[[0], [1]], block_size=16)
+    md = XFormersMetadataBuilder(None).build(
+        [3, 9], [3, 1], -1, -1, block_tables=[[0], [1]], block_size=16
+    )
     assert type(md).__name__ == "XFormersMetadata" and md.num_decode_tokens == 1
 
 
 def test_block_sparse_rejected():
     with pytest.raises(ValueError, match="XFormers does not support block-sparse attention"):
-        XFormersImpl(4, 64, 0.1, blocksparse_params={"local_blocks": 2})
+        XFormersImpl(
+            4,
+            64,
+            0.1,
+            blocksparse_params={"local_blocks": 2},
+            num_kv_heads=4,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype="auto",
+        )

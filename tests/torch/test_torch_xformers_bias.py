@@ -52,7 +52,8 @@ def _tensor_of(bias):
 @pytest.mark.parametrize("bias_name", list(BIASES))
 @pytest.mark.parametrize(("step", "causal", "q_lens", "kv_lens"), STEPS, ids=[s[0] for s in STEPS])
 def test_biases_pass_xformers_input_checks(step, causal, q_lens, kv_lens, bias_name, dtype):
-    impl = XFormersImpl(NUM_HEADS, HEAD_SIZE, 0.125, NUM_KV_HEADS, **BIASES[bias_name])
+    biases = dict(alibi_slopes=None, sliding_window=None) | BIASES[bias_name]
+    impl = XFormersImpl(NUM_HEADS, HEAD_SIZE, 0.125, NUM_KV_HEADS, kv_cache_dtype="auto", **biases)
     device = torch.device("cpu")
     bias = impl.make_attn_bias(q_lens, kv_lens, causal, dtype=dtype, device=device)
     # One bias for the whole step (a block-diagonal mask), or one per sequence.
@@ -88,7 +89,15 @@ def test_alibi_bias_values(rng):
     """The padded, sliced bias holds `slope_h * (p_k - p_q)` where kept and -inf elsewhere,
     bottom-right aligned (a chunk of 3 queries over 10 keys)."""
     slopes = alibi(NUM_HEADS)
-    impl = XFormersImpl(NUM_HEADS, HEAD_SIZE, 0.125, NUM_KV_HEADS, alibi_slopes=slopes)
+    impl = XFormersImpl(
+        NUM_HEADS,
+        HEAD_SIZE,
+        0.125,
+        NUM_KV_HEADS,
+        alibi_slopes=slopes,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
     (bias,) = impl.make_attn_bias([3], [10], True)
     tensor = _tensor_of(bias)
     assert tensor.shape == (1, NUM_HEADS, 3, 10) and tensor.stride() == (NUM_HEADS * 48, 48, 16, 1)

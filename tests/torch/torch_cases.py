@@ -330,7 +330,7 @@ def run_case(case, rng, backend_cls, layout=None):
     scale = case_scale(case)
     step = make_decoder_step(
         rng,
-        backend_cls.get_builder_cls()(),
+        backend_cls.get_builder_cls()(None),
         prefills=prefills,
         decodes=decodes,
         num_heads=hq,
