@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: the main environment (JAX core, TORCH_SDPA, XFORMERS, interop,
-# notebooks), then the IPEX environment for the tests that need IPEX's kernels, then the gpu-aot
+# notebooks), then the IPEX environment for the tests that need IPEX's kernels, then the vllm085
+# environment, where the torch backends run inside vLLM 0.8.5's own engine, then the gpu-aot
 # environment, which compiles the Pallas kernels for an H100 and an A100 description.
 # Extra arguments go to every pytest run.
 set -euo pipefail
@@ -24,6 +25,21 @@ set -e
 # pytest exits 5 when it collected nothing; that would mean the IPEX tests vanished.
 if [ "$rc" -ne 0 ]; then
     echo "IPEX run failed (pytest exit $rc)" >&2
+    exit "$rc"
+fi
+
+echo "== vllm085 environment (vLLM 0.8.5 on torch 2.6): tests marked vllm085"
+set +e
+# JAX_ATTN_REQUIRE_VLLM085=1: fail unless vLLM 0.8.5 imports and vllm085 tests pass, none
+# skipped (tests/vllm085/conftest.py). One process, no -n: every test starts vLLM engines,
+# and those share the process-wide state that vLLM's engine keeps.
+JAX_ATTN_REQUIRE_VLLM085=1 JAX_ATTN_ENV=vllm085 bash scripts/run.sh \
+    python -m pytest -m vllm085 tests "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected nothing; that would mean the vLLM tests vanished.
+if [ "$rc" -ne 0 ]; then
+    echo "vllm085 run failed (pytest exit $rc)" >&2
     exit "$rc"
 fi
 

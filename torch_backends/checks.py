@@ -63,16 +63,25 @@ def check_step(
     with table entries past each sequence's used blocks replaced by 0 where any is not a
     block id. `cache` is the step's `PagedCache` (None: no cache is read or written).
     `prefill_reads`: the tokens each prefill reads from the cache (default: its cached
-    prefix when its new K/V are given, else all of it); its table must cover those."""
+    prefix when its new K/V are given, else all of it); its table must cover those.
+
+    Two new keys may name the same slot only from the same position of their sequences:
+    vLLM's prefix caching gives prompts of one step that share whole blocks the same slots,
+    and both compute the same K/V there. Only the later write is kept (a deterministic
+    last-write-wins; the plan's slot_mapping gets -1 for the earlier ones)."""
     _check_counts(plan, key)
     _check_needs(plan, cache, key)
     if cache is None:
         return plan
     num_blocks, block_size = cache.key_cache.shape[0], cache.block_size
     checks = _Checks()
-    if key is not None and plan.slot_mapping is not None:
+    writes = key is not None and plan.slot_mapping is not None
+    if writes:
         name = f"attn_metadata.{plan.fields.slot_mapping}"
-        _check_slots(checks, name, plan.slot_mapping, key.shape[0], num_blocks, block_size)
+        positions = _new_key_positions(plan, key.shape[0])
+        _check_slots(
+            checks, name, plan.slot_mapping, key.shape[0], num_blocks, block_size, positions
+        )
     # A prefill reads from the cache only what it is not given: its cached prefix (none for a
     # plain prefill, nor for cross attention's first step), or everything when key is None.
     # Rows past what is read may be empty or zero-padded, as vLLM's runners build them.
@@ -83,10 +92,8 @@ def check_step(
     checks.scale("layer._k_scale", k_scale)
     checks.scale("layer._v_scale", v_scale)
     dirty = checks.run()
-    if not any(dirty):
-        return plan
+    replaced = {"slot_mapping": _last_write_wins(plan.slot_mapping)} if writes else {}
     # Entries past the used blocks that are not block ids: 0, so no kernel indexes with them.
-    replaced = {}
     for (kind, (table, used)), is_dirty in zip(tables.items(), dirty, strict=True):
         if is_dirty:
             replaced[kind] = torch.where(used, table, torch.zeros_like(table))
@@ -209,6 +216,34 @@ def _first(mask: Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in torch.nonzero(mask)[0])
 
 
+def _new_key_positions(plan: StepPlan, num_keys: int) -> Tensor | None:
+    """Position in its sequence of each new key (decoder: the new tokens of each prefill,
+    then each decode's last; cross attention: every encoder token of each prefill), or None
+    when the counts do not add up (the other checks name that)."""
+    if plan.attn_type == AttentionType.ENCODER_DECODER:
+        spans = [range(n) for n in plan.kv_lens]
+    else:
+        spans = [range(k - q, k) for q, k in zip(plan.q_lens, plan.kv_lens, strict=True)]
+    prefill = torch.tensor([p for span in spans for p in span], dtype=torch.long)
+    parts = [prefill]
+    if plan.attn_type == AttentionType.DECODER and plan.num_decode_tokens:
+        if plan.decode_seq_lens is None:
+            return None
+        parts.append(plan.decode_seq_lens.to("cpu", torch.long).flatten() - 1)
+    positions = torch.cat(parts)
+    return positions if positions.numel() == num_keys else None
+
+
+def _last_write_wins(slots: Tensor) -> Tensor:
+    """`slots` with every earlier write to a slot named twice replaced by -1 (skip)."""
+    flat = slots.flatten()
+    ordered, order = torch.sort(flat, stable=True)
+    earlier = order[:-1][(ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)]
+    kept = flat.clone()
+    kept[earlier] = PAD_SLOT_ID
+    return kept.view_as(slots)
+
+
 def check_slot_mapping(
     name: str, slots: Tensor, num_keys: int, num_blocks: int, block_size: int
 ) -> None:
@@ -219,8 +254,11 @@ def check_slot_mapping(
     checks.run()
 
 
-def _check_slots(checks: _Checks, name: str, slots: Tensor, num_keys, num_blocks, block_size):
-    """Slots in range, -1 the only pad, no slot twice."""
+def _check_slots(
+    checks: _Checks, name: str, slots: Tensor, num_keys, num_blocks, block_size, positions=None
+):
+    """Slots in range, -1 the only pad, no slot twice, except from the same position of two
+    sequences (`positions`, per new key: prefix caching's shared blocks)."""
     if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {slots.dtype}")
     slots = slots.flatten()
@@ -234,15 +272,19 @@ def _check_slots(checks: _Checks, name: str, slots: Tensor, num_keys, num_blocks
                 slot_error(name, slots, _first(bad)[0], num_blocks, block_size)
             ),
         )
-    ordered = torch.sort(slots).values
+    ordered, order = torch.sort(slots, stable=True)
     twice = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    if positions is not None:
+        positions = positions.to(slots.device)
+        twice = twice & (positions[order[:-1]] != positions[order[1:]])
 
     def duplicate():
         slot = int(ordered[1:][twice][0])
         where = torch.nonzero(slots == slot).flatten().tolist()
         return ValueError(
             f"{name} writes slot {slot} twice ({name}[{where[0]}] and [{where[1]}]): the "
-            f"destination slots of one step must be distinct (apart from -1, PAD_SLOT_ID)"
+            "destination slots of one step must be distinct (apart from -1, PAD_SLOT_ID), "
+            "or hold the same position of two sequences sharing a block"
         )
 
     checks.add(twice.any(), duplicate)

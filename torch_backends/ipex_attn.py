@@ -206,6 +206,12 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         over an e5m2 cache raises "expected scalar type Half but found Float8_e5m2"."""
         return self.fp8 and dtype != torch.float16
 
+    def split_kv_cache(
+        self, kv_cache: Tensor, num_kv_heads: int, head_size: int
+    ) -> tuple[Tensor, Tensor]:
+        """`[2, NB, BS*Hkv*D]` -> key, value caches `[NB, Hkv, BS, D]` (views)."""
+        return IpexLayout(num_kv_heads, head_size).split(kv_cache)
+
     def prefill_cache_reads(self, plan: StepPlan, key, cache) -> list[int]:
         """A chunked prefill runs IPEX's paged varlen kernel, which reads every key of the
         sequence from the cache (its new ones written first)."""

@@ -263,7 +263,8 @@ class PagedImpl(AttentionImpl[T]):
         if attn_metadata is None:
             raise ValueError("attn_metadata is required")
         encoder = attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
-        # vLLM's messages (and exception type) for missing encoder / cross metadata.
+        # vLLM's messages (and exception type) for missing encoder / cross metadata
+        # (ENCODER_ONLY reads `seq_lens`, which vLLM's pooling runner fills).
         if (
             attn_type == AttentionType.ENCODER_DECODER
             and not attn_metadata.is_all_cross_attn_metadata_set
@@ -272,7 +273,10 @@ class PagedImpl(AttentionImpl[T]):
                 "Encoder/decoder cross-attention requires setting "
                 "cross-attention metadata attributes."
             )
-        if encoder and not attn_metadata.is_all_encoder_attn_metadata_set:
+        if (
+            attn_type == AttentionType.ENCODER
+            and not attn_metadata.is_all_encoder_attn_metadata_set
+        ):
             raise AttributeError("Encoder attention requires setting encoder metadata attributes.")
         plan: StepPlan = attn_metadata.step_plan(attn_type)
         query = query.view(-1, num_heads, head_size)
@@ -300,9 +304,8 @@ class PagedImpl(AttentionImpl[T]):
             v_scale = getattr(layer, "_v_scale", 1.0)
             cache = PagedCache.of(self.layout, kv_cache, k_scale, v_scale)
         # Every check before the write: a step that raises leaves the cache bit-identical.
-        plan = check_step(
-            plan, cache, key, k_scale, v_scale, self.prefill_cache_reads(plan, key, cache)
-        )
+        reads = self.prefill_cache_reads(plan, key, cache)
+        plan = check_step(plan, cache, key, k_scale, v_scale, reads)
         if cache is not None and key is not None:
             cache.write(key, value, plan.slot_mapping, check=False)
             # Attention reads what the cache holds: with an fp8 cache the new tokens'

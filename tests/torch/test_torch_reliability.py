@@ -304,3 +304,39 @@ def test_empty_sequences_are_valid(backend, rng):
             outs.append(impl.forward(AttentionLayer(), q, k, v, kv_cache.clone(), md))
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+def test_shared_prefix_slots_are_accepted(backend, rng):
+    """vLLM's prefix caching gives two prompts of one step that share whole blocks the same
+    slots (same positions, the same K/V up to rounding): accepted, the later write kept, the
+    output as if each prompt ran alone. The same slots at different positions still raise
+    before the write."""
+    import warnings
+
+    backend_cls = backend_class(backend)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    kv_cache = torch.randn(backend_cls.get_kv_cache_shape(6, 8, 2, 64), generator=gen)
+    impl = backend_cls.get_impl_cls()(4, 64, 0.125, 2, None, None, "auto")
+    q1 = torch.randn(8, 256, generator=gen)
+    k1, v1 = (torch.randn(8, 128, generator=gen) for _ in "kv")
+    builder = backend_cls.get_builder_cls()(None)
+    both = builder.build([8, 8], [8, 8], -1, -1, block_tables=[[2], [2]], block_size=8)
+    alone = builder.build([8], [8], -1, -1, block_tables=[[2]], block_size=8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
+        cache2 = kv_cache.clone()
+        out2 = impl.forward(AttentionLayer(), q1.repeat(2, 1), k1.repeat(2, 1), v1.repeat(2, 1),
+                            cache2, both)  # fmt: skip
+        cache1 = kv_cache.clone()
+        out1 = impl.forward(AttentionLayer(), q1, k1, v1, cache1, alone)
+        assert torch.equal(out2[:8], out1) and torch.equal(out2[8:], out1)
+        assert cache_hash(cache2) == cache_hash(cache1)
+        both.slot_mapping[8:] = both.slot_mapping[8:].roll(1)  # slot 16 at positions 0 and 1
+        before = cache_hash(kv_cache)
+        with pytest.raises(
+            ValueError, match=r"writes slot 16 twice \(attn_metadata.slot_mapping\[0\] and \[9\]\)"
+        ):
+            impl.forward(AttentionLayer(), q1.repeat(2, 1), k1.repeat(2, 1), v1.repeat(2, 1),
+                         kv_cache, both)  # fmt: skip
+        assert cache_hash(kv_cache) == before

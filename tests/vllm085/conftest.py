@@ -1,0 +1,93 @@
+"""The vLLM 0.8.5 tests (marked `vllm085`) run inside the real vLLM, in the `vllm085`
+environment (`scripts/env.sh vllm085`; the vllm085 stage of scripts/test.sh).
+
+- Elsewhere (the main environment has no vLLM) every test here is skipped, with a reason naming
+  what is missing. Nothing imports vLLM at collection: the check runs in a fixture, and
+  `importlib.util.find_spec` answers "not installed" without importing anything.
+- With JAX_ATTN_REQUIRE_VLLM085=1 (scripts/test.sh) the same problem fails the tests instead,
+  and the session fails unless at least one `vllm085` test passed and none was skipped.
+- The terminal summary lists, per comparison, the tokens compared and the largest logprob (or
+  hidden-state) difference: the figures the drop-in note quotes.
+"""
+
+import importlib.util
+import os
+
+import engine_harness
+import pytest
+
+REQUIRE = os.environ.get("JAX_ATTN_REQUIRE_VLLM085") == "1"
+_runs = {"passed": 0, "skipped": []}
+
+
+def _vllm_problem() -> str | None:
+    """Why vLLM 0.8.5 cannot run here, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "vLLM is not installed in this environment; the vllm085 environment has vLLM 0.8.5 "
+            "(JAX_ATTN_ENV=vllm085 bash scripts/run.sh python -m pytest -m vllm085 tests)"
+        )
+    engine_harness.set_engine_env()
+    try:
+        import vllm
+    except Exception as e:  # e.g. its compiled extension failing to load
+        return f"vLLM is installed but does not import: {type(e).__name__}: {e}"
+    if not vllm.__version__.startswith("0.8.5"):
+        return f"these tests need vLLM 0.8.5, this environment has {vllm.__version__}"
+    return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm085_available():
+    problem = _vllm_problem()
+    if problem is not None:
+        if REQUIRE:
+            pytest.fail(f"JAX_ATTN_REQUIRE_VLLM085=1 but {problem}", pytrace=False)
+        pytest.skip(problem)
+
+
+@pytest.fixture(scope="session")
+def run_seed(request) -> int:
+    """The run's seed, which tests/conftest.py draws and prints (JAX_ATTN_TEST_SEED replays
+    it): the models here are built once per module, so they cannot use the per-test `seed`."""
+    for plugin in request.config.pluginmanager.get_plugins():
+        if isinstance(getattr(plugin, "RUN_SEED", None), int):
+            return plugin.RUN_SEED
+    raise AssertionError("tests/conftest.py's RUN_SEED is not loaded")
+
+
+def pytest_runtest_logreport(report):
+    if "vllm085" not in report.keywords:
+        return
+    if report.skipped:
+        _runs["skipped"].append(report.nodeid)
+    elif report.when == "call" and report.passed:
+        _runs["passed"] += 1
+
+
+def pytest_collectreport(report):
+    # A module skipped as a whole (e.g. by `pytest.importorskip`) has no test reports.
+    if report.skipped and "vllm085" in str(report.nodeid):
+        _runs["skipped"].append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not REQUIRE:
+        return
+    problems = [f"`vllm085` test skipped in the vllm085 environment: {n}" for n in _runs["skipped"]]
+    if _runs["passed"] == 0:
+        problems.append("JAX_ATTN_REQUIRE_VLLM085=1 but no `vllm085` test passed")
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            for line in problems:
+                reporter.write_line(f"VLLM085 AUDIT: {line}", red=True)
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if engine_harness.FIGURES:
+        terminalreporter.section("vLLM 0.8.5 engine comparisons")
+        for line in engine_harness.FIGURES:
+            terminalreporter.write_line(line)
