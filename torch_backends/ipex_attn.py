@@ -30,12 +30,11 @@ get a working environment.
 """
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from torch_backends.abstract import AttentionMetadata, AttentionType, check_attn_type
+from torch_backends.abstract import AttentionMetadata, check_attn_type
 from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_tables
 from torch_backends.layouts import IpexLayout
 from torch_backends.masked_attention import masked_attention
@@ -156,33 +155,7 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
     backend_name = "IPEX"
     layout_cls = IpexKernelLayout
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        alibi_slopes: list[float] | None,
-        sliding_window: int | None,
-        kv_cache_dtype: str,
-        blocksparse_params: dict[str, Any] | None = None,
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        use_irope: bool = False,
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            alibi_slopes,
-            sliding_window,
-            kv_cache_dtype,
-            blocksparse_params,
-            logits_soft_cap,
-            attn_type,
-            use_irope,
-        )
+    def configure(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8_e5m2"):
             raise NotImplementedError(
                 f"IPEX 2.8 supports only 'auto' and 'fp8_e5m2' KV caches, got "

@@ -204,6 +204,10 @@ class PagedImpl(AttentionImpl[T]):
         self.attn_type = check_attn_type(attn_type)
         self.num_queries_per_kv = num_heads // self.num_kv_heads
         self.layout = self.layout_cls(self.num_kv_heads, head_size, kv_cache_dtype)
+        self.configure()
+
+    def configure(self) -> None:
+        """A backend's own checks and set-up after the common ones (its kernels' limits)."""
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

@@ -35,6 +35,7 @@ from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
 from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
 from torch_backends.plan import (
     SPLIT_FIELDS,
+    CrossAttentionMetadata,
     StepPlan,
     cross_plan,
     encoder_only_lens,
@@ -48,7 +49,7 @@ PAD_SLOT_ID = -1
 
 
 @dataclasses.dataclass
-class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
+class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata, CrossAttentionMetadata):
     """vLLM V0's `TorchSDPAMetadata`, field for field (order, defaults, meaning).
 
     Decode fields (`seq_lens_tensor`, `max_decode_seq_len`, `block_tables`) describe only the
@@ -100,14 +101,6 @@ class TorchSDPAMetadata(AttentionMetadata, PagedAttentionMetadata):
             self.encoder_seq_lens is not None
             and self.encoder_seq_lens_tensor is not None
             and self.max_encoder_seq_len is not None
-        )
-
-    @property
-    def is_all_cross_attn_metadata_set(self) -> bool:
-        return (
-            self.is_all_encoder_attn_metadata_set
-            and self.cross_slot_mapping is not None
-            and self.cross_block_tables is not None
         )
 
     @property
@@ -397,13 +390,3 @@ class TorchSDPABackend(PagedBackend):
     @staticmethod
     def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
         return TorchSDPAMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return CpuPagedAttention.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def copy_blocks(kv_caches: list[Tensor], src_to_dists: Tensor) -> None:
-        CpuPagedAttention.copy_blocks(kv_caches, src_to_dists)
