@@ -54,6 +54,12 @@ class Rows:
     def prefill_tables(self, md) -> torch.Tensor:
         return md.prefill_block_tables if self.backend in SPLIT_METADATA else md.block_tables
 
+    def starve_last_row(self, md) -> None:
+        """`query_start_loc` with no token for its last sequence: decode 0 where it covers
+        every sequence; prefill 1 where (TORCH_SDPA, JAX) it covers the prefills only."""
+        last = len(md.query_start_loc) - 2
+        md.query_start_loc[last + 1] = md.query_start_loc[last]
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -169,6 +175,13 @@ CASES = [
         "query_start_loc[1] = 2**32 + 5 (int32 would wrap it to the right value, 5)",
         lambda md, r: _set(_int64(md, "query_start_loc"), 1, 2**32 + 5),
         match=r"query_start_loc|query length",
+    ),
+    Case(
+        "query-start-loc-not-running-sum",
+        "query_start_loc gives its last sequence no token",
+        lambda md, r: r.starve_last_row(md),
+        match=r"query_start_loc=\[0, 5, 8, 9, 9\] must be the running sum|prefill query "
+        r"lengths \[5, 0\] sum to 5",
     ),
     Case(
         "query-start-loc-wrong-sum",
