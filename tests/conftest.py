@@ -53,6 +53,13 @@ def rng(seed) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+@pytest.fixture(scope="session")
+def run_seed() -> int:
+    """The run's seed itself, for module- or session-scoped data (a `conftest` import would
+    find whichever conftest module was imported last: tests/vllm085 has one too)."""
+    return RUN_SEED
+
+
 @pytest.fixture
 def key(seed):
     if jax is None:

@@ -64,10 +64,8 @@ def results(mesh_seed) -> dict:
 
 
 @pytest.fixture(scope="module")
-def mesh_seed() -> int:  # one subprocess for the module: the run's seed
-    from conftest import RUN_SEED
-
-    return RUN_SEED
+def mesh_seed(run_seed) -> int:  # one subprocess for the module: the run's seed
+    return run_seed
 
 
 @pytest.mark.parametrize("case", RUN)

@@ -46,16 +46,6 @@ def _vllm085_available():
         pytest.skip(problem)
 
 
-@pytest.fixture(scope="session")
-def run_seed(request) -> int:
-    """The run's seed, which tests/conftest.py draws and prints (JAX_ATTN_TEST_SEED replays
-    it): the models here are built once per module, so they cannot use the per-test `seed`."""
-    for plugin in request.config.pluginmanager.get_plugins():
-        if isinstance(getattr(plugin, "RUN_SEED", None), int):
-            return plugin.RUN_SEED
-    raise AssertionError("tests/conftest.py's RUN_SEED is not loaded")
-
-
 def pytest_runtest_logreport(report):
     if "vllm085" not in report.keywords:
         return
