@@ -132,7 +132,7 @@ def test_sanitizer_build_runs_a_small_grid():
             [cxx, f"-print-file-name={lib}"], capture_output=True, text=True
         ).stdout.strip()
         if not os.path.isabs(path):
-            pytest.skip(f"{cxx} has no {lib} (needed for the sanitizer build)")
+            pytest.skip(f"native CPU kernels: {cxx} has no {lib} (the sanitizer build)")
         runtime[lib] = path
     # -Werror too: the kernels build warning-free, natively and portably.
     sanitize = (
