@@ -216,8 +216,8 @@ def cmd_fuzz(args) -> int:
     for name in runnable:
         report = fuzz.fuzz_backend(name, args.minutes * 60.0, seed=args.seed)
         print(
-            f"{name}: {report.examples} examples in {report.seconds / 60:.1f} min "
-            f"({report.not_applicable} n/a), "
+            f"{name}: {report.examples} examples ran in {report.seconds / 60:.1f} min "
+            f"(and {report.not_applicable} n/a, not counted), "
             + ("no counterexample" if report.counterexample is None else "COUNTEREXAMPLE:")
         )
         if report.counterexample is not None:
