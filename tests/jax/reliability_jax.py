@@ -296,13 +296,18 @@ before computing or writing anything | `ValueError` |
 thrown after the call | `JaxRuntimeError` (same text + `` (`check` failed)``) |
 | traced, in a plain `jax.jit` / `vmap` | nothing (shape and dtype errors still \
 raise while tracing) | none |
+| traced, `impl="cpu"` (the native kernels, the default on CPU) | the FFI handlers \
+themselves, every index before any read or write, under `jit`, `vmap` and `shard_map` | \
+`XlaRuntimeError` (`INVALID_ARGUMENT: ...` naming the argument) |
 
 The rules are written once (`jax_attn/checking.py`) against an array module, NumPy eagerly
 and `jax.numpy` under checkify, so the messages are the same text. Off switches: `check=False`
 on a call, `jax_attn.config.check = False`, or `JAX_ATTN_CHECK=0` in the environment.
 Unchecked (`check=False`, or a plain `jit`), out-of-range block pairs are dropped (never
 wrapped), negative slots write nothing and slots past the cache are dropped; attention over
-out-of-range block ids reads clamped blocks (wrong numbers, no error: check the metadata).
+out-of-range block ids reads clamped blocks on the XLA and Pallas paths (wrong numbers, no
+error: check the metadata); the native CPU kernels refuse them (`seq_lens`, `query_start_loc`,
+`num_seqs`, block ids, element counts: issue 22, fuzzed by `jax-attn fuzz --bad-metadata`).
 Inside `checked`, a refused `write_kv` / `copy_blocks` writes nothing, so donated caches come
 back unchanged in the error's `outputs`.
 

@@ -8,6 +8,7 @@ import pytest
 
 import jax_attn
 from interop.workload import make_workload
+from jax_attn import cpu
 
 
 def _impls():
@@ -17,8 +18,8 @@ def _impls():
 
 
 def _require(impl: str) -> None:
-    if impl == "cpu" and not jax_attn.cpu.available():
-        pytest.skip(f"native CPU kernels: {jax_attn.cpu.unavailable_reason()}")
+    if impl == "cpu" and not cpu.available():
+        pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
 
 
 def _problem(rng):
