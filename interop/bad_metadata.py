@@ -411,8 +411,7 @@ def fuzz(
 # -Werror too: the kernels build warning-free, natively and portably (and the tests'
 # sanitizer builds, tests/jax/test_cpu_build.py, share this cache key).
 SANITIZE_FLAGS = (
-    "-fsanitize=address,undefined -fno-sanitize-recover=all -DJAX_ATTN_CPU_FEW_HEAD_SIZES"
-    " -Werror"
+    "-fsanitize=address,undefined -fno-sanitize-recover=all -DJAX_ATTN_CPU_FEW_HEAD_SIZES -Werror"
 )
 PORTABLE_FLAGS = "-march=x86-64-v3"  # no AVX-512: the kernels' 8-wide GCC-vector path
 
