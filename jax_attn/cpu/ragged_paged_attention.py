@@ -119,8 +119,9 @@ def ragged_paged_attention(
     cache, `seq_lens` beyond the block table or below the query length, a `query_start_loc`
     that decreases or leaves [0, num_tokens], `num_seqs` outside [0, rows]) raises an
     XlaRuntimeError naming the argument, under `jit` too: the kernel checks every index before
-    it reads the cache or writes the output (issue 22). Tested against `jax_attn.reference.paged_attention`. Not differentiable (raises
-    naming `jax_attn.varlen_attention`); `vmap` runs the calls one after another.
+    it reads the cache or writes the output (issue 22). Tested against
+    `jax_attn.reference.paged_attention`. Not differentiable (raises naming
+    `jax_attn.varlen_attention`); `vmap` runs the calls one after another.
     """
     _ffi.require_native()
     _check_shapes(

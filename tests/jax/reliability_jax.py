@@ -300,7 +300,7 @@ raise while tracing) | none |
 themselves, every index before any read or write, under `jit`, `vmap` and `shard_map` | \
 `XlaRuntimeError` (`INVALID_ARGUMENT: ...` naming the argument) |
 
-The rules are written once (`jax_attn/checking.py`) against an array module, NumPy eagerly
+The rules are written once (`jax_attn/value_rules.py`) against an array module, NumPy eagerly
 and `jax.numpy` under checkify, so the messages are the same text. Off switches: `check=False`
 on a call, `jax_attn.config.check = False`, or `JAX_ATTN_CHECK=0` in the environment.
 Unchecked (`check=False`, or a plain `jit`), out-of-range block pairs are dropped (never
