@@ -7,6 +7,7 @@ this module, the command's entry, is the only one to import.
 import argparse
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 
@@ -194,6 +195,8 @@ def _gpu_compile_report(console) -> int:
 
 def cmd_fuzz(args) -> int:
     """Fuzz each backend (or the one named) for `--minutes`; print counterexamples as tests."""
+    if args.bad_metadata:
+        return cmd_fuzz_bad_metadata(args)
     from interop import crosscheck, fuzz
 
     names = [b.name for b in crosscheck.all_backends()]
@@ -213,13 +216,45 @@ def cmd_fuzz(args) -> int:
     for name in runnable:
         report = fuzz.fuzz_backend(name, args.minutes * 60.0, seed=args.seed)
         print(
-            f"{name}: {report.examples} examples in {report.seconds / 60:.1f} min "
-            f"({report.not_applicable} n/a), "
+            f"{name}: {report.examples} examples ran in {report.seconds / 60:.1f} min "
+            f"(and {report.not_applicable} n/a, not counted), "
             + ("no counterexample" if report.counterexample is None else "COUNTEREXAMPLE:")
         )
         if report.counterexample is not None:
             failures += 1
             print(fuzz.pytest_source(name, report.counterexample, report.cell))
+    return 1 if failures else 0
+
+
+def cmd_fuzz_bad_metadata(args) -> int:
+    """`--bad-metadata`: garbage metadata into the native kernels under jit, each kernel (or
+    `--backend ragged|decode`) for `--minutes` in a child process, optionally built with ASan +
+    UBSan (`--sanitize`) and without AVX-512 (`--portable`). A crash is the child's exit."""
+    from interop import bad_metadata
+
+    kernels = list(bad_metadata.KERNELS)
+    if args.backend:
+        if args.backend not in kernels:
+            print(f"--backend={args.backend!r} is not one of {kernels}", file=sys.stderr)
+            return 2
+        kernels = [args.backend]
+    extra = bad_metadata.PORTABLE_FLAGS if args.portable else ""
+    if args.sanitize:
+        env = bad_metadata.sanitizer_env(extra)
+    else:
+        env = {**os.environ, "JAX_ATTN_CPU_EXTRA_FLAGS": extra} if extra else dict(os.environ)
+    build = env.get("JAX_ATTN_CPU_EXTRA_FLAGS") or "default flags"
+    failures = 0
+    for kernel in kernels:
+        rc, output = bad_metadata.run_child(
+            kernel, seconds=args.minutes * 60.0, seed=args.seed, env=env
+        )
+        lines = [ln for ln in output.splitlines() if not ln.startswith("progress:")]
+        summary = next((ln for ln in lines if ln.startswith(f"{kernel}:")), None)
+        print(f"[{build}] {summary or kernel + ': no summary'}")
+        if rc != 0:
+            failures += 1
+            print(f"{kernel}: child exited {rc}:\n" + "\n".join(lines[-40:]))
     return 1 if failures else 0
 
 
@@ -249,6 +284,20 @@ def main(argv=None) -> int:
     fuzz.add_argument("--minutes", type=float, default=5.0, help="per backend (default 5)")
     fuzz.add_argument("--backend", help="one backend name (default: every one that runs here)")
     fuzz.add_argument("--seed", type=int, default=0, help="first hypothesis seed (default 0)")
+    fuzz.add_argument(
+        "--bad-metadata",
+        action="store_true",
+        help="fuzz the native CPU kernels with garbage metadata under jit instead "
+        "(--backend ragged|decode; interop/bad_metadata.py)",
+    )
+    fuzz.add_argument(
+        "--sanitize", action="store_true", help="with --bad-metadata: an ASan + UBSan build"
+    )
+    fuzz.add_argument(
+        "--portable",
+        action="store_true",
+        help="with --bad-metadata: the portable build (-march=x86-64-v3, no AVX-512)",
+    )
     args = parser.parse_args(argv)
     commands = {"info": cmd_info, "check": cmd_check, "bench": bench_command.run, "fuzz": cmd_fuzz}
     return commands[args.command](args)

@@ -185,6 +185,12 @@ def make_example_problem(example: Example) -> Problem:
     return dataclasses.replace(problem, workload=w)
 
 
+def not_applicable(cell: Cell) -> bool:
+    """Whether `cell` is an example the backend did not run (unavailable here, or a
+    documented limitation): never a pass, counted apart."""
+    return cell.error is None and cell.note.startswith("n/a")
+
+
 def check_example(backend_name: str, example: Example) -> Cell:
     """One backend on one example, against the float64 oracle (`Cell.ok`: within tolerance;
     a backend's documented limitation is `Unsupported`, reported ok with a note)."""
@@ -257,8 +263,8 @@ def _padded_runner(impl: str, example: Example):
 @dataclasses.dataclass
 class FuzzReport:
     backend: str
-    examples: int = 0
-    not_applicable: int = 0
+    examples: int = 0  # examples the backend really ran (n/a ones not included)
+    not_applicable: int = 0  # examples it did not take (counted apart, never as passes)
     seconds: float = 0.0
     counterexample: Example | None = None
     cell: Cell | None = None
@@ -301,9 +307,10 @@ def fuzz_backend(name: str, seconds: float, *, seed: int = 0, batch: int = 20) -
         @given(strategy)
         def body(example):
             cell = check_example(name, example)
-            report.examples += 1
-            if cell.note.startswith("n/a"):
+            if not_applicable(cell):
                 report.not_applicable += 1
+                return
+            report.examples += 1
             if not cell.ok:
                 last["example"], last["cell"] = example, cell
                 raise _Failed(cell)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from interop.tolerances import tolerance
+from interop.tolerances import error_bound, tolerance
 from torch_backends.attention_type import AttentionType
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ def check_cell(backend: Backend, problem: Problem) -> Cell:
         return Cell(None, False, f"shape {out.shape} != {expected.shape}")
     if not np.isfinite(out).all():
         return Cell(float("nan"), False, "non-finite output")
-    atol, rtol = problem.spec.tolerance
     error = float(np.max(np.abs(out - expected))) if out.size else 0.0
-    ok = bool(np.all(np.abs(out - expected) <= atol + rtol * np.abs(expected)))
+    spec = problem.spec
+    ok = bool(np.all(np.abs(out - expected) <= error_bound(expected, spec.dtype, spec.cache_dtype)))
     return Cell(error, ok)

@@ -3,10 +3,10 @@
 from jax_attn import reference
 from jax_attn.bias import AttentionBias, alibi_slopes
 from jax_attn.cache import copy_blocks, kv_cache_shape, swap_blocks, write_kv
-from jax_attn.checking import checked, config
 from jax_attn.metadata import RaggedMetadata
 from jax_attn.paged import paged_attention, paged_decode
 from jax_attn.validate import validate
+from jax_attn.value_rules import checked, config
 from jax_attn.varlen import varlen_attention
 
 PAD_SLOT_ID = -1

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jax_attn import checking
-from jax_attn.checks import check_cache_pair, check_index_array, check_scale, is_fp8
+from jax_attn import value_rules
+from jax_attn.shape_rules import check_cache_pair, check_index_array, check_scale, is_fp8
 
 KVCache = Float[Array, "num_blocks block_size num_kv_heads head_size"]
 
@@ -99,11 +99,11 @@ def write_kv(
     appears twice, or a scale is not finite and > 0. Under `jit` the checks run only inside
     `jax_attn.checked`; unchecked, bad slots are dropped (never wrapped).
     """
-    if checking.wanted(check):
+    if value_rules.wanted(check):
         _check_write_shapes(key_cache, value_cache, key, value, slot_mapping)
         check_scale(k_scale, "k_scale")
         check_scale(v_scale, "v_scale")
-        ok = checking.run_checks(
+        ok = value_rules.run_checks(
             _write_rules,
             dict(slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale),
             check,
@@ -117,8 +117,8 @@ def write_kv(
 
 
 def _write_rules(xp, *, slot_mapping, k_scale, v_scale, num_slots):
-    yield from checking.slot_rules(xp, slot_mapping=slot_mapping, num_slots=num_slots)
-    yield from checking.scale_rules(xp, k_scale=k_scale, v_scale=v_scale)
+    yield from value_rules.slot_rules(xp, slot_mapping=slot_mapping, num_slots=num_slots)
+    yield from value_rules.scale_rules(xp, k_scale=k_scale, v_scale=v_scale)
 
 
 def _check_write_shapes(key_cache, value_cache, key, value, slot_mapping) -> None:
@@ -168,12 +168,12 @@ def copy_blocks(
     wrap to the last blocks) or a destination appears twice. Unchecked (under a plain `jit`),
     pairs with an out-of-range id are dropped whole, never wrapped.
     """
-    if checking.wanted(check):
+    if value_rules.wanted(check):
         check_cache_pair(key_cache, value_cache)
         src_to_dst = _pairs(src_to_dst)
         n = key_cache.shape[0]
-        ok = checking.run_checks(
-            checking.pair_rules, dict(src_to_dst=src_to_dst), check, num_src=n, num_dst=n
+        ok = value_rules.run_checks(
+            value_rules.pair_rules, dict(src_to_dst=src_to_dst), check, num_src=n, num_dst=n
         )
         if ok is not None:  # inside `checked`: a refused copy copies nothing
             src_to_dst = jnp.where(ok, src_to_dst, -1)
@@ -231,9 +231,9 @@ def swap_blocks(
     if src_cache.dtype != dst_cache.dtype:
         raise TypeError(f"src_cache.dtype={src_cache.dtype} != dst_cache.dtype={dst_cache.dtype}")
     src_to_dst = _pairs(jnp.asarray(src_to_dst))
-    if checking.wanted(check):
-        checking.run_checks(
-            checking.pair_rules,
+    if value_rules.wanted(check):
+        value_rules.run_checks(
+            value_rules.pair_rules,
             dict(src_to_dst=src_to_dst),
             check,
             num_src=src_cache.shape[0],

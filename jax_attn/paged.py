@@ -1,10 +1,10 @@
 """Paged attention: the unified ragged entry (`paged_attention`), the decode fast path
 (`paged_decode`), and the dispatch between their implementations.
 
-    paged_attention(..., impl="auto")       not jitted: checks values (checking.py) and
+    paged_attention(..., impl="auto")       not jitted: checks values (value_rules.py) and
                                             picks the implementation
       resolve_impl(impl, query, key_cache)  -> "xla" | "pallas" | "cpu" | "reference"
-      jitted body, `impl` static: checks (checks.py), then one of
+      jitted body, `impl` static: checks (shape_rules.py), then one of
         xla_paged.paged_attention_xla       portable blockwise jnp (xla_paged.py)
         pallas.ragged_paged_attention       Triton-backed Pallas kernel (pallas/)
         jax_attn.cpu.ragged_paged_attention native CPU kernel through XLA's FFI (cpu/)
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jax_attn import checking, checks
+from jax_attn import shape_rules, value_rules
 from jax_attn.metadata import RaggedMetadata
 from jax_attn.validate import metadata_values
 from jax_attn.xla_paged import paged_attention_xla, paged_decode_xla
@@ -109,14 +109,14 @@ def _pallas_problem(query, key_cache) -> str | None:
     """Why the native Pallas kernels would refuse these dtypes or shapes on the GPU holding
     `query`, or None."""
     try:
-        checks.check_kernel_dtypes(query.dtype, key_cache.dtype)
+        shape_rules.check_kernel_dtypes(query.dtype, key_cache.dtype)
     except TypeError as e:
         return str(e)
     _, block_size, _, head_size = key_cache.shape
-    problem = checks.native_shape_problem(block_size, head_size)
+    problem = shape_rules.native_shape_problem(block_size, head_size)
     if problem is None:
         capability = compute_capability(array_device(query))
-        problem = checks.native_dtype_problem(key_cache.dtype, capability)
+        problem = shape_rules.native_dtype_problem(key_cache.dtype, capability)
     return problem
 
 
@@ -166,7 +166,7 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
     caller's `jit` they are tracers, and the default backend decides), so it is resolved
     before the jitted body, which takes it (and `interpret`) as static arguments. The value
     checks (`check_values(query, key_cache, *args, check=..., **kwargs)`, see
-    `jax_attn.checking`) run here too, un-jitted: eagerly on concrete values, through checkify
+    `jax_attn.value_rules`) run here too, un-jitted: eagerly on concrete values, through checkify
     inside `checked`, not at all in a plain `jit` (whose callers pay nothing). They return the
     arguments for the body: inside `checked`, a refused step's metadata is emptied (no
     sequence, no key), so no kernel reads out of range or fails before checkify reports. The
@@ -219,14 +219,14 @@ def _check_paged_attention(
     query, key_cache, value_cache, metadata, *, check=None, k_scale=1.0, v_scale=1.0, **rest
 ):
     args, kwargs = (value_cache, metadata), dict(k_scale=k_scale, v_scale=v_scale, **rest)
-    if not checking.wanted(check):
+    if not value_rules.wanted(check):
         return args, kwargs
     # Shapes first (they raise at trace time anyway), so the value rules read sound arrays.
-    checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_tokens")
-    checks.check_metadata(metadata, query.shape[0])
-    checks.check_scale(k_scale, "k_scale")
-    checks.check_scale(v_scale, "v_scale")
-    ok = checking.run_checks(
+    shape_rules.check_query_and_cache(query, key_cache, value_cache, query_axis="num_tokens")
+    shape_rules.check_metadata(metadata, query.shape[0])
+    shape_rules.check_scale(k_scale, "k_scale")
+    shape_rules.check_scale(v_scale, "v_scale")
+    ok = value_rules.run_checks(
         _paged_rules,
         dict(**metadata_values(metadata), k_scale=k_scale, v_scale=v_scale),
         check,
@@ -252,14 +252,14 @@ def _check_paged_attention(
 def _safe_scales(ok, k_scale, v_scale) -> dict:
     """Inside `checked`: scales as traced f32 scalars, 1.0 where the step was refused."""
     return {
-        name: jnp.where(ok, checks.scale_array(s, name), jnp.float32(1.0))
+        name: jnp.where(ok, shape_rules.scale_array(s, name), jnp.float32(1.0))
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale))
     }
 
 
 def _paged_rules(xp, *, k_scale, v_scale, **ragged):
-    yield from checking.ragged_rules(xp, **ragged)
-    yield from checking.scale_rules(xp, k_scale=k_scale, v_scale=v_scale)
+    yield from value_rules.ragged_rules(xp, **ragged)
+    yield from value_rules.scale_rules(xp, k_scale=k_scale, v_scale=v_scale)
 
 
 def _check_paged_decode(
@@ -276,13 +276,13 @@ def _check_paged_decode(
 ):
     args = (value_cache, block_tables, seq_lens)
     kwargs = dict(k_scale=k_scale, v_scale=v_scale, **rest)
-    if not checking.wanted(check):
+    if not value_rules.wanted(check):
         return args, kwargs
-    checks.check_query_and_cache(query, key_cache, value_cache, query_axis="num_seqs")
-    checks.check_decode_arrays(block_tables, seq_lens, query.shape[0])
-    checks.check_scale(k_scale, "k_scale")
-    checks.check_scale(v_scale, "v_scale")
-    ok = checking.run_checks(
+    shape_rules.check_query_and_cache(query, key_cache, value_cache, query_axis="num_seqs")
+    shape_rules.check_decode_arrays(block_tables, seq_lens, query.shape[0])
+    shape_rules.check_scale(k_scale, "k_scale")
+    shape_rules.check_scale(v_scale, "v_scale")
+    ok = value_rules.run_checks(
         _decode_rules,
         dict(block_tables=block_tables, seq_lens=seq_lens, k_scale=k_scale, v_scale=v_scale),
         check,
@@ -297,8 +297,8 @@ def _check_paged_decode(
 
 
 def _decode_rules(xp, *, k_scale, v_scale, **tables):
-    yield from checking.table_rules(xp, **tables)
-    yield from checking.scale_rules(xp, k_scale=k_scale, v_scale=v_scale)
+    yield from value_rules.table_rules(xp, **tables)
+    yield from value_rules.scale_rules(xp, k_scale=k_scale, v_scale=v_scale)
 
 
 def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:
@@ -308,7 +308,7 @@ def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:
         return impl, None  # one compiled version whatever `interpret` says
     interpret = array_platform(query) != "gpu" if interpret is None else interpret
     if not interpret:
-        problem = checks.native_dtype_problem(
+        problem = shape_rules.native_dtype_problem(
             key_cache.dtype, compute_capability(array_device(query))
         )
         if problem is not None:
@@ -354,7 +354,7 @@ def paged_attention(
     `check` (keyword of the entry, default `jax_attn.config.check`, on): when the metadata
     and scales are concrete, the rules of `validate` plus finite positive scales are checked
     before anything runs, raising `ValueError`; under `jit` they are checked only inside
-    `jax_attn.checked` (checkify). See `jax_attn.checking`.
+    `jax_attn.checked` (checkify). See `jax_attn.value_rules`.
     """
     bias = dict(
         alibi_slopes=alibi_slopes,
@@ -363,8 +363,8 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    checks.check_attention_args(query, key_cache, value_cache, query_axis="num_tokens", **bias)
-    checks.check_metadata(metadata, query.shape[0])
+    shape_rules.check_attention_args(query, key_cache, value_cache, query_axis="num_tokens", **bias)
+    shape_rules.check_metadata(metadata, query.shape[0])
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     bias["causal"] = causal
     md = metadata
@@ -420,8 +420,8 @@ def paged_decode(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    checks.check_attention_args(query, key_cache, value_cache, query_axis="num_seqs", **bias)
-    checks.check_decode_arrays(block_tables, seq_lens, query.shape[0])
+    shape_rules.check_attention_args(query, key_cache, value_cache, query_axis="num_seqs", **bias)
+    shape_rules.check_decode_arrays(block_tables, seq_lens, query.shape[0])
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (query, key_cache, value_cache, block_tables, seq_lens)
     if impl == "reference":

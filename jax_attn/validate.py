@@ -2,19 +2,19 @@
 
 Shape and dtype problems raise when a function is traced; the values inside the metadata can
 only be checked on concrete arrays. A bad block id would otherwise be clamped silently by JAX's
-gather and read another sequence's keys. The rules live in `checking.py` (one table, shared
+gather and read another sequence's keys. The rules live in `value_rules.py` (one table, shared
 with the checks every entry runs by default and with `checked`'s checkify path).
 """
 
 import numpy as np
 
-from jax_attn import checking
-from jax_attn.checks import check_metadata_type, check_same_shape
+from jax_attn import value_rules
 from jax_attn.metadata import RaggedMetadata
+from jax_attn.shape_rules import check_metadata_type, check_same_shape
 
 
 def metadata_values(metadata: RaggedMetadata) -> dict:
-    """The metadata's arrays, by the names `checking.ragged_rules` takes."""
+    """The metadata's arrays, by the names `value_rules.ragged_rules` takes."""
     return dict(
         query_start_loc=metadata.query_start_loc,
         seq_lens=metadata.seq_lens,
@@ -33,14 +33,14 @@ def validate(query, key_cache, value_cache, metadata: RaggedMetadata) -> None:
     `slot_mapping` is -1 (padding) or inside the cache, and no slot appears twice.
 
     `paged_attention` runs these checks itself whenever its arguments are concrete (see
-    `jax_attn.checking`); calling `validate` is for code that wants them earlier.
+    `jax_attn.value_rules`); calling `validate` is for code that wants them earlier.
     """
     check_metadata_type(metadata)
     check_same_shape(value_cache, key_cache)
     num_blocks, block_size = np.shape(key_cache)[:2]
     values = {k: np.asarray(v, np.int64) for k, v in metadata_values(metadata).items()}
-    checking.enforce(
-        checking.ragged_rules(
+    value_rules.enforce(
+        value_rules.ragged_rules(
             np,
             **values,
             num_tokens=int(np.shape(query)[0]),

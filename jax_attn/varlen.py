@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jax_attn import _online_softmax as online_softmax
-from jax_attn import checking
-from jax_attn.checks import check_bias_args
+from jax_attn import value_rules
+from jax_attn.shape_rules import check_bias_args
 from jax_attn.xla_paged import key_range, num_chunks, tile_queries
 
 KV_CHUNK_TOKENS = 128
@@ -45,9 +45,9 @@ def varlen_attention(
     each starts at 0, never decreases and ends within its tokens; under `jit` only inside
     `jax_attn.checked`.
     """
-    if checking.wanted(check):
+    if value_rules.wanted(check):
         _check_shapes(query, key, value, cu_seqlens_q, cu_seqlens_k)
-        checking.run_checks(
+        value_rules.run_checks(
             _cu_rules,
             dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k),
             check,
@@ -69,10 +69,10 @@ def varlen_attention(
 
 
 def _cu_rules(xp, *, cu_seqlens_q, cu_seqlens_k, q_tokens: int, kv_tokens: int):
-    yield from checking.cu_seqlens_rules(
+    yield from value_rules.cu_seqlens_rules(
         xp, cu_seqlens=cu_seqlens_q, num_tokens=q_tokens, name="cu_seqlens_q"
     )
-    yield from checking.cu_seqlens_rules(
+    yield from value_rules.cu_seqlens_rules(
         xp, cu_seqlens=cu_seqlens_k, num_tokens=kv_tokens, name="cu_seqlens_k"
     )
 

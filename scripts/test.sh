@@ -13,7 +13,10 @@ paths=(tests)
 if compgen -G "notebooks/*.ipynb" >/dev/null; then
     paths+=(--nbmake notebooks)
 fi
-JAX_ATTN_ENV=main bash scripts/run.sh python -m pytest -n 2 --dist loadgroup "${paths[@]}" "$@"
+# JAX_ATTN_REQUIRE_NATIVE=1: fail unless the native CPU kernels (the default on CPU) build here,
+# and fail if any test skipped for want of them (tests/conftest.py).
+JAX_ATTN_REQUIRE_NATIVE=1 JAX_ATTN_ENV=main bash scripts/run.sh \
+    python -m pytest -n 2 --dist loadgroup "${paths[@]}" "$@"
 
 echo "== IPEX environment (torch 2.8 + IPEX 2.8): tests marked ipex"
 set +e

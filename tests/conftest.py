@@ -9,11 +9,16 @@
   the session fails unless IPEX imports, at least one `ipex` test passed and none skipped;
   in any environment, a test skipped for want of IPEX that is not marked `ipex` (so the IPEX
   half would never run it) fails the session.
+- The native CPU kernels are never skipped quietly either: with JAX_ATTN_REQUIRE_NATIVE=1
+  (scripts/test.sh's main half) the session fails at once unless the kernels build and
+  register here, and fails at the end if any test skipped for want of them (a skip reason
+  naming the native kernels: "native CPU kernels: ...", "jax-cpu does not run here: ...").
 """
 
 import hashlib
 import os
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -69,6 +74,19 @@ def key(seed):
 
 REQUIRE_IPEX = os.environ.get("JAX_ATTN_REQUIRE_IPEX") == "1"
 _ipex_runs = {"passed": 0, "skipped": [], "unmarked": []}
+REQUIRE_NATIVE = os.environ.get("JAX_ATTN_REQUIRE_NATIVE") == "1"
+# Skip reasons that mean "the native CPU kernels are not here".
+NATIVE_SKIP = re.compile(r"native CPU kernels|jax-cpu does not run here|jax_attn\.cpu kernels")
+_native_skips: list[str] = []
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the native CPU kernels cannot run here (None: they build and register)."""
+    try:
+        from jax_attn import cpu
+    except Exception as e:  # no JAX in this environment
+        return f"jax_attn.cpu does not import: {e}"
+    return cpu.unavailable_reason()
 
 
 def pytest_sessionstart(session):
@@ -77,12 +95,19 @@ def pytest_sessionstart(session):
             import intel_extension_for_pytorch  # noqa: F401
         except Exception as e:
             pytest.exit(f"JAX_ATTN_REQUIRE_IPEX=1 but IPEX does not import: {e}", returncode=1)
+    if REQUIRE_NATIVE and (reason := native_unavailable_reason()) is not None:
+        pytest.exit(
+            f"JAX_ATTN_REQUIRE_NATIVE=1 but the native CPU kernels are not available: {reason}",
+            returncode=1,
+        )
 
 
 def pytest_runtest_logreport(report):
     marked = "ipex" in report.keywords
     if report.skipped:
         reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+        if NATIVE_SKIP.search(reason) and "xfail" not in report.keywords:
+            _native_skips.append(f"{report.nodeid}: {reason}")
         if marked:
             _ipex_runs["skipped"].append(f"{report.nodeid}: {reason}")
         elif "ipex" in reason.lower() and "xfail" not in report.keywords:
@@ -102,9 +127,11 @@ def pytest_sessionfinish(session, exitstatus):
         problems += [
             f"`ipex` test skipped in the IPEX environment: {n}" for n in _ipex_runs["skipped"]
         ]
+    if REQUIRE_NATIVE:
+        problems += [f"skipped for want of the native CPU kernels: {n}" for n in _native_skips]
     if problems:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         for line in problems:
             if reporter is not None:
-                reporter.write_line(f"IPEX AUDIT: {line}", red=True)
+                reporter.write_line(f"SKIP AUDIT: {line}", red=True)
         session.exitstatus = 1

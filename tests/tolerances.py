@@ -1,6 +1,22 @@
 """The tests' handle on the one tolerance table, which ships in `interop.tolerances` (the
 cross-check harness and the bench use the same one): `from tolerances import assert_close`."""
 
-from interop.tolerances import TOLERANCES, assert_close, dtype_name, max_error, tolerance
+from interop.tolerances import (
+    TOLERANCES,
+    assert_close,
+    dtype_name,
+    error_bound,
+    max_error,
+    tolerance,
+    within,
+)
 
-__all__ = ["TOLERANCES", "assert_close", "dtype_name", "max_error", "tolerance"]
+__all__ = [
+    "TOLERANCES",
+    "assert_close",
+    "dtype_name",
+    "error_bound",
+    "max_error",
+    "tolerance",
+    "within",
+]

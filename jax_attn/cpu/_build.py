@@ -160,7 +160,7 @@ def build(verbose: bool = False) -> tuple[Path, float]:
 
 def _run_tool(cmd: list[str], cxx: str) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"build failed ({Path(cxx).name}): {e}") from e
 

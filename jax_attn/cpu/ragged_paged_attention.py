@@ -116,10 +116,12 @@ def ragged_paged_attention(
     (past `query_start_loc[num_seqs]`) are zeros, and so are rows whose keys are all masked.
     Caches may be float32/bfloat16/float16 or fp8 (`float8_e4m3fn`, `float8_e5m2`, read times
     `k_scale` / `v_scale`, which may be traced scalars). Bad metadata (block ids outside the
-    cache, `seq_lens` beyond the block table or below the query length, a decreasing
-    `query_start_loc`) raises an XlaRuntimeError naming the argument; nothing out of bounds is
-    read. Tested against `jax_attn.reference.paged_attention`. Not differentiable (raises
-    naming `jax_attn.varlen_attention`); `vmap` runs the calls one after another.
+    cache, `seq_lens` beyond the block table or below the query length, a `query_start_loc`
+    that decreases or leaves [0, num_tokens], `num_seqs` outside [0, rows]) raises an
+    XlaRuntimeError naming the argument, under `jit` too: the kernel checks every index before
+    it reads the cache or writes the output (issue 22). Tested against
+    `jax_attn.reference.paged_attention`. Not differentiable (raises naming
+    `jax_attn.varlen_attention`); `vmap` runs the calls one after another.
     """
     _ffi.require_native()
     _check_shapes(

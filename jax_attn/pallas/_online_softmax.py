@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_attn.checks import FP8_DTYPES, MIN_DOT
+from jax_attn.shape_rules import FP8_DTYPES, MIN_DOT
 
 # A finite "minus infinity": masked logits and the running max of an empty row. With a finite
 # value `m_prev - m_next` is never `-inf - -inf`, so an all-masked block gives no NaN.

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_attn import checks
+from jax_attn import shape_rules
 
 # Registers a thread may use on every NVIDIA GPU since Kepler: a kernel at this many is at
 # the ceiling, where ptxas spills instead of growing.
@@ -388,11 +388,11 @@ GRID_DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 
 def default_grid(target: GpuTarget) -> list[KernelConfig]:
     """The covering grid for `target`; e4m3 caches are left out where the dispatch refuses
-    them (`checks.native_dtype_problem`: before sm_89; the tests check that refusal)."""
+    them (`shape_rules.native_dtype_problem`: before sm_89; the tests check that refusal)."""
     configs = []
     for kernel in ("decode", "ragged"):
         for d, dtype in enumerate(GRID_DTYPES):
-            if checks.native_dtype_problem(dtype, target.compute_capability):
+            if shape_rules.native_dtype_problem(dtype, target.compute_capability):
                 continue
             for s, (head_size, block_size, group) in enumerate(_SHAPES):
                 features = _FEATURES[(d + s) % len(_FEATURES)]

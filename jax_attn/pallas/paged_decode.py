@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int32
 
-from jax_attn import checks
+from jax_attn import shape_rules
 from jax_attn._online_softmax import output_struct
 from jax_attn.pallas import _online_softmax as softmax
 
@@ -202,7 +202,7 @@ def _paged_decode_pallas(
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    group_pad = max(checks.MIN_DOT, softmax.next_pow2(group))
+    group_pad = max(shape_rules.MIN_DOT, softmax.next_pow2(group))
     dtype = softmax.compute_dtype(query.dtype, key_cache.dtype)
 
     # [S, Hq, D] -> [S, Hkv, G, D] -> [S, Hkv, G_pad, D]
@@ -308,7 +308,7 @@ def paged_decode(
     sequence and kv head) default to a heuristic. On GPU, `block_size` and `head_size` must be
     powers of two; `interpret=True` runs the same kernel on CPU with no such limit.
     """
-    checks.check_kernel_args(
+    shape_rules.check_kernel_args(
         query,
         key_cache,
         value_cache,
@@ -320,11 +320,11 @@ def paged_decode(
     )
     num_seqs = query.shape[0]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    checks.check_decode_arrays(block_tables, seq_lens, num_seqs, int32_only=True)
-    checks.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
-    checks.check_positive_int(num_kv_splits, "num_kv_splits")
+    shape_rules.check_decode_arrays(block_tables, seq_lens, num_seqs, int32_only=True)
+    shape_rules.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
+    shape_rules.check_positive_int(num_kv_splits, "num_kv_splits")
     if not interpret:
-        checks.check_native_tile(
+        shape_rules.check_native_tile(
             pages_per_compute_block, "pages_per_compute_block", width=block_size
         )
     if num_seqs == 0:  # an empty batch: a grid of no programs
@@ -343,7 +343,7 @@ def paged_decode(
     if num_kv_splits is None:
         num_compute_blocks = pl.cdiv(max_blocks * block_size, block_k)
         num_kv_splits = _default_num_kv_splits(num_seqs, num_kv_heads, num_compute_blocks)
-    logit_scale = jnp.float32(scale) * checks.scale_array(k_scale, "k_scale")
+    logit_scale = jnp.float32(scale) * shape_rules.scale_array(k_scale, "k_scale")
     return _paged_decode_pallas(
         query,
         key_cache,
@@ -352,7 +352,7 @@ def paged_decode(
         seq_lens,
         alibi_slopes,
         logit_scale,
-        checks.scale_array(v_scale, "v_scale"),
+        shape_rules.scale_array(v_scale, "v_scale"),
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         block_k=block_k,
@@ -381,8 +381,8 @@ def paged_decode_reference(
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size
-    k_scale = checks.scale_array(k_scale, "k_scale")
-    v_scale = checks.scale_array(v_scale, "v_scale")
+    k_scale = shape_rules.scale_array(k_scale, "k_scale")
+    v_scale = shape_rules.scale_array(v_scale, "v_scale")
 
     tables = jnp.clip(block_tables, 0, num_blocks - 1)
     # [NB, BS, Hkv, D][S, MB] -> [S, MB, BS, Hkv, D] -> [S, L, Hkv, D]

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int32
 
-from jax_attn import checks
+from jax_attn import shape_rules
 from jax_attn._online_softmax import output_struct
 from jax_attn.metadata import sequence_of
 from jax_attn.pallas import _online_softmax as softmax
@@ -328,7 +328,7 @@ def _max_rows(head_size: int, dtype) -> int:
 def _default_block_q(group_pad: int, head_size: int, dtype) -> int:
     rows = _max_rows(head_size, dtype)
     # At least 16 rows per program: Triton's dot needs them.
-    return max(1, rows // group_pad, pl.cdiv(checks.MIN_DOT, group_pad))
+    return max(1, rows // group_pad, pl.cdiv(shape_rules.MIN_DOT, group_pad))
 
 
 @functools.partial(
@@ -376,7 +376,7 @@ def ragged_paged_attention(
     default to a heuristic. On GPU `block_size` and `head_size` must be powers of two;
     `interpret=True` runs the same kernel on CPU with no such limit.
     """
-    checks.check_kernel_args(
+    shape_rules.check_kernel_args(
         query,
         key_cache,
         value_cache,
@@ -388,13 +388,15 @@ def ragged_paged_attention(
     )
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    checks.check_ragged_arrays(query_start_loc, seq_lens, block_tables, num_seqs, int32_only=True)
-    checks.check_positive_int(block_q, "block_q")
-    checks.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
+    shape_rules.check_ragged_arrays(
+        query_start_loc, seq_lens, block_tables, num_seqs, int32_only=True
+    )
+    shape_rules.check_positive_int(block_q, "block_q")
+    shape_rules.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
     group_pad = softmax.next_pow2(num_heads // num_kv_heads)
     if not interpret:
-        checks.check_native_tile(block_q, "block_q", width=group_pad, width_name="group_pad")
-        checks.check_native_tile(
+        shape_rules.check_native_tile(block_q, "block_q", width=group_pad, width_name="group_pad")
+        shape_rules.check_native_tile(
             pages_per_compute_block, "pages_per_compute_block", width=block_size
         )
     dtype = softmax.compute_dtype(query.dtype, key_cache.dtype)
@@ -410,8 +412,8 @@ def ragged_paged_attention(
         )
     else:
         block_k = pages_per_compute_block * block_size
-    k_scale = checks.scale_array(k_scale, "k_scale")
-    scales = jnp.stack([jnp.float32(scale) * k_scale, checks.scale_array(v_scale, "v_scale")])
+    k_scale = shape_rules.scale_array(k_scale, "k_scale")
+    scales = jnp.stack([jnp.float32(scale) * k_scale, shape_rules.scale_array(v_scale, "v_scale")])
     return _ragged_pallas(
         query,
         key_cache,
@@ -457,8 +459,8 @@ def ragged_paged_attention_reference(
     max_seqs, max_blocks = block_tables.shape
     group = num_heads // num_kv_heads
     max_len = max_blocks * block_size
-    k_scale = checks.scale_array(k_scale, "k_scale")
-    v_scale = checks.scale_array(v_scale, "v_scale")
+    k_scale = shape_rules.scale_array(k_scale, "k_scale")
+    v_scale = shape_rules.scale_array(v_scale, "v_scale")
 
     # Each token's sequence; tokens past query_start_loc[num_seqs] are padding.
     token = jnp.arange(num_tokens, dtype=jnp.int32)

@@ -61,7 +61,7 @@ def test_fma_peak_is_measured_and_each_row_is_set_against_it(record):
         assert peak == dict(
             status="unavailable", note=f"native CPU kernels: {cpu.unavailable_reason()}"
         )
-        return
+        pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")  # a skip, not a pass
     assert peak["status"] == "ok" and peak["gflop_s"] > 0 and peak["one_thread_gflop_s"] > 0
     for result in record["workloads"].values():
         for row in result["backends"].values():

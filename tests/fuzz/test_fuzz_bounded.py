@@ -1,14 +1,20 @@
 """The bounded slice of the fuzzer (issue 12 item 5): a fixed number of derandomized
 hypothesis examples per backend that runs here, each against the float64 oracle with the
-tolerance table. `jax-attn fuzz --minutes N` runs the same strategies for longer."""
+tolerance table. `jax-attn fuzz --minutes N` runs the same strategies for longer.
+
+Only examples a backend really ran count (issue 22): an example it does not take (a
+documented limitation, "n/a") is rejected with `assume`, so hypothesis draws another, and the
+slice fails unless BUDGET[name] examples really ran. The n/a ones are reported beside them
+(`-rP` / the junit properties), never counted as passes."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 
 from interop import fuzz
 
-# Examples per backend: compile time dominates (a new shape is a new XLA program), so the
-# slice stays near a minute in the main environment.
+# Examples per backend that must really run (n/a ones do not count): compile time dominates
+# (a new shape is a new XLA program), so the slice stays near a minute in the main
+# environment.
 BUDGET = {
     "jax-xla": 4,
     "jax-reference": 5,
@@ -32,8 +38,10 @@ def _available(name: str):
     "name",
     [pytest.param(n, marks=pytest.mark.ipex) if n == "IPEX" else n for n in BUDGET],
 )
-def test_fuzz_slice(name):
+def test_fuzz_slice(name, record_property):
     _available(name)
+    counts = {"ran": 0, "n/a": 0}
+    not_applicable: list[str] = []
 
     @settings(
         max_examples=BUDGET[name],
@@ -45,9 +53,24 @@ def test_fuzz_slice(name):
     @given(fuzz.examples(name))
     def body(example):
         cell = fuzz.check_example(name, example)
+        if fuzz.not_applicable(cell):
+            counts["n/a"] += 1
+            not_applicable.append(cell.note)
+            assume(False)  # not a pass: hypothesis draws another example instead
+        counts["ran"] += 1
         assert cell.ok, f"{cell}\n{fuzz.pytest_source(name, example, cell)}"
 
     body()
+    record_property("fuzz_examples_ran", counts["ran"])
+    record_property("fuzz_examples_not_applicable", counts["n/a"])
+    print(f"{name}: {counts['ran']} examples ran, {counts['n/a']} n/a")
+    for note in sorted(set(not_applicable)):
+        print(f"  {note}")
+    # Shrinking may rerun a failing example; a passing run ran each real example once.
+    assert counts["ran"] >= BUDGET[name], (
+        f"{name}: only {counts['ran']} of the {BUDGET[name]} examples really ran "
+        f"({counts['n/a']} n/a): {sorted(set(not_applicable))[:5]}"
+    )
 
 
 def test_counterexample_source_runs():
@@ -266,4 +289,5 @@ def test_fuzz_regression(case):
     _available(backend)
     example = fuzz.Example(spec=fuzz.Spec(name="fuzz", **fields), seed=seed)
     cell = fuzz.check_example(backend, example)
+    assert not fuzz.not_applicable(cell), cell  # a kept counterexample must really run
     assert cell.ok, cell

@@ -296,13 +296,18 @@ before computing or writing anything | `ValueError` |
 thrown after the call | `JaxRuntimeError` (same text + `` (`check` failed)``) |
 | traced, in a plain `jax.jit` / `vmap` | nothing (shape and dtype errors still \
 raise while tracing) | none |
+| traced, `impl="cpu"` (the native kernels, the default on CPU) | the FFI handlers \
+themselves, every index before any read or write, under `jit`, `vmap` and `shard_map` | \
+`XlaRuntimeError` (`INVALID_ARGUMENT: ...` naming the argument) |
 
-The rules are written once (`jax_attn/checking.py`) against an array module, NumPy eagerly
+The rules are written once (`jax_attn/value_rules.py`) against an array module, NumPy eagerly
 and `jax.numpy` under checkify, so the messages are the same text. Off switches: `check=False`
 on a call, `jax_attn.config.check = False`, or `JAX_ATTN_CHECK=0` in the environment.
 Unchecked (`check=False`, or a plain `jit`), out-of-range block pairs are dropped (never
 wrapped), negative slots write nothing and slots past the cache are dropped; attention over
-out-of-range block ids reads clamped blocks (wrong numbers, no error: check the metadata).
+out-of-range block ids reads clamped blocks on the XLA and Pallas paths (wrong numbers, no
+error: check the metadata); the native CPU kernels refuse them (`seq_lens`, `query_start_loc`,
+`num_seqs`, block ids, element counts: issue 22, fuzzed by `jax-attn fuzz --bad-metadata`).
 Inside `checked`, a refused `write_kv` / `copy_blocks` writes nothing, so donated caches come
 back unchanged in the error's `outputs`.
 
@@ -379,6 +384,22 @@ the fuzzer and fixed: the torch cross-check runner gave the builder one decoder 
 cross-attention query longer than a block. Found while testing the checks and fixed: inside
 `checked`, the native CPU kernel's own INVALID_ARGUMENT preempted checkify's message (a refused
 step's metadata is now emptied).
+
+Bad metadata into the native CPU kernels under `jit` (`jax-attn fuzz --bad-metadata`, issue 22;
+garbage `query_start_loc`, `num_seqs`, `seq_lens`, block ids, int32 extremes, NaN/Inf/0/negative
+scales, NaN slopes; each verdict predicted and checked, good draws compared with `impl="xla"`),
+2026-11-25, ASan + UBSan builds, on this 2-core VM under a load of 7-10 from other jobs:
+
+| kernel | build | minutes | examples | refused (named) | ran (matched xla) | failures |
+|---|---|---|---|---|---|---|
+| ragged | native (AVX-512) | 30.0 | 409796 | 206074 | 203722 (146193) | none |
+| decode | native (AVX-512) | 30.0 | 410134 | 177372 | 232762 (122207) | none |
+| ragged | portable (x86-64-v3) | 15.0 | 278483 | 140397 | 138086 (99001) | none |
+| decode | portable (x86-64-v3) | 15.0 | 329397 | 142366 | 187031 (98296) | none |
+
+Before the fix the same fuzzer killed the ragged kernel's process (SIGSEGV) within its first
+200 examples: with `num_seqs = 0` nothing bounded `query_start_loc[0]`, which the handler used
+to zero the padding rows. Both handlers now check every index and element count first.
 
 Determinism (tests/jax/test_reliability_determinism.py): xla, reference, pallas (interpret)
 and cpu give bit-identical outputs across calls and between eager and jitted calls, as do

@@ -349,7 +349,9 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         try:
             if case.get("needs_cpu") and (why := cpu_unavailable()):
-                result = dict(skipped=why, ok=True)
+                # A skip, never an ok: the parent reports it as skipped (and the test command,
+                # which requires the native kernels, fails on it).
+                result = dict(skipped=f"native CPU kernels: {why}", ok=False)
             elif case.get("refusal"):
                 result = run_refusal(case, seed)
             elif case.get("gspmd"):

@@ -174,14 +174,14 @@ def test_scales_must_be_scalars():
 
 
 def test_kernel_dtypes():
-    from jax_attn import checks
+    from jax_attn import shape_rules
 
-    checks.check_kernel_dtypes(jnp.bfloat16, jnp.float8_e4m3fn)
+    shape_rules.check_kernel_dtypes(jnp.bfloat16, jnp.float8_e4m3fn)
     with pytest.raises(
         TypeError, match=r"query\.dtype=float64 must be float32, bfloat16 or float16"
     ):
-        checks.check_kernel_dtypes(jnp.float64, jnp.float32)
+        shape_rules.check_kernel_dtypes(jnp.float64, jnp.float32)
     with pytest.raises(
         TypeError, match=r"key_cache\.dtype=float64 must be float32, bfloat16, float16"
     ):
-        checks.check_kernel_dtypes(jnp.float32, jnp.float64)
+        shape_rules.check_kernel_dtypes(jnp.float32, jnp.float64)

@@ -117,59 +117,75 @@ def test_shape_problem():
     )
 
 
+# What the sanitizer builds run: slices of both kernels' correctness tests (odd block and head
+# sizes, windows, fp8 and bf16, the multi-head decode items, split-K), every bad-metadata test
+# (the issue's repro, the handlers' element counts, the bounded bad-metadata fuzz slice) and
+# the FMA-peak loop.
+SANITIZED_TESTS = (
+    ("test_cpu_decode.py", "block_size or window or split or head_size or bad_block or float8"
+     " or bfloat16"),
+    ("test_cpu_ragged.py", "block_size or window or head_size or float8 or bfloat16 or decodes"
+     " or causal or bad or num_seqs or vmap"),
+    ("test_cpu_bad_metadata.py", None),
+    ("test_cpu_fma_peak.py", "every_fma"),
+)  # fmt: skip
+
+
+def _pytest_in_child(env: dict, tests) -> subprocess.CompletedProcess:
+    """`tests` ((file, -k expression or None), ...) in one child pytest run, one file at a time
+    so each keeps its own -k; returns the last failing run or the last run."""
+    last = None
+    for name, keyword in tests:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+               "-p", "no:xdist",
+               "-rs",  # a failed build shows as skips: print their reason
+               "-s",  # the sanitizer's report goes to fd 2: keep it out of pytest's capture
+               str(REPO / "tests" / "jax" / name)]  # fmt: skip
+        if keyword:
+            cmd += ["-k", keyword]
+        last = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=2400)
+        tail = last.stdout.strip().splitlines()[-1] if last.stdout.strip() else ""
+        if last.returncode != 0 or " passed" not in tail or "skipped" in tail:
+            return last
+    return last
+
+
 @pytest.mark.slow
-def test_sanitizer_build_runs_a_small_grid():
-    """ASan + UBSan build of the kernels (the native AVX-512 one and the portable one), each
-    running a slice of test_cpu_decode and the FMA-peak loop in a subprocess: any
-    out-of-bounds read or undefined behaviour aborts it. Two builds of ~1.5 min each (cached
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_sanitizer_build_runs_both_kernels(portable):
+    """ASan + UBSan build of the kernels (the native AVX-512 one, and the portable one:
+    -march=x86-64-v3, 8-wide vectors), running SANITIZED_TESTS in a child process: any
+    out-of-bounds access or undefined behaviour aborts it. A build of ~1.5-3 min each (cached
     across runs)."""
     if cpu.unavailable_reason() is not None:
         pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
-    cxx = _build.find_compiler()
-    runtime = {}
-    for lib in ("libasan.so", "libstdc++.so.6"):
-        path = subprocess.run(
-            [cxx, f"-print-file-name={lib}"], capture_output=True, text=True
-        ).stdout.strip()
-        if not os.path.isabs(path):
-            pytest.skip(f"{cxx} has no {lib} (needed for the sanitizer build)")
-        runtime[lib] = path
-    # -Werror too: the kernels build warning-free, natively and portably.
-    sanitize = (
-        "-fsanitize=address,undefined -fno-sanitize-recover=all -DJAX_ATTN_CPU_FEW_HEAD_SIZES"
-        " -Werror"
-    )
-    for extra in (sanitize, f"-march=x86-64-v3 {sanitize}"):
-        env = {
-            **os.environ,
-            "JAX_ATTN_CPU_EXTRA_FLAGS": extra,
-            # libstdc++ too: without it ASan cannot intercept __cxa_throw in a Python process
-            # and aborts at the first C++ exception, before any test runs.
-            "LD_PRELOAD": f"{runtime['libasan.so']} {runtime['libstdc++.so.6']}",
-            "ASAN_OPTIONS": "detect_leaks=0",
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        }
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-x",
-                "-rs",  # a failed build shows as skips: print their reason
-                "-s",  # the sanitizer's report goes to fd 2: keep it out of pytest's capture
-                "-p",
-                "no:cacheprovider",
-                str(REPO / "tests" / "jax" / "test_cpu_decode.py"),
-                str(REPO / "tests" / "jax" / "test_cpu_fma_peak.py"),
-                "-k",
-                "block_size or window or split or head_size or bad_block or float8 or bfloat16"
-                " or every_fma",
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=1800,
-        )
-        assert result.returncode == 0, (extra, result.stdout[-3000:], result.stderr[-3000:])
-        assert " passed" in result.stdout and "skipped" not in result.stdout.split("\n")[-2]
+    from interop import bad_metadata
+
+    try:  # (the sanitizer flags include -Werror: the kernels build warning-free)
+        env = bad_metadata.sanitizer_env(bad_metadata.PORTABLE_FLAGS if portable else "")
+    except RuntimeError as e:
+        pytest.skip(f"native CPU kernels: {e}")
+    result = _pytest_in_child(env, SANITIZED_TESTS)
+    tail = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, (env["JAX_ATTN_CPU_EXTRA_FLAGS"], result.stdout[-3000:],
+                                    result.stderr[-3000:])  # fmt: skip
+    assert " passed" in tail and "skipped" not in tail, result.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_portable_build_runs_the_correctness_tests():
+    """The portable kernels (-march=x86-64-v3: no AVX-512, the ragged kernel's 8-wide GCC
+    vectors and the decode kernel's scalar path) through both kernels' whole correctness files
+    and the bad-metadata tests, without sanitizers (full speed, every case)."""
+    if cpu.unavailable_reason() is not None:
+        pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
+    env = {
+        **os.environ,
+        "JAX_ATTN_CPU_EXTRA_FLAGS": "-march=x86-64-v3 -Werror",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    files = ("test_cpu_ragged.py", "test_cpu_decode.py", "test_cpu_bad_metadata.py")
+    result = _pytest_in_child(env, [(name, None) for name in files])
+    tail = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    assert " passed" in tail and "skipped" not in tail, result.stdout[-3000:]

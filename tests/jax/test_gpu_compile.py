@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_attn import checks, paged
+from jax_attn import paged, shape_rules
 from jax_attn.pallas import gpu_compile
 
 REASON = gpu_compile.unavailable_reason()
@@ -76,7 +76,7 @@ def test_grid_covers_the_issue():
     ],
 )
 def test_native_dtype_problem(capability, dtype, refused):
-    problem = checks.native_dtype_problem(jnp.dtype(dtype), capability)
+    problem = shape_rules.native_dtype_problem(jnp.dtype(dtype), capability)
     assert (problem is not None) == refused
     if refused:
         assert "float8_e4m3fn needs compute capability >= 8.9" in problem

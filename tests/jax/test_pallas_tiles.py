@@ -19,7 +19,6 @@ from test_pallas_ragged import Case as RaggedCase
 from test_pallas_ragged import case_ragged_oracle, make_ragged_batch
 from tolerances import assert_close
 
-from jax_attn.checks import MIN_DOT
 from jax_attn.pallas import _online_softmax as softmax
 from jax_attn.pallas import (
     paged_decode,
@@ -29,6 +28,7 @@ from jax_attn.pallas import (
 )
 from jax_attn.pallas.paged_decode import _split_block_range
 from jax_attn.pallas.ragged_paged_attention import _key_block_range
+from jax_attn.shape_rules import MIN_DOT
 
 pytestmark = pytest.mark.pallas
 

@@ -11,7 +11,7 @@ import pytest
 import reliability_jax as rj
 
 import jax_attn
-from jax_attn import checking
+from jax_attn import value_rules
 
 CASE_IDS = [f"{c.entry}-{c.name}" for c in rj.CASES]
 # One worker runs them all: the doc and the per-case tests share the runs (`rj.outcome`).
@@ -133,17 +133,16 @@ def test_rules_agree_between_numpy_and_jnp(rng):
             num_seqs=np.asarray(rng.integers(0, n + 2)),
         )
         static = dict(num_tokens=5, num_blocks=6, block_size=4)
-        eager = _first_broken(checking.ragged_rules(np, **values, **static))
-        traced = _first_broken(
-            checking.ragged_rules(jnp, **{k: jnp.asarray(v) for k, v in values.items()}, **static)
-        )
+        eager = _first_broken(value_rules.ragged_rules(np, **values, **static))
+        traced_values = {k: jnp.asarray(v) for k, v in values.items()}
+        traced = _first_broken(value_rules.ragged_rules(jnp, **traced_values, **static))
         assert eager == traced
 
 
 def _first_broken(violations):
     for bad, template, args in violations:
         if bool(bad):
-            return checking.format_message(template, args)
+            return value_rules.format_message(template, args)
     return None
 
 

@@ -868,6 +868,11 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
                                        " must be divisible by num_kv_heads=" +
                                        std::to_string(p.num_kv_heads));
   }
+  if (p.num_heads < 1 || p.block_size < 1) {
+    return ffi::Error::InvalidArgument("num_heads=" + std::to_string(p.num_heads) +
+                                       " and block_size=" + std::to_string(p.block_size) +
+                                       " must be >= 1");
+  }
   p.group = p.num_heads / p.num_kv_heads;
   const auto td = block_tables.dimensions();
   if (td.size() != 2 || td[0] != p.num_seqs) {
@@ -945,7 +950,9 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
   // Items: each sequence, long ones in parts of whole blocks (split-K) so every worker has
   // several items; rows of empty sequences are zeros right away.
   const int64_t workers = num_workers(pool);
-  int64_t part_keys = split_tokens > 0 ? split_tokens
+  // split_tokens is an attribute (any int64): at most the longest possible sequence, so the
+  // rounding below cannot overflow.
+  int64_t part_keys = split_tokens > 0 ? std::min(split_tokens, p.max_blocks * BS + 1)
                                        : std::max<int64_t>(512, total_keys / (4 * workers) + 1);
   const int64_t part_blocks = std::max<int64_t>(1, (part_keys + BS - 1) / BS);
   std::vector<Item> items;

@@ -639,46 +639,61 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Metadata checks: every index is validated before any cache read.
+// Metadata checks: every index the kernel reads is validated before any read of the caches and
+// before any write of the output. Under jit no eager check runs, so these are the only guard:
+// garbage metadata must come back as an InvalidArgument naming the argument, never as a write
+// past the output or a read outside the cache.
 // ---------------------------------------------------------------------------------------------
 ffi::Error invalid(const std::string& message) { return ffi::Error::InvalidArgument(message); }
 
+std::string str(int64_t x) { return std::to_string(x); }
+
+// num_seqs in [0, S]; query_start_loc[0] in [0, T] and non-decreasing up to
+// query_start_loc[num_seqs] <= T (so every row the kernel zeroes or computes is inside the
+// T query tokens); per real sequence q_len <= seq_len <= max_blocks * block_size and every
+// block id of its first ceil(seq_len / block_size) table entries in [0, num_blocks).
 ffi::Error check_metadata(const int32_t* qsl, const int32_t* seq_lens, const int32_t* tables,
                           int64_t num_seqs, int64_t S, int64_t T, int64_t NB, int64_t BS,
                           int64_t MB) {
   if (num_seqs < 0 || num_seqs > S) {
-    return invalid("num_seqs=" + std::to_string(num_seqs) + " must be in [0, " +
-                   std::to_string(S) + "] (the length of seq_lens)");
+    return invalid("num_seqs=" + str(num_seqs) + " must be in [0, " + str(S) +
+                   "] (the rows of seq_lens and block_tables)");
   }
-  if (qsl[0] < 0) {
-    return invalid("query_start_loc[0]=" + std::to_string(qsl[0]) + " must be >= 0");
+  if (qsl[0] < 0 || qsl[0] > T) {
+    return invalid("query_start_loc[0]=" + str(qsl[0]) + " must be in [0, num_tokens=" +
+                   str(T) + "]");
   }
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t start = qsl[i], end = qsl[i + 1], seq_len = seq_lens[i];
     if (end < start) {
-      return invalid("query_start_loc must be non-decreasing: query_start_loc[" +
-                     std::to_string(i) + "]=" + std::to_string(start) + " > query_start_loc[" +
-                     std::to_string(i + 1) + "]=" + std::to_string(end));
+      return invalid("query_start_loc must be non-decreasing: query_start_loc[" + str(i) +
+                     "]=" + str(start) + " > query_start_loc[" + str(i + 1) + "]=" + str(end));
     }
     if (end > T) {
-      return invalid("query_start_loc[" + std::to_string(i + 1) + "]=" + std::to_string(end) +
-                     " is beyond the " + std::to_string(T) + " query tokens");
+      return invalid("query_start_loc[" + str(i + 1) + "]=" + str(end) + " is beyond the " +
+                     str(T) + " query tokens (num_tokens)");
     }
     if (seq_len < end - start || seq_len > MB * BS) {
-      return invalid("seq_lens[" + std::to_string(i) + "]=" + std::to_string(seq_len) +
-                     " must be in [q_len=" + std::to_string(end - start) +
-                     ", max_blocks * block_size=" + std::to_string(MB * BS) + "]");
+      return invalid("seq_lens[" + str(i) + "]=" + str(seq_len) + " must be in [q_len=" +
+                     str(end - start) + ", max_blocks * block_size=" + str(MB * BS) + "]");
     }
     for (int64_t b = 0; b < (seq_len + BS - 1) / BS; ++b) {
       const int64_t id = tables[i * MB + b];
       if (id < 0 || id >= NB) {
-        return invalid("block_tables[" + std::to_string(i) + ", " + std::to_string(b) +
-                       "]=" + std::to_string(id) + " is not a block id in [0, num_blocks=" +
-                       std::to_string(NB) + ")");
+        return invalid("block_tables[" + str(i) + ", " + str(b) + "]=" + str(id) +
+                       " is not a block id in [0, num_blocks=" + str(NB) + ")");
       }
     }
   }
   return ffi::Error::Success();
+}
+
+bool supported_query(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+bool supported_cache(ffi::DataType t) {
+  return supported_query(t) || t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
 }
 
 template <typename QT, typename CT>
@@ -741,6 +756,8 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
                                     ffi::Buffer<ffi::F32> alibi_slopes,
                                     ffi::Result<ffi::AnyBuffer> out, float scale, int64_t causal,
                                     int64_t sliding_window, float logits_soft_cap) {
+  // Shapes and element counts first: nothing below reads an element of a buffer whose size
+  // was not checked here.
   const auto qd = query.dimensions();
   const auto kd = key_cache.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || !(value_cache.dimensions() == kd)) {
@@ -756,32 +773,60 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
     return invalid("shapes: query [T, Hq, D], caches [NB, BS, Hkv, D] with Hq % Hkv == 0, "
                    "block_tables [S, max_blocks]");
   }
+  if (Hq < 1 || D < 1 || BS < 1) {
+    return invalid("num_heads=" + str(Hq) + ", head_size=" + str(D) + " and block_size=" +
+                   str(BS) + " must all be >= 1");
+  }
   const int64_t S = td[0], MB = td[1];
-  if (seq_lens.element_count() != static_cast<size_t>(S) ||
-      query_start_loc.element_count() != static_cast<size_t>(S + 1)) {
-    return invalid("seq_lens must be [S] and query_start_loc [S + 1] for block_tables [S, _]");
+  if (seq_lens.element_count() != static_cast<size_t>(S)) {
+    return invalid("seq_lens must have num_seqs=" + str(S) + " entries (block_tables rows), got " +
+                   str(static_cast<int64_t>(seq_lens.element_count())));
+  }
+  if (query_start_loc.element_count() != static_cast<size_t>(S + 1)) {
+    return invalid("query_start_loc must have num_seqs + 1=" + str(S + 1) + " entries, got " +
+                   str(static_cast<int64_t>(query_start_loc.element_count())));
+  }
+  if (num_seqs_buf.element_count() != 1) {
+    return invalid("num_seqs must be a scalar (1 element), got " +
+                   str(static_cast<int64_t>(num_seqs_buf.element_count())) + " elements");
+  }
+  if (k_scale.element_count() != 1 || v_scale.element_count() != 1) {
+    return invalid("k_scale and v_scale must be scalars (1 element), got " +
+                   str(static_cast<int64_t>(k_scale.element_count())) + " and " +
+                   str(static_cast<int64_t>(v_scale.element_count())));
   }
   const size_t num_slopes = alibi_slopes.element_count();
   if (num_slopes != 0 && num_slopes != static_cast<size_t>(Hq)) {
-    return invalid("alibi_slopes must have num_heads=" + std::to_string(Hq) + " entries, got " +
-                   std::to_string(num_slopes));
+    return invalid("alibi_slopes must have num_heads=" + str(Hq) + " entries, got " +
+                   str(static_cast<int64_t>(num_slopes)));
   }
+  const ffi::DataType qt = query.element_type();
+  if (!supported_query(qt)) {
+    return invalid(std::string("query dtype ") + dtype_name(qt) +
+                   " is not supported (float32, bfloat16, float16)");
+  }
+  if (!supported_cache(key_cache.element_type())) {
+    return invalid(std::string("key_cache dtype ") + dtype_name(key_cache.element_type()) +
+                   " is not supported (float32, bfloat16, float16, float8_e4m3fn, "
+                   "float8_e5m2)");
+  }
+  if (out->element_type() != qt || !(out->dimensions() == qd)) {
+    return invalid("the output must have the query's shape and dtype");
+  }
+
+  // Values: every index read below, before any read of the caches or write of the output.
   const int64_t num_seqs = num_seqs_buf.typed_data()[0];
   const int32_t* qsl = query_start_loc.typed_data();
   const int32_t* lens = seq_lens.typed_data();
   const int32_t* tables = block_tables.typed_data();
-  if (S == 0) {
-    if (num_seqs != 0) return invalid("num_seqs=" + std::to_string(num_seqs) + " with no rows");
-  } else if (ffi::Error e = check_metadata(qsl, lens, tables, num_seqs, S, T, NB, BS, MB);
-             e.failure()) {
+  if (ffi::Error e = check_metadata(qsl, lens, tables, num_seqs, S, T, NB, BS, MB); e.failure()) {
     return e;
   }
 
   // Rows outside the real sequences (padding tokens) are zeros.
-  const ffi::DataType qt = query.element_type();
   const size_t row_bytes = static_cast<size_t>(Hq * D) * ffi::ByteWidth(qt);
   char* out_bytes = static_cast<char*>(out->untyped_data());
-  const int64_t first = S == 0 ? 0 : qsl[0], last = S == 0 ? 0 : qsl[num_seqs];
+  const int64_t first = qsl[0], last = qsl[num_seqs];  // 0 <= first <= last <= T: checked
   if (first > 0) std::memset(out_bytes, 0, row_bytes * first);
   if (last < T) std::memset(out_bytes + row_bytes * last, 0, row_bytes * (T - last));
 

@@ -1,4 +1,6 @@
-"""Value checks: one table of rules, run eagerly (NumPy) or under `jit` (`checkify`).
+"""Value rules: one table of rules on the values of metadata, slots, pairs and scales, run
+eagerly (NumPy) or under `jit` (`checkify`). Shape and dtype rules, checked while tracing, are
+in `shape_rules.py`; the public eager entry `jax_attn.validate` in `validate.py`.
 
 Every rule below is written once, against an array module `xp` that is NumPy for concrete
 values and `jax.numpy` for traced ones, and *yields* `(bad, template, args)`: a boolean

@@ -1,9 +1,11 @@
-"""Trace-time argument checks shared by every entry point and kernel.
+"""Shape and dtype rules: the trace-time argument checks shared by every entry and kernel.
 
 Everything here looks only at shapes, dtypes and static configuration, so it runs while
 tracing (and on concrete arrays alike) and raises `TypeError` / `ValueError` naming the
-argument, the rule and the value. Value checks (ids in range, lengths consistent) need
-concrete arrays and live in `validate.py`.
+argument, the rule and the value. The rules on values (ids in range, lengths consistent) need
+concrete arrays or checkify and live in `value_rules.py`; `validate.py` holds the public
+`jax_attn.validate`, which runs them eagerly on a metadata. (Issue 22: the three modules were
+`checks.py`, `checking.py` and `validate.py`; now each is named for what it checks.)
 
 The rules that differ on purpose:
 - the core entries take any float query and cache dtype (fp8 included) and any integer dtype
