@@ -1,7 +1,8 @@
 """`jax-attn bench`: the subcommand's arguments and entry, beside the suites it runs.
 
-`interop.cli` (the `jax-attn` entry) adds this parser and calls `run`; nothing else imports
-the benchmarks, and they never import the CLI. Importing this module is cheap: the suites
+Registered as the `bench` subcommand of `jax-attn` through the entry-point group
+`jax_attn.commands` (pyproject.toml): `interop.cli` finds it there, adds this parser and calls
+`run`, and no module imports the benchmarks. Importing this module is cheap: the suites
 (`benchmarks.run` on CPU, `benchmarks.gpu_decode` with `--gpu`,
 `benchmarks.mesh` with `--mesh`) load when the command runs.
 """

@@ -1,7 +1,10 @@
 """The `jax-attn` command: `info`, `check`, `bench`, `fuzz`.
 
-`info` and `check` live here; `bench` lives with the benchmarks (`benchmarks.command`), which
-this module, the command's entry, is the only one to import.
+`info`, `check` and `fuzz` live here. Other subcommands come from installed packages through
+the entry-point group `jax_attn.commands` (a module with `add_parser(subparsers)` and
+`run(args)`), the way the "JAX" torch backend reaches `torch_backends`: this distribution
+registers `bench` there (`benchmarks.command`), so `interop` never imports the benchmarks,
+which sit a floor above it and may import everything.
 """
 
 import argparse
@@ -12,8 +15,6 @@ import platform
 import sys
 
 import numpy as np
-
-from benchmarks import command as bench_command
 
 
 def _version(dist: str) -> str:
@@ -262,6 +263,14 @@ def dataclasses_asdict(cell) -> dict:
     return {"error": cell.error, "ok": cell.ok, "note": cell.note}
 
 
+COMMANDS_GROUP = "jax_attn.commands"
+
+
+def plugin_commands() -> dict:
+    """Subcommand name -> its module, from the installed entry points (`COMMANDS_GROUP`)."""
+    return {ep.name: ep.load() for ep in importlib.metadata.entry_points(group=COMMANDS_GROUP)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jax-attn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -277,7 +286,9 @@ def main(argv=None) -> int:
     check.add_argument("--quick", action="store_true", help="a smaller grid")
     check.add_argument("--backends", help="comma-separated backend names to run")
     check.add_argument("--json", help="also write the results to this JSON file")
-    bench_command.add_parser(sub)
+    plugins = plugin_commands()
+    for plugin in plugins.values():
+        plugin.add_parser(sub)
     fuzz = sub.add_parser(
         "fuzz", help="property-based fuzzing of every backend against the float64 oracle"
     )
@@ -298,8 +309,15 @@ def main(argv=None) -> int:
         action="store_true",
         help="with --bad-metadata: the portable build (-march=x86-64-v3, no AVX-512)",
     )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and "bench" not in plugins:
+        parser.error(
+            "`bench` comes from the installed package's entry points (group "
+            f"{COMMANDS_GROUP!r}): install the project, e.g. pip install -e ."
+        )
     args = parser.parse_args(argv)
-    commands = {"info": cmd_info, "check": cmd_check, "bench": bench_command.run, "fuzz": cmd_fuzz}
+    commands = {"info": cmd_info, "check": cmd_check, "fuzz": cmd_fuzz}
+    commands |= {name: plugin.run for name, plugin in plugins.items()}
     return commands[args.command](args)
 
 
