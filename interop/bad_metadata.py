@@ -89,11 +89,6 @@ class Report:
     mutations: Counter = dataclasses.field(default_factory=Counter)
     failures: list = dataclasses.field(default_factory=list)  # (seed, index, what)
 
-    # The fuzzer's name for its findings; "crashes" reads better in the tests' assertions.
-    @property
-    def crashes(self) -> list:
-        return self.failures
-
     def summary(self) -> str:
         top = ", ".join(f"{k} {v}" for k, v in sorted(self.mutations.items()))
         text = (
