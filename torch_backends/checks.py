@@ -79,7 +79,7 @@ def check_step(
     if writes:
         name = f"attn_metadata.{plan.fields.slot_mapping}"
         positions = _new_key_positions(plan, key.shape[0])
-        _check_slots(
+        kept_slots = _check_slots(
             checks, name, plan.slot_mapping, key.shape[0], num_blocks, block_size, positions
         )
     # A prefill reads from the cache only what it is not given: its cached prefix (none for a
@@ -92,7 +92,7 @@ def check_step(
     checks.scale("layer._k_scale", k_scale)
     checks.scale("layer._v_scale", v_scale)
     dirty = checks.run()
-    replaced = {"slot_mapping": _last_write_wins(plan.slot_mapping)} if writes else {}
+    replaced = {"slot_mapping": kept_slots.view_as(plan.slot_mapping)} if writes else {}
     # Entries past the used blocks that are not block ids: 0, so no kernel indexes with them.
     for (kind, (table, used)), is_dirty in zip(tables.items(), dirty, strict=True):
         if is_dirty:
@@ -220,28 +220,21 @@ def _new_key_positions(plan: StepPlan, num_keys: int) -> Tensor | None:
     """Position in its sequence of each new key (decoder: the new tokens of each prefill,
     then each decode's last; cross attention: every encoder token of each prefill), or None
     when the counts do not add up (the other checks name that)."""
-    if plan.attn_type == AttentionType.ENCODER_DECODER:
-        spans = [range(n) for n in plan.kv_lens]
-    else:
-        spans = [range(k - q, k) for q, k in zip(plan.q_lens, plan.kv_lens, strict=True)]
-    prefill = torch.tensor([p for span in spans for p in span], dtype=torch.long)
-    parts = [prefill]
+    cross = plan.attn_type == AttentionType.ENCODER_DECODER
+    # Per prefill: how many new keys, and the position of the first.
+    counts = torch.tensor(plan.kv_lens if cross else plan.q_lens, dtype=torch.long)
+    firsts = torch.zeros_like(counts) if cross else torch.tensor(plan.ctx_lens, dtype=torch.long)
+    if (counts < 0).any():
+        return None
+    starts = torch.cumsum(counts, 0) - counts  # [num_prefills]: first key row of each
+    rows = torch.arange(int(counts.sum()))
+    parts = [rows - starts.repeat_interleave(counts) + firsts.repeat_interleave(counts)]
     if plan.attn_type == AttentionType.DECODER and plan.num_decode_tokens:
         if plan.decode_seq_lens is None:
             return None
         parts.append(plan.decode_seq_lens.to("cpu", torch.long).flatten() - 1)
     positions = torch.cat(parts)
     return positions if positions.numel() == num_keys else None
-
-
-def _last_write_wins(slots: Tensor) -> Tensor:
-    """`slots` with every earlier write to a slot named twice replaced by -1 (skip)."""
-    flat = slots.flatten()
-    ordered, order = torch.sort(flat, stable=True)
-    earlier = order[:-1][(ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)]
-    kept = flat.clone()
-    kept[earlier] = PAD_SLOT_ID
-    return kept.view_as(slots)
 
 
 def check_slot_mapping(
@@ -256,9 +249,11 @@ def check_slot_mapping(
 
 def _check_slots(
     checks: _Checks, name: str, slots: Tensor, num_keys, num_blocks, block_size, positions=None
-):
+) -> Tensor:
     """Slots in range, -1 the only pad, no slot twice, except from the same position of two
-    sequences (`positions`, per new key: prefix caching's shared blocks)."""
+    sequences (`positions`, per new key: prefix caching's shared blocks). Returns the flat
+    slots with the earlier of each such shared write replaced by -1 (the later one is kept,
+    deterministically)."""
     if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {slots.dtype}")
     slots = slots.flatten()
@@ -273,7 +268,8 @@ def _check_slots(
             ),
         )
     ordered, order = torch.sort(slots, stable=True)
-    twice = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    twice = repeated
     if positions is not None:
         positions = positions.to(slots.device)
         twice = twice & (positions[order[:-1]] != positions[order[1:]])
@@ -288,6 +284,9 @@ def _check_slots(
         )
 
     checks.add(twice.any(), duplicate)
+    kept = slots.clone()
+    kept[order[:-1][repeated]] = PAD_SLOT_ID
+    return kept
 
 
 def slot_error(name: str, slots: Tensor, i: int, num_blocks: int, block_size: int) -> str:

@@ -32,7 +32,7 @@ from torch_backends.cpu_paged_attn import PagedAttention as CpuPagedAttention
 from torch_backends.host_batch import HostBatch, HostBatchBuilder, cumsum, pad_tables
 from torch_backends.layouts import SplitLayout
 from torch_backends.paged_attn import PagedAttention, PagedAttentionMetadata
-from torch_backends.paged_backend import PagedBackend, PagedImpl, Step
+from torch_backends.paged_backend import PagedBackend, PagedImpl, Step, forward_decode
 from torch_backends.plan import (
     SPLIT_FIELDS,
     CrossAttentionMetadata,
@@ -233,8 +233,8 @@ class TorchSDPAMetadataBuilder(HostBatchBuilder[TorchSDPAMetadata]):
 
 class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
     """Prefills through `scaled_dot_product_attention`, chunked prefill through
-    `PagedAttention.forward_prefix`, decodes through the CPU ops' `forward_decode`
-    (`cpu_paged_attn`, the file vLLM's TORCH_SDPA used)."""
+    `PagedAttention.forward_prefix`, decodes through `PagedAttention.forward_decode` (the
+    math behind `cpu_paged_attn`, the ops file vLLM's TORCH_SDPA used)."""
 
     backend_name = "Torch SPDA"  # vLLM's spelling, kept so its error messages match
     layout_cls = SplitLayout
@@ -256,24 +256,7 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         elif plan.num_prefill_tokens:
             out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)
         if plan.num_decode_tokens:
-            cache = step.cache
-            CpuPagedAttention.forward_decode(
-                out[plan.decode_tokens],
-                step.decode_query,
-                cache.key_cache,
-                cache.value_cache,
-                plan.decode_block_tables,
-                plan.decode_seq_lens,
-                plan.max_decode_seq_len,
-                self.kv_cache_dtype,
-                self.num_kv_heads,
-                self.scale,
-                self.alibi_slopes,
-                cache.k_scale,
-                cache.v_scale,
-                sliding_window=self.sliding_window,
-                logits_soft_cap=self.logits_soft_cap,
-            )
+            out[plan.decode_tokens] = forward_decode(self, step)
         return out
 
     def _prefix(self, step: Step) -> Queries:

@@ -75,6 +75,17 @@ def test_issue_repro_raises_instead_of_crashing(starts):
     assert "query_start_loc[0]=" in line and "num_tokens=4" in line, line
 
 
+def _repro_metadata(qsl) -> jax_attn.RaggedMetadata:
+    """The issue's metadata for T = 4 tokens: `num_seqs = 0`, `query_start_loc = qsl`."""
+    return jax_attn.RaggedMetadata(
+        query_start_loc=qsl,
+        seq_lens=jnp.zeros((1,), jnp.int32),
+        block_tables=jnp.zeros((1, 1), jnp.int32),
+        slot_mapping=jnp.full((4,), -1, jnp.int32),
+        num_seqs=jnp.int32(0),
+    )
+
+
 def test_issue_repro_in_process():
     """The same, in this process: under jit, and under vmap of jit (the sequential batch rule
     runs the handler once per element)."""
@@ -82,14 +93,7 @@ def test_issue_repro_in_process():
     cache = jnp.zeros((2, 4, 1, 8), jnp.float32)
 
     def run(qsl):
-        md = jax_attn.RaggedMetadata(
-            query_start_loc=qsl,
-            seq_lens=jnp.zeros((1,), jnp.int32),
-            block_tables=jnp.zeros((1, 1), jnp.int32),
-            slot_mapping=jnp.full((4,), -1, jnp.int32),
-            num_seqs=jnp.int32(0),
-        )
-        return jax_attn.paged_attention(query, cache, cache, md, impl="cpu")
+        return jax_attn.paged_attention(query, cache, cache, _repro_metadata(qsl), impl="cpu")
 
     with pytest.raises(Exception, match=r"query_start_loc\[0\]=5 must be in \[0, num_tokens=4\]"):
         jax.block_until_ready(jax.jit(run)(jnp.asarray([5, 5], jnp.int32)))
@@ -111,14 +115,7 @@ def test_issue_repro_under_shard_map():
     cache = jnp.zeros((2, 4, 1, 8), jnp.float32)
 
     def run(q, kc, vc, qsl):
-        md = jax_attn.RaggedMetadata(
-            query_start_loc=qsl,
-            seq_lens=jnp.zeros((1,), jnp.int32),
-            block_tables=jnp.zeros((1, 1), jnp.int32),
-            slot_mapping=jnp.full((4,), -1, jnp.int32),
-            num_seqs=jnp.int32(0),
-        )
-        return jax_attn.paged_attention(q, kc, vc, md, impl="cpu")
+        return jax_attn.paged_attention(q, kc, vc, _repro_metadata(qsl), impl="cpu")
 
     spec = PartitionSpec(None, "tp")  # heads over "tp" (one device: the whole array)
     mapped = jax.jit(
