@@ -184,7 +184,7 @@ class JaxAttnBackendImpl(PagedImpl[TorchSDPAMetadata]):
             return self._ragged(
                 step.query, cache, plan.query_start_loc, plan.seq_lens, plan.block_tables
             )
-        out = torch.empty_like(step.query)
+        out = step.out
         if plan.num_prefill_tokens:  # no cache, or prefills without tables
             key, value = step.prefill_kv()
             out[plan.prefill_tokens] = varlen_attention_op(

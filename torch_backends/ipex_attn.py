@@ -196,7 +196,7 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
         """Prefills through `varlen_attention` (`flash_attn_varlen_func` over a scratch cache
         in bfloat16 / float16 or with a window or soft cap, float32 torch for what no kernel
         takes); chunked prefill and decodes through the paged kernels over the cache."""
-        plan, out = step.plan, torch.empty_like(step.query)
+        plan, out = step.plan, step.out
         if plan.num_prefill_tokens and plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
         elif plan.num_prefill_tokens:

@@ -9,8 +9,10 @@ so the key of token `offset` in block `b`, head `h`, dim `d` is
 
 fp8 caches (`kv_cache_dtype` "fp8" / "fp8_e4m3" / "fp8_e5m2") are stored as uint8 bit
 patterns of `float8_e4m3fn` / `float8_e5m2` holding `saturate(x / scale)`; reads multiply by
-the scale. Everything here is plain torch (no compiled extension): the layout's writes and
-gathers (`layouts.SplitLayout`), then float32 attention math (`masked_attention`).
+the scale. Decode on CPU runs the project's native kernel (`torch_backends.native`, the C++
+shared with `jax_attn.cpu`) where it is built; everything else, and decode where it is not,
+is vectorized torch: the layout's writes and gathers (`layouts.SplitLayout`), then float32
+attention math (`masked_attention`).
 
 Where this differs from vLLM V0: `forward_decode` and `forward_prefix` take optional
 `sliding_window` / `logits_soft_cap` keywords (vLLM's kernels had neither), and both apply them.
@@ -22,6 +24,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from torch_backends import native
 from torch_backends.layouts import PagedCache, Scale, SplitLayout
 from torch_backends.masked_attention import masked_attention, ragged_masked_attention
 from torch_backends.shapes import BlockTables, KeysValues, Queries, SlotMapping
@@ -120,6 +123,22 @@ class PagedAttention:
         """One query per sequence at position `seq_lens[i] - 1`."""
         if blocksparse_vert_stride > 1:
             raise ValueError("Block-sparse attention is not supported by this backend")
+        if native.decode_supported(query, key_cache) and native.available():
+            return native.paged_decode_split(
+                torch.empty_like(query),
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                scale=scale,
+                alibi_slopes=alibi_slopes,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+                kv_cache_dtype=kv_cache_dtype,
+            )
         num_seqs = query.shape[0]
         max_seq_len = int(max_seq_len) if num_seqs else 0
         if num_seqs == 0 or max_seq_len == 0:

@@ -37,6 +37,7 @@ from torch_backends.abstract import (
     check_attn_type,
 )
 from torch_backends.checks import check_step
+from torch_backends.cpu_paged_attn import PagedAttention as CpuPagedAttention
 from torch_backends.layouts import CacheLayout, PagedCache, fp8_dtype
 from torch_backends.masked_attention import ragged_masked_attention
 from torch_backends.paged_attn import PagedAttention
@@ -86,6 +87,9 @@ class Step:
     key: KeysValues | None
     value: KeysValues | None
     cache: PagedCache | None
+    # Where `attend` writes: the caller's `output` viewed [T, Hq, D] when it has the query's
+    # dtype, else a fresh tensor. `attend` returns it (or another tensor `forward` copies).
+    out: Queries
 
     @property
     def prefill_query(self) -> Float[Tensor, "num_prefill_tokens num_heads head_size"]:
@@ -316,16 +320,22 @@ class PagedImpl(AttentionImpl[T]):
             # K/V are rounded the same way, so prefill, chunked prefill and decode (and
             # every backend) see identical keys. vLLM V0 used the unrounded new K/V.
             key, value = cache.read_back(key, value)
-        out = self.attend(Step(plan, query, key, value, cache))
-        if output is not None:
-            out = output.view(-1, num_heads, head_size).copy_(out)
+        target = None if output is None else output.view(-1, num_heads, head_size)
+        direct = target is not None and target.dtype == query.dtype
+        out = self.attend(
+            Step(plan, query, key, value, cache, target if direct else torch.empty_like(query))
+        )
+        if target is not None and out is not target:
+            out = target.copy_(out)
         return out.view(-1, num_heads * head_size)
 
 
-def forward_decode(impl: PagedImpl, step: Step) -> Float[Tensor, "num_decodes num_heads head_size"]:
-    """The step's decode tokens through vLLM's `PagedAttention.forward_decode` (split layout)."""
+def forward_decode(impl: PagedImpl, step: Step) -> None:
+    """The step's decode tokens through vLLM's CPU `PagedAttention.forward_decode` (split
+    layout), written into their rows of `step.out` (in place by the native kernel)."""
     plan, cache = step.plan, step.cache
-    return PagedAttention.forward_decode(
+    CpuPagedAttention.forward_decode(
+        step.out[plan.decode_tokens],
         step.decode_query,
         cache.key_cache,
         cache.value_cache,

@@ -250,13 +250,13 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         return self.alibi_slopes is not None or self.sliding_window is not None
 
     def attend(self, step: Step) -> Queries:
-        plan, out = step.plan, torch.empty_like(step.query)
+        plan, out = step.plan, step.out
         if plan.num_prefill_tokens and plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
         elif plan.num_prefill_tokens:
             out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)
         if plan.num_decode_tokens:
-            out[plan.decode_tokens] = forward_decode(self, step)
+            forward_decode(self, step)
         return out
 
     def _prefix(self, step: Step) -> Queries:

@@ -272,11 +272,11 @@ class XFormersImpl(PagedImpl[XFormersMetadata]):
     def attend(self, step: Step) -> Queries:
         """Prefills under their xformers bias over their whole K/V (a cached prefix gathered
         first, under a bottom-right mask); decodes through `PagedAttention.forward_decode`."""
-        plan, out = step.plan, torch.empty_like(step.query)
+        plan, out = step.plan, step.out
         if plan.num_prefill_tokens:
             out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)
         if plan.num_decode_tokens:
-            out[plan.decode_tokens] = forward_decode(self, step)
+            forward_decode(self, step)
         return out
 
     def prefill(

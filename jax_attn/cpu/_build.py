@@ -1,14 +1,24 @@
-"""Build the native CPU kernels (csrc/*.cc) into one shared library, lazily, cached.
+"""Build the native CPU kernels (csrc/) into shared libraries, lazily, cached.
 
-The library is compiled with the system C++ compiler ($CXX, else c++, else g++) on first use,
+One source tree, two libraries:
+- `libjax_attn_cpu.so` (`XLA`): every csrc/*.cc except torch_*.cc, the kernels with their XLA
+  FFI handlers, registered as FFI targets for `jax_attn.cpu`;
+- `libjax_attn_torch.so` (`torch_backends/native.py`): the kernels torch_ops.cc binds as torch
+  ops, compiled against the running torch's headers (never JAX's).
+
+A library is compiled with the system C++ compiler ($CXX, else c++, else g++) on first use,
 for the building machine (`-march=native`), into
 `${JAX_ATTN_CACHE_DIR:-~/.cache/jax-attn}/cpu-kernels/<key>/`, where the key hashes the
-sources, the flags, the compiler's version, jaxlib's version and the CPU's feature flags: any
-change rebuilds, nothing else does. The compiler writes a temporary file that is renamed into
-place, under a file lock, so concurrent processes (pytest-xdist workers) build at most once
-and never load a half-written library.
+sources, the flags, the compiler's version, the framework's version and the CPU's feature
+flags: any change rebuilds, nothing else does. The compiler writes a temporary file that is
+renamed into place, under a file lock, so concurrent processes (pytest-xdist workers) build at
+most once and never load a half-written library.
 
-`python -m jax_attn.cpu._build` builds eagerly and prints the library's path and build time.
+Only the standard library is imported at module level: torch_backends, which must not import
+JAX, loads this file by path for its own library.
+
+`python -m jax_attn.cpu._build` builds the XLA library eagerly and prints its path and build
+time.
 """
 
 import ctypes
@@ -21,6 +31,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
@@ -48,6 +60,38 @@ HANDLERS = (
     "jax_attn_cpu_ragged_paged_attention",
     "jax_attn_cpu_fma_peak",
 )
+
+
+
+@dataclass(frozen=True)
+class Library:
+    """One shared library built from csrc/: which units, against which framework."""
+
+    name: str  # file name, e.g. libjax_attn_cpu.so
+    units: Callable[[], list[Path]]  # the .cc files compiled (every csrc/*.h is in the key)
+    include_dirs: Callable[[], list[str]]  # the framework's headers (-isystem)
+    version: Callable[[], str]  # the framework's version, part of the cache key
+    compile_flags: Callable[[], list[str]] = field(default=lambda: [])
+    link_flags: Callable[[], list[str]] = field(default=lambda: [])
+
+
+def _xla_units() -> list[Path]:
+    return sorted(p for p in CSRC.glob("*.cc") if not p.name.startswith("torch_"))
+
+
+def _jax_include_dirs() -> list[str]:
+    import jax
+
+    return [jax.ffi.include_dir()]
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+
+    return "jaxlib " + jaxlib.__version__
+
+
+XLA = Library(LIB_NAME, _xla_units, _jax_include_dirs, _jaxlib_version)
 
 _lock = threading.Lock()
 _state: dict = {}  # "reason" (str | None), "lib", "path", "registered" (set)
@@ -107,32 +151,26 @@ def flags() -> tuple[str, ...]:
     return (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
 
 
-def sources() -> list[Path]:
-    return sorted([*CSRC.glob("*.cc"), *CSRC.glob("*.h")])
+def sources(lib: Library = XLA) -> list[Path]:
+    """The files `lib` is built from: its units and every header."""
+    return sorted([*lib.units(), *CSRC.glob("*.h")])
 
 
-def _include_dir() -> str:
-    import jax
-
-    return jax.ffi.include_dir()
-
-
-def build_key(cxx: str) -> str:
-    import jaxlib
-
+def build_key(cxx: str, lib: Library = XLA) -> str:
     h = hashlib.sha256()
-    for src in sources():
+    h.update(lib.name.encode())
+    for src in sources(lib):
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    h.update(" ".join(flags()).encode())
+    h.update(" ".join([*flags(), *lib.compile_flags(), *lib.link_flags()]).encode())
     h.update(_compiler_version(cxx).encode())
-    h.update(jaxlib.__version__.encode())
+    h.update(lib.version().encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:20]
 
 
-def build(verbose: bool = False) -> tuple[Path, float]:
-    """Build (or find cached) the library; returns (path, seconds spent compiling: 0 if cached).
+def build(verbose: bool = False, lib: Library = XLA) -> tuple[Path, float]:
+    """Build (or find cached) `lib`; returns (path, seconds spent compiling: 0 if cached).
 
     Raises RuntimeError with a one-line reason when no compiler is found or the build fails.
     """
@@ -140,8 +178,8 @@ def build(verbose: bool = False) -> tuple[Path, float]:
     if cxx is None:
         tried = f"$CXX={os.environ['CXX']!r}, " if os.environ.get("CXX") else "$CXX (unset), "
         raise RuntimeError(f"no C++ compiler found (tried {tried}c++, g++)")
-    out_dir = cache_root() / build_key(cxx)
-    lib_path = out_dir / LIB_NAME
+    out_dir = cache_root() / build_key(cxx, lib)
+    lib_path = out_dir / lib.name
     if lib_path.exists():
         return lib_path, 0.0
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,8 +189,8 @@ def build(verbose: bool = False) -> tuple[Path, float]:
             return lib_path, 0.0
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix=".build-", dir=out_dir) as tmp_dir:
-            tmp = os.path.join(tmp_dir, LIB_NAME)
-            _compile_and_link(cxx, tmp, verbose)
+            tmp = os.path.join(tmp_dir, lib.name)
+            _compile_and_link(cxx, lib, tmp, verbose)
             seconds = time.perf_counter() - start
             os.replace(tmp, lib_path)  # atomic: readers see no library or a whole one
         return lib_path, seconds
@@ -165,20 +203,22 @@ def _run_tool(cmd: list[str], cxx: str) -> subprocess.CompletedProcess:
         raise RuntimeError(f"build failed ({Path(cxx).name}): {e}") from e
 
 
-def _compile_and_link(cxx: str, out: str, verbose: bool) -> None:
+def _compile_and_link(cxx: str, lib: Library, out: str, verbose: bool) -> None:
     """Each .cc into an object, all at once (one kernel per file: they compile in parallel),
     then one shared library at `out`. Raises RuntimeError with the first error line."""
     from concurrent.futures import ThreadPoolExecutor
 
-    units = [s for s in sources() if s.suffix == ".cc"]
+    units = lib.units()
     out_dir = os.path.dirname(out)
     objects = [os.path.join(out_dir, f"{unit.stem}.o") for unit in units]
-    common = [cxx, *flags(), "-isystem", _include_dir(), f"-I{CSRC}"]
+    includes = [arg for d in lib.include_dirs() for arg in ("-isystem", d)]
+    common = [cxx, *flags(), *lib.compile_flags(), *includes, f"-I{CSRC}"]
     jobs = [[*common, "-c", str(u), "-o", o] for u, o in zip(units, objects, strict=True)]
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         results = list(pool.map(lambda cmd: _run_tool(cmd, cxx), jobs))
     if all(r.returncode == 0 for r in results):
-        results.append(_run_tool([cxx, *flags(), *objects, "-o", out], cxx))
+        link = [cxx, *flags(), *objects, "-o", out, *lib.link_flags()]
+        results.append(_run_tool(link, cxx))
     for proc in results:
         if proc.returncode != 0:
             message = _first_line(proc.stderr + proc.stdout)

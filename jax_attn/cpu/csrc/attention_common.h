@@ -1,45 +1,13 @@
-// Shared pieces of the native CPU attention kernels (paged decode, ragged paged attention).
-//
-// - Element types of the cache and the query (bf16, fp16, fp8 e4m3fn / e5m2) and their
-//   widening to float32: `widen(x)` for one element, `load16<T>(ptr, mask)` for 16 elements
-//   into an AVX-512 register (bf16 -> f32 by a 16-bit shift; fp8 through the fp16 converter).
-// - `narrow<T>(float)`: the output store (round to nearest even).
-// - `exp16`, `tanh16`: vector exp / tanh accurate to a few ulp in float32.
-// - `OnlineSoftmaxRow`: the running max / sum of one query row (flash-attention's state),
-//   and `merge_partial` for split-K partials.
-// - Logit helpers: `soft_cap`, ALiBi distance, `visible_keys` (the causal + sliding-window
-//   key range of a query position).
-// - `parallel_for`: work items over XLA's intra-op thread pool (`ffi::ThreadPool`), the
-//   calling thread working too; `JAX_ATTN_CPU_THREADS` overrides the worker count.
-//
-// Everything lives in namespace jax_attn_cpu. Names here are stable: both kernels use them.
+// The XLA side of the native CPU kernels: the FFI handlers' shared glue over kernel_common.h
+// (XLA element types as `DType` and storage types, the export macro, and `Workers` on XLA's
+// intra-op pool, `ffi::ThreadPool`, the calling thread working too).
 #pragma once
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
 #include <condition_variable>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <limits>
-#include <memory>
 #include <mutex>
-#include <string>
 
+#include "kernel_common.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define JAX_ATTN_AVX512 1
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-// GCC 12 warns about the deliberately undefined pass-through operand inside its own
-// AVX-512 intrinsics (GCC bug 105593, fixed in 13): a false positive in the system header.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#else
-#define JAX_ATTN_AVX512 0
-#endif
 
 // The library is built with -fvisibility=hidden: a handler is exported by declaring it with
 // this before XLA_FFI_DEFINE_HANDLER_SYMBOL defines it.
@@ -50,93 +18,18 @@ namespace jax_attn_cpu {
 
 namespace ffi = xla::ffi;
 
-// Largest head size the kernels take (16 chunks of 16 floats per row).
-constexpr int64_t kMaxHeadSize = 256;
-
-// ---------------------------------------------------------------------------------------------
-// Element types: storage wrappers, one byte pattern each, no arithmetic.
-// ---------------------------------------------------------------------------------------------
-struct bf16_t {
-  uint16_t bits;
-};
-struct f16_t {
-  uint16_t bits;
-};
-struct e4m3_t {  // float8_e4m3fn: bias 7, no infinities, 0x7f / 0xff are NaN
-  uint8_t bits;
-};
-struct e5m2_t {  // float8_e5m2: the high byte of an IEEE fp16
-  uint8_t bits;
-};
-
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-// IEEE fp16 bits -> float, exact, independent of the FPU's denormal flags.
-inline float half_bits_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (mant << 13));  // inf / nan
-  if (exp != 0) return bits_to_float(sign | ((exp + 112) << 23) | (mant << 13));
-  const float mag = static_cast<float>(mant) * (1.0f / 16777216.0f);  // mant * 2^-24, exact
-  return sign ? -mag : mag;
-}
-
-// float -> IEEE fp16 bits, round to nearest even, overflow to inf, NaN kept NaN.
-inline uint16_t float_to_half_bits(float f) {
-  const uint32_t u = float_to_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  const uint32_t abs = u & 0x7fffffffu;
-  if (abs >= 0x7f800000u) return sign | (abs > 0x7f800000u ? 0x7e00u : 0x7c00u);
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
-  if (abs < 0x38800000u) {                        // below 2^-14: fp16 subnormal or zero
-    // Scale into the subnormal grid (2^-24 units) and round to nearest even in float.
-    const float mag = bits_to_float(abs) * 16777216.0f;
-    const float r = std::nearbyint(mag);  // default rounding mode: nearest even
-    return sign | static_cast<uint16_t>(r);
+inline DType to_dtype(ffi::DataType dt) {
+  switch (dt) {
+    case ffi::DataType::F32: return DType::kF32;
+    case ffi::DataType::BF16: return DType::kBF16;
+    case ffi::DataType::F16: return DType::kF16;
+    case ffi::DataType::F8E4M3FN: return DType::kF8E4M3FN;
+    case ffi::DataType::F8E5M2: return DType::kF8E5M2;
+    default: return DType::kOther;
   }
-  const uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);  // round to nearest even
-  return sign | static_cast<uint16_t>((rounded - 0x38000000u) >> 13);
 }
 
-inline float widen(float x) { return x; }
-inline float widen(bf16_t x) { return bits_to_float(static_cast<uint32_t>(x.bits) << 16); }
-inline float widen(f16_t x) { return half_bits_to_float(x.bits); }
-inline float widen(e5m2_t x) { return half_bits_to_float(static_cast<uint16_t>(x.bits << 8)); }
-inline float widen(e4m3_t x) {
-  const uint32_t b = x.bits;
-  if ((b & 0x7fu) == 0x7fu) return std::numeric_limits<float>::quiet_NaN();
-  // As fp16: sign to bit 15, exponent+mantissa to bits 13..7; the value is then 2^-8 of
-  // the e4m3 value (bias 15 vs 7), subnormals included.
-  const uint16_t h = static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
-  return half_bits_to_float(h) * 256.0f;
-}
-
-template <typename T>
-inline T narrow(float x);
-template <>
-inline float narrow<float>(float x) {
-  return x;
-}
-template <>
-inline bf16_t narrow<bf16_t>(float x) {
-  const uint32_t u = float_to_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{static_cast<uint16_t>((u >> 16) | 0x40u)};
-  return bf16_t{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
-}
-template <>
-inline f16_t narrow<f16_t>(float x) {
-  return f16_t{float_to_half_bits(x)};
-}
+inline const char* dtype_name(ffi::DataType dt) { return dtype_name(to_dtype(dt)); }
 
 // The storage type of an XLA element type (float, bf16_t, ...), for dispatch at the top.
 template <ffi::DataType dt>
@@ -162,102 +55,13 @@ struct StorageOf<ffi::DataType::F8E5M2> {
   using type = e5m2_t;
 };
 
-inline const char* dtype_name(ffi::DataType dt) {
-  switch (dt) {
-    case ffi::DataType::F32:
-      return "float32";
-    case ffi::DataType::BF16:
-      return "bfloat16";
-    case ffi::DataType::F16:
-      return "float16";
-    case ffi::DataType::F8E4M3FN:
-      return "float8_e4m3fn";
-    case ffi::DataType::F8E5M2:
-      return "float8_e5m2";
-    default:
-      return "unsupported";
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Logit helpers (scalar; the vector kernels use the same formulas).
-// ---------------------------------------------------------------------------------------------
-
-// `cap * tanh(x / cap)`; cap <= 0 means no soft cap.
-inline float soft_cap(float x, float cap) { return cap > 0.0f ? cap * std::tanh(x / cap) : x; }
-
-// ALiBi term for query position q_pos and key position k_pos: slope * (k_pos - q_pos).
-inline float alibi_bias(float slope, int64_t k_pos, int64_t q_pos) {
-  return slope * static_cast<float>(k_pos - q_pos);
-}
-
-// Keys a query at q_pos sees, as the half-open position range [begin, end): causal
-// (k_pos <= q_pos), inside the sequence (k_pos < seq_len), inside the sliding window
-// (q_pos - k_pos < window; window <= 0 means none). Empty when begin >= end.
-struct KeyRange {
-  int64_t begin, end;
-};
-inline KeyRange visible_keys(int64_t q_pos, int64_t seq_len, int64_t window, bool causal = true) {
-  int64_t end = causal ? std::min(q_pos + 1, seq_len) : seq_len;
-  int64_t begin = window > 0 ? std::max<int64_t>(0, q_pos - window + 1) : 0;
-  return KeyRange{begin, std::max(begin, end)};
-}
-
-// ---------------------------------------------------------------------------------------------
-// Online softmax: the running state of one query row over chunks of keys. The accumulator
-// (sum of p * v, D floats) lives with the caller; `rescale` says what to multiply it by.
-// ---------------------------------------------------------------------------------------------
-struct OnlineSoftmaxRow {
-  float max = -std::numeric_limits<float>::infinity();
-  float sum = 0.0f;
-
-  // Take a chunk whose largest logit is chunk_max; returns the factor exp(old_max - new_max)
-  // the accumulator must be multiplied by before adding this chunk's p * v, and sets `max`.
-  // Probabilities of the chunk are then exp(logit - max). Call add_sum with their total.
-  float rescale(float chunk_max) {
-    const float new_max = std::max(max, chunk_max);
-    const float factor = (max == new_max) ? 1.0f : std::exp(max - new_max);  // -inf -> 0
-    max = new_max;
-    sum *= factor;
-    return factor;
-  }
-  void add_sum(float chunk_sum) { sum += chunk_sum; }
-  // 1 / sum, or 0 for a row that saw no key (all masked): its output is zeros, never NaN.
-  float inverse_sum() const { return sum > 0.0f ? 1.0f / sum : 0.0f; }
-};
-
-// Merge split-K partials of one row: (max_i, sum_i, acc_i[D]) -> acc[D] / sum, times `out_scale`.
-// acc_i are unnormalized (sum of exp(logit - max_i) * v). Rows with no key anywhere give zeros.
-inline void merge_partials(int num_parts, const float* maxes, const float* sums,
-                           const float* const* accs, int head_size, float out_scale,
-                           float* out) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < num_parts; ++i) m = std::max(m, maxes[i]);
-  for (int d = 0; d < head_size; ++d) out[d] = 0.0f;
-  if (m == -std::numeric_limits<float>::infinity()) return;
-  float total = 0.0f;
-  for (int i = 0; i < num_parts; ++i) {
-    if (sums[i] <= 0.0f) continue;  // a part that saw no key adds nothing (and is never read)
-    const float w = std::exp(maxes[i] - m);
-    total += sums[i] * w;
-    for (int d = 0; d < head_size; ++d) out[d] += w * accs[i][d];
-  }
-  const float inv = total > 0.0f ? out_scale / total : 0.0f;
-  for (int d = 0; d < head_size; ++d) out[d] *= inv;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Threads.
 // ---------------------------------------------------------------------------------------------
 
 // Workers to use: $JAX_ATTN_CPU_THREADS if set (>= 1), else the pool's threads (>= 1).
-inline int64_t num_workers(ffi::ThreadPool& pool) {
-  if (const char* env = std::getenv("JAX_ATTN_CPU_THREADS")) {
-    const long v = std::strtol(env, nullptr, 10);
-    if (v >= 1) return v;
-  }
-  return std::max<int64_t>(1, pool.num_threads());
-}
+inline int64_t num_workers(ffi::ThreadPool& pool) { return worker_count(pool.num_threads()); }
 
 // Run fn(i) for i in [0, n) on `workers` threads: the caller plus workers-1 tasks on XLA's
 // pool, items handed out one at a time. Returns when every item is done. Tasks the pool starts
@@ -299,109 +103,17 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t workers, F&& fn) {
   shared->cv.wait(lock, [&] { return shared->done.load(std::memory_order_acquire) == n; });
 }
 
-// ---------------------------------------------------------------------------------------------
-// AVX-512 vector helpers (16 floats per register).
-// ---------------------------------------------------------------------------------------------
-#if JAX_ATTN_AVX512
-
-inline __mmask16 tail_mask(int64_t n) {  // lanes [0, n) of 16
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+// `Workers` over XLA's pool (valid while `pool` is).
+inline Workers xla_workers(ffi::ThreadPool& pool) {
+  Workers w;
+  w.count = num_workers(pool);
+  w.self = &pool;
+  w.parallel_for = [](void* self, int64_t n, int64_t count, void (*item)(void*, int64_t),
+                      void* ctx) {
+    parallel_for(*static_cast<ffi::ThreadPool*>(self), n, count,
+                 [item, ctx](int64_t i) { item(ctx, i); });
+  };
+  return w;
 }
-
-// 16 elements (lanes outside `m` read nothing and are 0) widened to float32.
-template <typename T>
-inline __m512 load16(const T* p, __mmask16 m);
-template <>
-inline __m512 load16<float>(const float* p, __mmask16 m) {
-  return _mm512_maskz_loadu_ps(m, p);
-}
-template <>
-inline __m512 load16<bf16_t>(const bf16_t* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-template <>
-inline __m512 load16<f16_t>(const f16_t* p, __mmask16 m) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-}
-template <>
-inline __m512 load16<e5m2_t>(const e5m2_t* p, __mmask16 m) {
-  const __m128i b = _mm_maskz_loadu_epi8(m, p);
-  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
-}
-template <>
-inline __m512 load16<e4m3_t>(const e4m3_t* p, __mmask16 m) {
-  const __m128i b = _mm_maskz_loadu_epi8(m, p);
-  const __m256i w = _mm256_cvtepu8_epi16(b);
-  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
-  // fp16 bits: sign to bit 15, exponent+mantissa to bits 13..7 (see widen(e4m3_t)).
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(mag, 7));
-  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-  const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
-  return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-}
-
-// exp(x) in float32, ~1-2 ulp over the normal range; exp(-inf) = 0, large x -> inf.
-inline __m512 exp16(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  // exp(r) on |r| <= ln2/2: degree-6 polynomial (Cephes expf coefficients).
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 r2 = _mm512_mul_ps(r, r);
-  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);  // p * 2^n, underflows to 0 cleanly
-}
-
-// tanh(x) = sign(x) * (1 - 2 / (exp(2|x|) + 1)); absolute error ~1e-7.
-inline __m512 tanh16(__m512 x) {
-  const __m512 ax = _mm512_abs_ps(x);
-  const __m512 e = exp16(_mm512_add_ps(ax, ax));
-  const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                                 _mm512_div_ps(_mm512_set1_ps(2.0f),
-                                               _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-  // copy the sign of x
-  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
-}
-
-// cap * tanh(x / cap), vectorized; cap > 0.
-inline __m512 soft_cap16(__m512 x, float cap) {
-  return _mm512_mul_ps(_mm512_set1_ps(cap), tanh16(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap))));
-}
-
-// Sums of 16 vectors as one vector: result lane t = horizontal sum of a[t].
-// A transpose-and-add tree: 15 adds and 30 shuffles instead of 16 separate reductions.
-inline __m512 transpose_sum16(const __m512* a) {
-  // Feed order such that the tree's output lands in lane order: the tree leaves
-  // sum(a'[k + 4j]) in lane 4k + j, so a'[m] = a[4 * (m % 4) + m / 4].
-  __m512 x[8];
-  for (int i = 0; i < 8; ++i) {
-    const int m0 = 2 * i, m1 = 2 * i + 1;
-    const __m512 a0 = a[4 * (m0 % 4) + m0 / 4], a1 = a[4 * (m1 % 4) + m1 / 4];
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xee));
-  }
-  __m512 y[4];
-  for (int i = 0; i < 4; ++i) {
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xdd));
-  }
-  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xee));
-  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_ps(y[2], y[3], 0x44), _mm512_shuffle_ps(y[2], y[3], 0xee));
-  return _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x88), _mm512_shuffle_ps(z0, z1, 0xdd));
-}
-
-#endif  // JAX_ATTN_AVX512
 
 }  // namespace jax_attn_cpu

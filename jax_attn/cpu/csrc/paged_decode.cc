@@ -1,12 +1,14 @@
 // Paged decode on the CPU: one new query token per sequence against its paged KV cache.
 //
 // Semantics are jax_attn.paged_decode's (SPEC section 1): query [S, Hq, D] at position
-// seq_len - 1 of each sequence, caches [NB, BS, Hkv, D], block_tables [S, max_blocks],
-// seq_lens [S]; soft cap, ALiBi, sliding window; rows with seq_len 0 give zeros.
+// seq_len - 1 of each sequence, caches [NB, BS, Hkv, D] (jax_attn's) or vLLM's split layout
+// (paged_decode.h), block_tables [S, max_blocks], seq_lens [S]; soft cap, ALiBi, sliding
+// window; rows with seq_len 0 give zeros. Framework-free: paged_decode_xla.cc (XLA FFI) and
+// torch_ops.cc (a torch op) call `paged_decode` with their own arrays and threads.
 //
 // Work split: an item is one sequence, or one part of a long sequence (split-K: the parts'
 // online-softmax states are merged in float32 by whichever part finishes last); items go to
-// XLA's intra-op pool (ffi::ThreadPool) and the calling thread. Inside an item the kernel
+// the caller's `Workers` (XLA's intra-op pool, or torch's). Inside an item the kernel
 // walks the sequence's blocks in table order, each block in tiles of up to 16 tokens, and kv
 // heads in turn: a head's 16 key rows are widened to float32 once into an L1-resident tile
 // (bf16 by a shift, fp8 through the fp16 converter), which then serves all G query rows of its
@@ -37,15 +39,21 @@
 // max. On the Zen 5 VM before: whole-block sequential widening and reading f32 keys in place
 // (4 KB-aliased rows thrash L1) were both slower.
 //
+// The split layout's tiles: a kv head's keys of one block are [D / x, BS, x], so a tile's
+// key rows are gathered 16 bytes at a time (float32 and the bf16 dot path straight into the
+// tile, others into a native-dtype copy that is then widened as above); its values [D, BS]
+// are widened 16 tokens at a time and transposed 16 x 16 in registers into a float32 tile.
+// The prefetcher requests a head's whole block (contiguous in this layout) ahead.
+//
 // Bad input (block ids outside [0, NB) among the blocks a sequence reads, seq_len outside
-// [0, max_blocks * BS], wrong shapes or dtypes) returns ffi::Error::InvalidArgument before
-// anything is read or written.
+// [0, max_blocks * BS], wrong sizes or dtypes) returns a message before anything is read or
+// written.
 
 #include <cstdio>
 #include <type_traits>
 #include <vector>
 
-#include "attention_common.h"
+#include "paged_decode.h"
 
 namespace jax_attn_cpu {
 namespace {
@@ -79,7 +87,9 @@ struct Problem {
   int64_t window;  // <= 0: none
   float cap;       // <= 0: none
   int64_t prefetch_tiles;
-  ffi::DataType query_type;
+  DType query_type;
+  CacheLayout layout;
+  int64_t x;  // kSplit: key elements per 16 bytes (the innermost key dimension)
   const void* query;
   void* out;
   const void* key_cache;
@@ -98,12 +108,12 @@ void load_query_row(const Problem& p, int64_t seq, int64_t row, float* dst) {
   const int64_t offset = (seq * p.num_heads + row) * p.head_size;
   const int64_t D = p.head_size;
   switch (p.query_type) {
-    case ffi::DataType::F32: {
+    case DType::kF32: {
       const float* q = static_cast<const float*>(p.query) + offset;
       for (int64_t d = 0; d < D; ++d) dst[d] = q[d] * p.qk_scale;
       break;
     }
-    case ffi::DataType::BF16: {
+    case DType::kBF16: {
       const bf16_t* q = static_cast<const bf16_t*>(p.query) + offset;
       for (int64_t d = 0; d < D; ++d) dst[d] = widen(q[d]) * p.qk_scale;
       break;
@@ -122,12 +132,12 @@ void store_output_row(const Problem& p, int64_t seq, int64_t row, const float* v
   const int64_t offset = (seq * p.num_heads + row) * p.head_size;
   const int64_t D = p.head_size;
   switch (p.query_type) {
-    case ffi::DataType::F32: {
+    case DType::kF32: {
       float* o = static_cast<float*>(p.out) + offset;
       for (int64_t d = 0; d < D; ++d) o[d] = vals[d] * factor;
       break;
     }
-    case ffi::DataType::BF16: {
+    case DType::kBF16: {
       bf16_t* o = static_cast<bf16_t*>(p.out) + offset;
       for (int64_t d = 0; d < D; ++d) o[d] = narrow<bf16_t>(vals[d] * factor);
       break;
@@ -199,20 +209,28 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
   const int32_t* table = p.tables + it.seq * p.max_blocks;
   const KV* kc = static_cast<const KV*>(p.key_cache);
   const KV* vc = static_cast<const KV*>(p.value_cache);
-  const int64_t row_stride = Hkv * D;
-  const int64_t block_stride = BS * row_stride;
   FloatBuffer q(static_cast<size_t>(Hq * DP));
   for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
   RowsState st(Hq, DP);
   std::vector<float> kv(2 * D);
-  // Memory order: blocks in table order; block b: [BS, Hkv, D]; tokens, then kv heads.
+  const bool split = p.layout == CacheLayout::kSplit;
+  const int64_t x = p.x;
+  // Blocks in table order, then tokens, then kv heads.
   for (int64_t pos = it.begin; pos < it.end; ++pos) {
-    const int64_t b = pos / BS;
-    const int64_t off = table[b] * block_stride + (pos - b * BS) * row_stride;
+    const int64_t b = pos / BS, t = pos - b * BS;
     for (int64_t h = 0; h < Hkv; ++h) {
-      for (int64_t d = 0; d < D; ++d) {
-        kv[d] = widen(kc[off + h * D + d]);
-        kv[D + d] = widen(vc[off + h * D + d]);
+      if (split) {  // key [NB, Hkv, D / x, BS, x], value [NB, Hkv, D, BS]
+        const int64_t head = (table[b] * Hkv + h) * D * BS;
+        for (int64_t d = 0; d < D; ++d) {
+          kv[d] = widen(kc[head + (d / x) * BS * x + t * x + d % x]);
+          kv[D + d] = widen(vc[head + d * BS + t]);
+        }
+      } else {  // [NB, BS, Hkv, D]
+        const int64_t row = ((table[b] * BS + t) * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          kv[d] = widen(kc[row + d]);
+          kv[D + d] = widen(vc[row + d]);
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = h * G + g;
@@ -312,6 +330,82 @@ inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 l
         _mm512_store_ps(dst + t * DP + 16 * c, load16<KV>(row + 16 * c, m));
       }
     }
+  }
+}
+
+// Split layout (vLLM's), one kv head of one block: keys [D / x, BS, x] with x elements per 16
+// bytes, values [D, BS]. The kernel's tiles are token rows, so a tile's keys are gathered
+// (16 bytes of x dims per token and chunk) and its values transposed.
+
+// Keys of tokens [t0, t0 + n) of one head's block `src` into rows of dst (dst_stride elements
+// apart): row t gets the D elements of token t0 + t; rows [n, 16) get zeros. Columns past D are
+// not written (the caller keeps them zero). Requires D % x == 0.
+template <typename T>
+inline void gather_split_keys(const T* src, int64_t block_size, int64_t t0, int64_t n,
+                              int64_t head_size, T* dst, int64_t dst_stride) {
+  constexpr int64_t x = 16 / sizeof(T);
+  const int64_t chunks = head_size / x;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* from = src + (t0 + t) * x;
+    T* to = dst + t * dst_stride;
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(to + c * x),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + c * block_size * x)));
+    }
+  }
+  for (int64_t t = n; t < 16; ++t) std::memset(dst + t * dst_stride, 0, head_size * sizeof(T));
+}
+
+// r[i][j] <- r[j][i] for a 16 x 16 float32 block in 16 registers (64 shuffles).
+inline void transpose16x16(__m512* r) {
+  __m512 t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: t[2i] = a[4L], b[4L], a[4L+1], b[4L+1]
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // r[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  __m512 u[16];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {  // a 4 x 4 transpose of 128-bit lanes over r[k], r[4 + k], ...
+    u[4 * k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44);
+    u[4 * k + 1] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xee);
+    u[4 * k + 2] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44);
+    u[4 * k + 3] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xee);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_f32x4(u[4 * k], u[4 * k + 2], 0x88);
+    r[4 + k] = _mm512_shuffle_f32x4(u[4 * k], u[4 * k + 2], 0xdd);
+    r[8 + k] = _mm512_shuffle_f32x4(u[4 * k + 1], u[4 * k + 3], 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(u[4 * k + 1], u[4 * k + 3], 0xdd);
+  }
+}
+
+// Values of tokens [t0, t0 + n) of one head's block `src` ([D, BS]) widened and transposed
+// into the float32 tile dst [16, NC * 16] (rows >= n and columns >= D: zeros; only the n
+// tokens' elements are read).
+template <typename KV, int NC>
+inline void transpose_split_values(const KV* src, int64_t block_size, int64_t t0, int64_t n,
+                                   int64_t head_size, float* dst) {
+  const __mmask16 m = tail_mask(n);
+#pragma GCC unroll 1
+  for (int j = 0; j < NC; ++j) {
+    __m512 r[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const int64_t d = 16 * j + i;
+      r[i] = d < head_size ? load16<KV>(src + d * block_size + t0, m) : _mm512_setzero_ps();
+    }
+    transpose16x16(r);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) _mm512_store_ps(dst + t * NC * 16 + 16 * j, r[t]);
   }
 }
 
@@ -651,6 +745,19 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // into a float32 tile first (one instantiation of the math for all of them).
   constexpr bool kValuesInPlace = std::is_same_v<KV, float> || std::is_same_v<KV, bf16_t>;
   alignas(64) float vtile[kValuesInPlace ? 16 : 16 * DP];
+  // The split layout: values always through a float32 tile (transposed), keys gathered into
+  // ktile / ktile2 directly (float32; bf16 under kDot) or else into knative first.
+  const bool split = p.layout == CacheLayout::kSplit;
+  constexpr bool kKeysDirect = std::is_same_v<KV, float> || (kDot && !kFp8);
+  alignas(64) float vtile_split[16 * DP];
+  alignas(64) KV knative[kKeysDirect ? 1 : 16 * DP];
+  if (split) {  // gathers write columns [0, D) only: the padding stays zero
+    if constexpr (kDot) {
+      std::memset(ktile2, 0, sizeof(ktile2));
+    } else {
+      std::memset(ktile, 0, sizeof(ktile));
+    }
+  }
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #if JAX_ATTN_DECODE_FP8_DOT
   // The fp8 lookup tables, in registers for the whole item.
@@ -680,9 +787,13 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       }
     }
     if (bb > last_block) return TileRows{0, 0};
+    if (split) {  // the head's whole block (contiguous), requested at its first tile
+      return TileRows{(table[bb] * Hkv + hh) * D * BS, tt == 0 ? 1 : 0};
+    }
     return TileRows{table[bb] * block_stride + tt * 16 * row_stride + hh * D,
                     std::min<int64_t>(16, BS - tt * 16)};
   };
+  const int64_t prefetch_row_bytes = (split ? D * BS : D) * static_cast<int64_t>(sizeof(KV));
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
     const int64_t t_end = std::min(it.end, b * BS + BS) - b * BS;
@@ -700,9 +811,30 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           if (keys.rows > 0) {
             pf = TilePrefetcher(kc + keys.offset, values.rows > 0 ? vc + values.offset : nullptr,
                                 row_stride * static_cast<int64_t>(sizeof(KV)),
-                                std::max(keys.rows, values.rows),
-                                D * static_cast<int64_t>(sizeof(KV)));
+                                std::max(keys.rows, values.rows), prefetch_row_bytes);
           }
+        }
+        if (split) {
+          const int64_t head = (table[b] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
+          if constexpr (std::is_same_v<KV, float>) {
+            gather_split_keys(kc + head, BS, t0, n, D, ktile, DP);
+          } else if constexpr (kDot && !kFp8) {
+            gather_split_keys(reinterpret_cast<const bf16_t*>(kc + head), BS, t0, n, D, ktile2,
+                              DP2);
+          } else {
+            gather_split_keys(kc + head, BS, t0, n, D, knative, D);
+            if constexpr (kDot) {
+#if JAX_ATTN_DECODE_FP8_DOT
+              convert_tile_fp8_bf16<KV, NC>(fp8, knative, D, n, D, ktile2);
+#endif
+            } else {
+              widen_tile<KV, NC>(knative, D, n, last_mask, ktile);
+            }
+          }
+          transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split);
+          attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n,
+                                       distance, pf);
+          continue;
         }
         const int64_t offset = block_offset + t0 * row_stride + h * D;
         if constexpr (kDot && kFp8) {
@@ -797,129 +929,80 @@ constexpr bool kFp8DotBuilt = false;
 // The item function for cache elements KV: the vdpbf16ps path for bf16 queries where this
 // build has it (kDotBuilt) and $JAX_ATTN_CPU_BF16_DOT allows it, else the widening one.
 template <typename KV, bool kDotBuilt>
-ItemFn pick_item_fn_dot(ffi::DataType query_type, int64_t head_size) {
+ItemFn pick_item_fn_dot(DType query_type, int64_t head_size) {
   if constexpr (kDotBuilt) {
-    if (query_type == ffi::DataType::BF16 && dot_enabled()) {
+    if (query_type == DType::kBF16 && dot_enabled()) {
       return pick_item_fn<KV, true>(head_size);
     }
   }
   return pick_item_fn<KV, false>(head_size);
 }
 
-ItemFn pick_item_fn(ffi::DataType cache_type, ffi::DataType query_type, int64_t head_size) {
+ItemFn pick_item_fn(DType cache_type, DType query_type, int64_t head_size) {
   switch (cache_type) {
-    case ffi::DataType::F32: return pick_item_fn<float, false>(head_size);
-    case ffi::DataType::BF16:
+    case DType::kF32: return pick_item_fn<float, false>(head_size);
+    case DType::kBF16:
       return pick_item_fn_dot<bf16_t, kBf16DotBuilt>(query_type, head_size);
-    case ffi::DataType::F16: return pick_item_fn<f16_t, false>(head_size);
-    case ffi::DataType::F8E4M3FN:
+    case DType::kF16: return pick_item_fn<f16_t, false>(head_size);
+    case DType::kF8E4M3FN:
       return pick_item_fn_dot<e4m3_t, kFp8DotBuilt>(query_type, head_size);
-    case ffi::DataType::F8E5M2:
+    case DType::kF8E5M2:
       return pick_item_fn_dot<e5m2_t, kFp8DotBuilt>(query_type, head_size);
     default: return nullptr;
   }
 }
 
-std::string dims_str(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "(";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + (dims.size() == 1 ? ",)" : ")");
-}
+}  // namespace
 
-ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
-                       ffi::AnyBuffer value_cache, ffi::Buffer<ffi::S32> block_tables,
-                       ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> alibi_slopes,
-                       ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
-                       ffi::Result<ffi::AnyBuffer> out, float scale, int64_t sliding_window,
-                       float logits_soft_cap, int64_t split_tokens) {
-  const auto qd = query.dimensions();
-  const auto kd = key_cache.dimensions();
-  if (qd.size() != 3) {
-    return ffi::Error::InvalidArgument("query must be [num_seqs, num_heads, head_size], got " +
-                                       dims_str(qd));
+std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
+  const auto str = [](int64_t v) { return std::to_string(v); };
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) {
+    return "num_heads=" + str(a.num_heads) + " must be divisible by num_kv_heads=" +
+           str(a.num_kv_heads);
   }
-  if (kd.size() != 4) {
-    return ffi::Error::InvalidArgument(
-        "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], got " +
-        dims_str(kd));
+  if (a.num_heads < 1 || a.block_size < 1) {
+    return "num_heads=" + str(a.num_heads) + " and block_size=" + str(a.block_size) +
+           " must be >= 1";
   }
-  const auto vd = value_cache.dimensions();
-  if (dims_str(vd) != dims_str(kd) || value_cache.element_type() != key_cache.element_type()) {
-    return ffi::Error::InvalidArgument("value_cache must match key_cache: shape " +
-                                       dims_str(vd) + " vs " + dims_str(kd));
+  if (a.query_type != DType::kF32 && a.query_type != DType::kBF16 &&
+      a.query_type != DType::kF16) {
+    return std::string("query dtype ") + dtype_name(a.query_type) +
+           " must be float32, bfloat16 or float16";
+  }
+  const ItemFn item_fn = pick_item_fn(a.cache_type, a.query_type, a.head_size);
+  if (item_fn == nullptr) {
+    return std::string("unsupported key_cache dtype ") + dtype_name(a.cache_type) +
+           " or head_size=" + str(a.head_size) + " (1..256)";
   }
   Problem p{};
-  p.num_seqs = qd[0];
-  p.num_heads = qd[1];
-  p.head_size = qd[2];
-  p.num_blocks = kd[0];
-  p.block_size = kd[1];
-  p.num_kv_heads = kd[2];
-  if (kd[3] != p.head_size) {
-    return ffi::Error::InvalidArgument("key_cache head_size=" + std::to_string(kd[3]) +
-                                       " must equal query head_size=" +
-                                       std::to_string(p.head_size));
+  p.num_seqs = a.num_seqs;
+  p.num_heads = a.num_heads;
+  p.num_kv_heads = a.num_kv_heads;
+  p.group = a.num_heads / a.num_kv_heads;
+  p.head_size = a.head_size;
+  p.num_blocks = a.num_blocks;
+  p.block_size = a.block_size;
+  p.max_blocks = a.max_blocks;
+  p.layout = a.layout;
+  p.x = 16 / element_bytes(a.cache_type);
+  if (p.layout == CacheLayout::kSplit && p.head_size % p.x != 0) {
+    return "head_size=" + str(p.head_size) + " must be a multiple of x=" + str(p.x) +
+           " (16 bytes of " + dtype_name(a.cache_type) + ") in the split cache layout";
   }
-  if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) {
-    return ffi::Error::InvalidArgument("num_heads=" + std::to_string(p.num_heads) +
-                                       " must be divisible by num_kv_heads=" +
-                                       std::to_string(p.num_kv_heads));
-  }
-  if (p.num_heads < 1 || p.block_size < 1) {
-    return ffi::Error::InvalidArgument("num_heads=" + std::to_string(p.num_heads) +
-                                       " and block_size=" + std::to_string(p.block_size) +
-                                       " must be >= 1");
-  }
-  p.group = p.num_heads / p.num_kv_heads;
-  const auto td = block_tables.dimensions();
-  if (td.size() != 2 || td[0] != p.num_seqs) {
-    return ffi::Error::InvalidArgument("block_tables must be [num_seqs, max_blocks], got " +
-                                       dims_str(td));
-  }
-  p.max_blocks = td[1];
-  if (seq_lens.element_count() != static_cast<size_t>(p.num_seqs)) {
-    return ffi::Error::InvalidArgument("seq_lens must be [num_seqs], got " +
-                                       dims_str(seq_lens.dimensions()));
-  }
-  const size_t num_slopes = alibi_slopes.element_count();
-  if (num_slopes != 0 && num_slopes != static_cast<size_t>(p.num_heads)) {
-    return ffi::Error::InvalidArgument("alibi_slopes must be [num_heads] or empty, got " +
-                                       dims_str(alibi_slopes.dimensions()));
-  }
-  if (k_scale.element_count() != 1 || v_scale.element_count() != 1) {
-    return ffi::Error::InvalidArgument("k_scale and v_scale must be scalars");
-  }
-  p.query_type = query.element_type();
-  if (p.query_type != ffi::DataType::F32 && p.query_type != ffi::DataType::BF16 &&
-      p.query_type != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument(std::string("query dtype ") + dtype_name(p.query_type) +
-                                       " must be float32, bfloat16 or float16");
-  }
-  if (out->element_type() != p.query_type || dims_str(out->dimensions()) != dims_str(qd)) {
-    return ffi::Error::InvalidArgument("output must have the query's shape and dtype");
-  }
-  const ItemFn item_fn = pick_item_fn(key_cache.element_type(), p.query_type, p.head_size);
-  if (item_fn == nullptr) {
-    return ffi::Error::InvalidArgument(
-        std::string("unsupported key_cache dtype ") + dtype_name(key_cache.element_type()) +
-        " or head_size=" + std::to_string(p.head_size) + " (1..256)");
-  }
-  p.tables = block_tables.typed_data();
-  p.seq_lens = seq_lens.typed_data();
-  p.alibi = num_slopes ? alibi_slopes.typed_data() : nullptr;
-  p.qk_scale = scale * k_scale.typed_data()[0];
-  p.v_scale = v_scale.typed_data()[0];
-  p.window = sliding_window;
-  p.cap = logits_soft_cap;
+  p.tables = a.block_tables;
+  p.seq_lens = a.seq_lens;
+  p.alibi = a.alibi_slopes;
+  p.qk_scale = a.scale * a.k_scale;
+  p.v_scale = a.v_scale;
+  p.window = a.sliding_window;
+  p.cap = a.logits_soft_cap;
   p.prefetch_tiles = kPrefetchTiles;
   if (const char* env = std::getenv("JAX_ATTN_CPU_PREFETCH")) p.prefetch_tiles = std::atol(env);
-  p.query = query.untyped_data();
-  p.out = out->untyped_data();
-  p.key_cache = key_cache.untyped_data();
-  p.value_cache = value_cache.untyped_data();
+  p.query_type = a.query_type;
+  p.query = a.query;
+  p.out = a.out;
+  p.key_cache = a.key_cache;
+  p.value_cache = a.value_cache;
 
   // Value checks, all before any read of the caches: lengths, then every block id read.
   const int64_t BS = p.block_size;
@@ -928,20 +1011,17 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t len = p.seq_lens[s];
     if (len < 0 || len > p.max_blocks * BS) {
-      return ffi::Error::InvalidArgument(
-          "seq_lens[" + std::to_string(s) + "]=" + std::to_string(len) +
-          " must be in [0, max_blocks * block_size = " + std::to_string(p.max_blocks * BS) + "]");
+      return "seq_lens[" + str(s) + "]=" + str(len) +
+             " must be in [0, max_blocks * block_size = " + str(p.max_blocks * BS) + "]";
     }
     ranges[s] = len > 0 ? visible_keys(len - 1, len, p.window) : KeyRange{0, 0};
     if (ranges[s].end <= ranges[s].begin) continue;
     for (int64_t b = ranges[s].begin / BS; b <= (ranges[s].end - 1) / BS; ++b) {
       const int32_t id = p.tables[s * p.max_blocks + b];
       if (id < 0 || id >= p.num_blocks) {
-        return ffi::Error::InvalidArgument(
-            "block_tables[" + std::to_string(s) + ", " + std::to_string(b) + "]=" +
-            std::to_string(id) + " must be in [0, num_blocks=" + std::to_string(p.num_blocks) +
-            ") (the block holds keys of seq_lens[" + std::to_string(s) + "]=" +
-            std::to_string(len) + ")");
+        return "block_tables[" + str(s) + ", " + str(b) + "]=" + str(id) +
+               " must be in [0, num_blocks=" + str(p.num_blocks) +
+               ") (the block holds keys of seq_lens[" + str(s) + "]=" + str(len) + ")";
       }
     }
     total_keys += ranges[s].end - ranges[s].begin;
@@ -949,11 +1029,11 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
 
   // Items: each sequence, long ones in parts of whole blocks (split-K) so every worker has
   // several items; rows of empty sequences are zeros right away.
-  const int64_t workers = num_workers(pool);
-  // split_tokens is an attribute (any int64): at most the longest possible sequence, so the
-  // rounding below cannot overflow.
-  int64_t part_keys = split_tokens > 0 ? std::min(split_tokens, p.max_blocks * BS + 1)
-                                       : std::max<int64_t>(512, total_keys / (4 * workers) + 1);
+  // split_tokens may be any int64: at most the longest possible sequence, so the rounding
+  // below cannot overflow.
+  const int64_t part_keys =
+      a.split_tokens > 0 ? std::min(a.split_tokens, p.max_blocks * BS + 1)
+                         : std::max<int64_t>(512, total_keys / (4 * workers.count) + 1);
   const int64_t part_blocks = std::max<int64_t>(1, (part_keys + BS - 1) / BS);
   std::vector<Item> items;
   items.reserve(p.num_seqs);
@@ -978,32 +1058,9 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
   std::vector<float> scratch(static_cast<size_t>(scratch_rows * (DP + 16)));
   std::unique_ptr<std::atomic<int32_t>[]> arrivals(new std::atomic<int32_t>[p.num_seqs]);
   for (int64_t s = 0; s < p.num_seqs; ++s) arrivals[s].store(0, std::memory_order_relaxed);
-  parallel_for(pool, static_cast<int64_t>(items.size()), workers, [&](int64_t i) {
-    item_fn(p, items[i], scratch.data(), arrivals.get());
-  });
-  return ffi::Error::Success();
+  run_items(workers, static_cast<int64_t>(items.size()),
+            [&](int64_t i) { item_fn(p, items[i], scratch.data(), arrivals.get()); });
+  return "";
 }
 
-}  // namespace
 }  // namespace jax_attn_cpu
-
-// Arguments: query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes ([Hq], or
-// [0] for none), k_scale, v_scale (f32 scalars); attributes: scale, sliding_window (0: none),
-// logits_soft_cap (0: none), split_tokens (keys per split-K part; 0: automatic).
-JAX_ATTN_EXPORT_HANDLER(jax_attn_cpu_paged_decode);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_paged_decode, jax_attn_cpu::PagedDecode,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // query
-                                  .Arg<xla::ffi::AnyBuffer>()  // key_cache
-                                  .Arg<xla::ffi::AnyBuffer>()  // value_cache
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block_tables
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seq_lens
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // alibi_slopes
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // k_scale
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_scale
-                                  .Ret<xla::ffi::AnyBuffer>()              // output
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("logits_soft_cap")
-                                  .Attr<int64_t>("split_tokens"));

@@ -1,0 +1,187 @@
+"""The project's native CPU kernels as torch ops (`torch.ops.jax_attn.*`), for the torch half.
+
+The C++ is `jax_attn/cpu/csrc` (one source with `jax_attn.cpu`'s XLA kernels): torch_ops.cc
+binds the kernels as torch ops through `TORCH_LIBRARY`, compiled on first use against the
+running torch's headers into `libjax_attn_torch.so`, cached like the XLA library (the
+builder, `jax_attn/cpu/_build.py`, is loaded by path: nothing here imports JAX). Each op has
+a fake (meta) kernel registered here, so `torch.compile` traces through it and
+`torch.library.opcheck` passes.
+
+    paged_decode_split   vLLM's decode over its split cache layout (`paged_attention_v1`)
+
+Where the library cannot be built (no compiler, a failed build, `JAX_ATTN_CPU_DISABLE=1`),
+`unavailable_reason()` says why, the callers run their vectorized-torch path, and a warning
+says so once per process.
+"""
+
+import importlib.util
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from torch_backends.layouts import Scale
+
+LIB_NAME = "libjax_attn_torch.so"
+# The C++ units of the torch library (every csrc header is part of its cache key).
+UNITS = ("paged_decode.cc", "torch_ops.cc")
+
+_lock = threading.Lock()
+_state: dict = {}  # "reason" (str | None), "path", "build_seconds", "warned" (bool)
+
+
+def _csrc_dir() -> Path:
+    """jax_attn's csrc directory, found without importing jax_attn (which imports JAX)."""
+    spec = importlib.util.find_spec("jax_attn")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the jax_attn package (which holds the C++ sources) is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "cpu" / "csrc"
+
+
+def _builder():
+    """jax_attn/cpu/_build.py as a module of its own (stdlib only at import)."""
+    name = "torch_backends._kernel_build"
+    if name not in sys.modules:
+        path = _csrc_dir().parent / "_build.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _torch_library(build):
+    torch_dir = Path(torch.__file__).parent
+    lib_dir = str(torch_dir / "lib")
+    include = torch_dir / "include"
+    return build.Library(
+        LIB_NAME,
+        units=lambda: [build.CSRC / unit for unit in UNITS],
+        include_dirs=lambda: [str(include), str(include / "torch" / "csrc" / "api" / "include")],
+        version=lambda: "torch " + torch.__version__,
+        compile_flags=lambda: [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"],
+        link_flags=lambda: [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu"],
+    )
+
+
+def build(verbose: bool = False) -> tuple[Path, float]:
+    """Build (or find cached) the torch library; (path, seconds compiling: 0 if cached).
+    Raises RuntimeError with a one-line reason."""
+    builder = _builder()
+    return builder.build(verbose=verbose, lib=_torch_library(builder))
+
+
+def unavailable_reason() -> str | None:
+    """None when the ops are loaded (building them on first call), else a one-line reason.
+    Never raises. `JAX_ATTN_CPU_DISABLE=1` forces a reason (to test the fallback)."""
+    import os
+
+    disable = os.environ.get("JAX_ATTN_CPU_DISABLE", "")
+    if disable not in ("", "0"):
+        return f"disabled by JAX_ATTN_CPU_DISABLE={disable}"
+    with _lock:
+        if "reason" not in _state:
+            try:
+                path, seconds = build()
+                torch.ops.load_library(str(path))
+                _register_fakes()
+                _state.update(reason=None, path=path, build_seconds=seconds)
+            except Exception as e:  # the contract: a reason, never an exception
+                _state["reason"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return _state["reason"]
+
+
+def available() -> bool:
+    """Whether the native ops run here; the first `False` in a process warns with the reason."""
+    reason = unavailable_reason()
+    if reason is not None and not _state.get("warned"):
+        _state["warned"] = True
+        warnings.warn(
+            f"torch_backends: the native CPU kernels are not available ({reason}); paged "
+            "decode runs in vectorized torch instead (several times slower)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return reason is None
+
+
+# --------------------------------------------------------------------------------------------
+# Fake kernels: what torch.compile and opcheck see (the ops write `out` and return nothing).
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("jax_attn::paged_decode_split")
+    def _(out, query, *args) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Calls
+
+
+def _scale_tensor(scale: Scale) -> Tensor:
+    if isinstance(scale, Tensor):
+        return scale.detach().to(torch.float32).reshape(1)
+    return torch.tensor([float(scale)], dtype=torch.float32)
+
+
+# x = 16 bytes of the cache's element: key_cache [NB, Hkv, D // x, BS, x].
+_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def decode_supported(query: Tensor, key_cache: Tensor) -> bool:
+    """Whether `paged_decode_split` takes these tensors (CPU, dtypes, head size <= 256)."""
+    return (
+        query.device.type == "cpu"
+        and key_cache.device.type == "cpu"
+        and query.dtype in _QUERY_DTYPES
+        and query.dim() == 3
+        and 1 <= query.shape[-1] <= 256
+        and key_cache.dim() == 5
+        and key_cache.shape[-1] * key_cache.element_size() == 16
+    )
+
+
+def paged_decode_split(
+    out: Tensor,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float,
+    alibi_slopes: Tensor | None,
+    k_scale: Scale,
+    v_scale: Scale,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    kv_cache_dtype: str,
+) -> Tensor:
+    """`out[s] = ` one query per sequence at position `seq_lens[s] - 1` over vLLM's split
+    cache (the native kernel); returns `out`. Bad values raise ValueError before any read.
+    The scales apply to fp8 caches only (vLLM's rule: an "auto" cache stores the values)."""
+    if unavailable_reason() is not None:
+        raise RuntimeError(f"torch_backends.native is not available: {unavailable_reason()}")
+    if kv_cache_dtype == "auto":
+        k_scale = v_scale = 1.0
+    torch.ops.jax_attn.paged_decode_split(
+        out,
+        query.contiguous(),
+        key_cache,
+        value_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous(),
+        float(scale),
+        _scale_tensor(k_scale),
+        _scale_tensor(v_scale),
+        int(sliding_window or 0),
+        float(logits_soft_cap or 0.0),
+        kv_cache_dtype,
+    )
+    return out
+
