@@ -43,6 +43,15 @@ LOAD_TIMEOUT_S = 300.0  # reading a workload's arrays, building metadata, one ch
 CALL_TIMEOUT_S = 120.0  # one step (vLLM's own decode: ~0.1 s; prefill-8x512: ~1 s)
 STDERR_TAIL = 1500  # characters of the worker's stderr quoted in a crash report
 
+# The worker's torch (GNU OpenMP) lets its workers spin after every call by default: measured
+# on the dev VM (2 cores, load 3-6, decode-f32 / decode-bf16, 11-15 interleaved rounds), the
+# child burned a median 3.3 ms of CPU in the 200 ms after each reply, a core taken from the
+# bench's next peer; with PASSIVE, 0. vLLM's own decode was not slower with PASSIVE (f32 77 /
+# 104 / 114 ms against 101 / 112 / 128 with the default, bf16 128 / 143 against 140 / 150:
+# waking the workers costs microseconds against a call of ~0.1 s). The bench's
+# settle (SETTLE_S of untimed calls before every timed one) absorbs what is left either way.
+WAIT_POLICY = "PASSIVE"
+
 _python_option: str | None = None  # --vllm085-python
 
 
@@ -153,9 +162,11 @@ _problem: str | None = None  # why no worker, once known
 
 
 def worker_env() -> dict[str, str]:
-    """The worker's environment: this one, with the checkout first on PYTHONPATH."""
+    """The worker's environment: this one, with the checkout first on PYTHONPATH and, unless
+    the caller set one, OpenMP's passive wait policy (see WAIT_POLICY)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
     return env
 
 

@@ -3,6 +3,7 @@ computed the same attention as the JAX xla path. Speed is never asserted."""
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -123,6 +124,7 @@ def test_vllm085_peer_is_timed_or_names_what_is_missing(record):
         assert row["decode"].endswith("forward_decode -> torch.ops._C.paged_attention_v1")
         assert row["vllm"].startswith("0.8.5") and row["torch"].startswith("2.6"), row
         assert row["reps"] == len(row["times_s"]) == 3 and min(row["times_s"]) > 0
+        assert row["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", vllm085.WAIT_POLICY)
     fp8 = record["workloads"]["decode-fp8"]["backends"][vllm085.NAME]
     assert fp8["status"] == "skipped" and "intel_extension_for_pytorch" in fp8["note"], fp8
 
