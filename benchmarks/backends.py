@@ -10,6 +10,9 @@
 | IPEX          | IPEX 2.8's kernels directly: `varlen_attention` for prefills,              |
 |               | `PagedAttention.single_query_cached_kv_attention` for decodes              |
 | XFORMERS      | `XFormersImpl.forward` as TORCH_SDPA, on CUDA only (no CPU kernel)         |
+| vllm085-      | vLLM 0.8.5's own `TorchSDPABackendImpl.forward` (decode: its C++           |
+|   TORCH_SDPA  | `paged_attention_v1`) in a worker process in the vllm085 env (torch 2.6),  |
+|               | timed there, one request per call (`benchmarks/vllm085.py`)                |
 
 `prepare` does all conversion, layout changes, metadata building and (for JAX) compilation,
 so a call is the attention step and nothing else. Every call returns only when its result is
@@ -43,6 +46,10 @@ class Prepared:
     call: Callable[[], Any]  # one step; returns once the result is ready
     output: Callable[[Any], np.ndarray]  # a call's result as float32 [T, Hq, D]
     info: dict = dataclasses.field(default_factory=dict)
+    # One call returning its own duration, for a peer whose calls are timed where they run
+    # (another process); None: the bench times `call` itself.
+    timed: Callable[[], float] | None = None
+    close: Callable[[], None] | None = None  # after the workload's rounds (frees its memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +367,22 @@ def _prepare_ipex(data: Data) -> Prepared:
     return Prepared(call, _torch_output, info)
 
 
+# ---------------------------------------------------------------------------------------------
+# vLLM 0.8.5's own TORCH_SDPA: another environment, a worker process (benchmarks/vllm085.py)
+
+
+def _vllm085_available() -> str | None:
+    from benchmarks import vllm085
+
+    return vllm085.why_unavailable()
+
+
+def _prepare_vllm085(data: Data) -> Prepared:
+    from benchmarks import vllm085
+
+    return vllm085.prepare(data)
+
+
 PEERS = [
     Peer("jax-xla", _jax_available, functools.partial(_prepare_jax, impl="xla")),
     Peer("jax-reference", _jax_available, functools.partial(_prepare_jax, impl="reference")),
@@ -375,5 +398,7 @@ PEERS = [
         _xformers_available,
         functools.partial(_prepare_vllm, backend_name="XFORMERS", device="cuda"),
     ),
+    Peer("vllm085-TORCH_SDPA", _vllm085_available, _prepare_vllm085),
 ]
+
 BASELINE = "jax-xla"

@@ -19,6 +19,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     bench.add_argument("--json", help="write the results to this JSON file")
     bench.add_argument("--quick", action="store_true")
     bench.add_argument(
+        "--vllm085-python",
+        metavar="PATH",
+        help="the vllm085 environment's python, for the vllm085-TORCH_SDPA peer (default: "
+        "$JAX_ATTN_VLLM085_PYTHON, else the cached env scripts/env.sh vllm085 built, if any)",
+    )
+    bench.add_argument(
         "--gpu", action="store_true", help="the GPU suite (benchmarks/gpu_decode.py) instead"
     )
     bench.add_argument(

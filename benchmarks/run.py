@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks import backends, report
+from benchmarks import backends, report, vllm085
 from benchmarks.backends import BASELINE, PEERS, Prepared, Skip
 from benchmarks.workloads import Spec, make_data, named_workloads
 
@@ -227,6 +227,11 @@ def run_workload(
             p.call()
         except Exception as e:
             rows[name].update(status="error", note=f"{type(e).__name__}: {e}")
+            if p.close is not None:
+                try:
+                    p.close()
+                except Exception:
+                    pass  # its error is already the row's note
             del prepared[name]
     copier()
     if reader is not None:
@@ -238,12 +243,14 @@ def run_workload(
 
     # Timed rounds, every peer once per round, the order rotated each round. Each timed call
     # comes after `SETTLE_S` of untimed calls of the same peer (see SETTLE_S); the first of
-    # those, timed too, is kept as `after_other_s`.
-    calls = {name: p.call for name, p in prepared.items()}
-    calls["copy"] = copier
+    # those, timed too, is kept as `after_other_s`. A peer in another process (`timed`) reports
+    # each call's time as measured there; a peer that fails mid-rounds leaves the rotation and
+    # is reported as an error, and the others go on.
+    timers = {name: p.timed or _timer(p.call) for name, p in prepared.items()}
+    timers["copy"] = _timer(copier)
     if reader is not None:
-        calls["read"] = reader
-    names = list(calls)
+        timers["read"] = _timer(reader)
+    names = list(timers)
     times = {name: [] for name in names}
     after_other = {name: [] for name in names}
     started = time.perf_counter()
@@ -251,15 +258,25 @@ def run_workload(
         progress.update(task, description=f"{spec.name}: round {r + 1}/{reps}")
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            after_other[name].append(_settle(calls[name], settle_s))
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
+            try:
+                after_other[name].append(_settle(timers[name], settle_s))
+                times[name].append(timers[name]())
+            except Exception as e:
+                rows[name].update(status="error", note=f"{type(e).__name__}: {e}")
+                names.remove(name)
+                del times[name], prepared[name]
         progress.advance(task)
         if budget_s is not None and r + 1 >= MIN_REPS and time.perf_counter() - started > budget_s:
             break
     progress.update(task, completed=len(peers) + 2 + reps, description=f"{spec.name}: done")
-    del prepared, calls
+    for name, p in prepared.items():
+        if p.close is not None:
+            try:
+                p.close()
+            except Exception as e:
+                rows[name].update(status="error", note=f"{type(e).__name__}: {e}")
+                times.pop(name, None)
+    del prepared, timers
     gc.collect()
 
     copy = _stats(times.pop("copy"))
@@ -297,13 +314,24 @@ def run_workload(
     )
 
 
-def _settle(call: Callable[[], object], settle_s: float) -> float:
-    """Untimed calls for at least `settle_s` (at least one); returns the first call's time."""
-    start = time.perf_counter()
-    call()
-    first = time.perf_counter() - start
-    while time.perf_counter() - start < settle_s:
+def _timer(call: Callable[[], object]) -> Callable[[], float]:
+    """`call` made to return its own wall time."""
+
+    def timed() -> float:
+        start = time.perf_counter()
         call()
+        return time.perf_counter() - start
+
+    return timed
+
+
+def _settle(timed: Callable[[], float], settle_s: float) -> float:
+    """Untimed calls for at least `settle_s` of wall time (at least one); returns the first
+    call's time."""
+    start = time.perf_counter()
+    first = timed()
+    while time.perf_counter() - start < settle_s:
+        timed()
     return first
 
 
@@ -363,8 +391,11 @@ def _ratio(results: dict, num: tuple[str, str], den: tuple[str, str]) -> float |
     return a / b if a and b else None
 
 
+VLLM085 = "vllm085-TORCH_SDPA"
+
+
 def check_targets(results: dict) -> list[dict]:
-    # (what, value, goal, at least?, threshold)
+    # (what, value, goal, least): met when value >= least
     rows = [
         (
             f"decode-f32: {CPU} fraction of copy bandwidth",
@@ -419,6 +450,27 @@ def check_targets(results: dict) -> list[dict]:
         dict(target=what, goal=goal, value=value, met=None if value is None else value >= least)
         for what, value, goal, least in rows
     ]
+    # Issue 20: the project's TORCH_SDPA decode against vLLM 0.8.5's own (timed in the same run,
+    # in its own environment) and against the native kernels.
+    for workload in ("decode-f32", "decode-bf16"):
+        faster = _ratio(results, (workload, VLLM085), (workload, "TORCH_SDPA"))
+        targets.append(
+            dict(
+                target=f"{workload}: {VLLM085} time / TORCH_SDPA time",
+                goal=">= 3",
+                value=faster,
+                met=None if faster is None else faster >= 3.0,
+            )
+        )
+        slower = _ratio(results, (workload, "TORCH_SDPA"), (workload, CPU))
+        targets.append(
+            dict(
+                target=f"{workload}: TORCH_SDPA time / {CPU} time",
+                goal="<= 1.25",
+                value=slower,
+                met=None if slower is None else slower <= 1.25,
+            )
+        )
     compile_s = _row(results, "decode-f32", CPU).get("compile_s")
     targets.append(
         dict(
@@ -622,7 +674,6 @@ def render(console, record: dict) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     console = Console()
     if not console.is_terminal:  # a log file or a pipe: room for the whole table
@@ -633,6 +684,16 @@ def main(args: argparse.Namespace) -> int:
     if specs is None:
         return 2
     reps_arg = getattr(args, "reps", None)
+
+    vllm085.use_python(getattr(args, "vllm085_python", None))
+    try:
+        return _run(args, console, quick, specs, reps_arg)
+    finally:
+        vllm085.close()  # the worker process, if one started
+
+
+def _run(args: argparse.Namespace, console, quick: bool, specs: dict, reps_arg) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     peers, unavailable = available_peers(PEERS)
 

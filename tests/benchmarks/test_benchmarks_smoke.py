@@ -3,13 +3,14 @@ computed the same attention as the JAX xla path. Speed is never asserted."""
 
 import argparse
 import json
+import os
 
 import pytest
 
 pytest.importorskip("jax")
 pytest.importorskip("rich")
 
-from benchmarks import report, run
+from benchmarks import report, run, vllm085
 from benchmarks.workloads import named_workloads
 
 ROW_FIELDS = {
@@ -105,3 +106,52 @@ def test_jax_cpu_peer_is_reported(record):
         assert row["status"] in ("ok", "skipped", "unavailable"), (name, row)
         if row["status"] == "unavailable":
             assert row["note"], name
+
+
+def test_vllm085_peer_is_timed_or_names_what_is_missing(record):
+    """vLLM 0.8.5's own TORCH_SDPA, timed in its environment's worker process, where that
+    environment is built (`scripts/env_path.sh vllm085`); else unavailable, saying why."""
+    reason = record["unavailable"].get(vllm085.NAME)
+    if reason is not None:
+        assert reason.startswith("not available: "), reason
+        for result in record["workloads"].values():
+            assert result["backends"][vllm085.NAME]["status"] == "unavailable"
+        pytest.skip(f"{vllm085.NAME}: {reason}")
+    for name in ("decode-f32", "decode-bf16", "decode-8x8192", "prefill-8x512", "mixed"):
+        row = record["workloads"][name]["backends"][vllm085.NAME]
+        assert row["status"] == "ok", (name, row["note"])
+        assert row["agrees"] is True, (name, row["max_abs_err_vs_jax"])
+        assert row["decode"].endswith("forward_decode -> torch.ops._C.paged_attention_v1")
+        assert row["vllm"].startswith("0.8.5") and row["torch"].startswith("2.6"), row
+        assert row["reps"] == len(row["times_s"]) == 3 and min(row["times_s"]) > 0
+        assert row["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", vllm085.WAIT_POLICY)
+    fp8 = record["workloads"]["decode-fp8"]["backends"][vllm085.NAME]
+    assert fp8["status"] == "skipped" and "intel_extension_for_pytorch" in fp8["note"], fp8
+
+
+def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
+    def rows(**medians):
+        return {"backends": {p: dict(status="ok", median_s=s) for p, s in medians.items()}}
+
+    def results(vllm, torch_sdpa, jax_cpu):
+        peers = {vllm085.NAME: vllm, "TORCH_SDPA": torch_sdpa, "jax-cpu": jax_cpu}
+        return {w: rows(**peers) for w in ("decode-f32", "decode-bf16")}
+
+    def issue20(targets):
+        return {
+            t["target"]: (t["value"], t["met"]) for t in targets if "TORCH_SDPA time" in t["target"]
+        }
+
+    met = issue20(run.check_targets(results(vllm=0.090, torch_sdpa=0.012, jax_cpu=0.010)))
+    assert met == {
+        f"{w}: {what}": value
+        for w in ("decode-f32", "decode-bf16")
+        for what, value in (
+            (f"{vllm085.NAME} time / TORCH_SDPA time", (pytest.approx(7.5), True)),
+            ("TORCH_SDPA time / jax-cpu time", (pytest.approx(1.2), True)),
+        )
+    }
+    slow = issue20(run.check_targets(results(vllm=0.090, torch_sdpa=0.400, jax_cpu=0.010)))
+    assert {met for _, met in slow.values()} == {False}
+    missing = run.check_targets({"decode-f32": rows(**{"TORCH_SDPA": 0.01})})
+    assert all(t["met"] is None for t in missing if "TORCH_SDPA time" in t["target"])
