@@ -34,9 +34,11 @@ fi
 echo "== vllm085 environment (vLLM 0.8.5 on torch 2.6): tests marked vllm085"
 set +e
 # JAX_ATTN_REQUIRE_VLLM085=1: fail unless vLLM 0.8.5 imports and vllm085 tests pass, none
-# skipped (tests/vllm085/conftest.py). One process, no -n: every test starts vLLM engines,
+# skipped (tests/vllm085/conftest.py); JAX_ATTN_REQUIRE_NATIVE=1: the native torch ops build
+# here against torch 2.6, so TORCH_SDPA's decode in the conformance and engine tests is our
+# kernel against vLLM's. One process, no -n: every test starts vLLM engines,
 # and those share the process-wide state that vLLM's engine keeps.
-JAX_ATTN_REQUIRE_VLLM085=1 JAX_ATTN_ENV=vllm085 bash scripts/run.sh \
+JAX_ATTN_REQUIRE_VLLM085=1 JAX_ATTN_REQUIRE_NATIVE=1 JAX_ATTN_ENV=vllm085 bash scripts/run.sh \
     python -m pytest -m vllm085 tests "$@"
 rc=$?
 set -e

@@ -10,9 +10,10 @@
   in any environment, a test skipped for want of IPEX that is not marked `ipex` (so the IPEX
   half would never run it) fails the session.
 - The native CPU kernels are never skipped quietly either: with JAX_ATTN_REQUIRE_NATIVE=1
-  (scripts/test.sh's main half) the session fails at once unless the kernels build and
-  register here, and fails at the end if any test skipped for want of them (a skip reason
-  naming the native kernels: "native CPU kernels: ...", "jax-cpu does not run here: ...").
+  (scripts/test.sh's main and vllm085 stages) the session fails at once unless the kernels
+  build and load here (jax_attn.cpu's, and torch_backends.native's where torch imports), and
+  fails at the end if any test skipped for want of them (a skip reason naming the native
+  kernels: "native CPU kernels: ...", "jax-cpu does not run here: ...", "native torch ops").
 """
 
 import hashlib
@@ -76,17 +77,28 @@ REQUIRE_IPEX = os.environ.get("JAX_ATTN_REQUIRE_IPEX") == "1"
 _ipex_runs = {"passed": 0, "skipped": [], "unmarked": []}
 REQUIRE_NATIVE = os.environ.get("JAX_ATTN_REQUIRE_NATIVE") == "1"
 # Skip reasons that mean "the native CPU kernels are not here".
-NATIVE_SKIP = re.compile(r"native CPU kernels|jax-cpu does not run here|jax_attn\.cpu kernels")
+NATIVE_SKIP = re.compile(
+    r"native CPU kernels|jax-cpu does not run here|jax_attn\.cpu kernels|native torch ops"
+)
 _native_skips: list[str] = []
 
 
 def native_unavailable_reason() -> str | None:
-    """Why the native CPU kernels cannot run here (None: they build and register)."""
+    """Why the native CPU kernels cannot run here (None: they build and load): jax_attn.cpu's
+    XLA library, and where torch imports, torch_backends.native's torch ops."""
     try:
         from jax_attn import cpu
     except Exception as e:  # no JAX in this environment
         return f"jax_attn.cpu does not import: {e}"
-    return cpu.unavailable_reason()
+    if (reason := cpu.unavailable_reason()) is not None:
+        return f"jax_attn.cpu: {reason}"
+    try:
+        from torch_backends import native
+    except ImportError:  # no torch here: the JAX half alone
+        return None
+    if (reason := native.unavailable_reason()) is not None:
+        return f"torch_backends.native: {reason}"
+    return None
 
 
 def pytest_sessionstart(session):

@@ -95,7 +95,10 @@ def unavailable_reason() -> str | None:
 
 
 def available() -> bool:
-    """Whether the native ops run here; the first `False` in a process warns with the reason."""
+    """Whether the native ops run here; the first `False` in a process warns with the reason.
+    Under `torch.compile` it reads the state the first eager call left (no lock, no build)."""
+    if torch.compiler.is_compiling():
+        return _state.get("reason", "not loaded") is None
     reason = unavailable_reason()
     if reason is not None and not _state.get("warned"):
         _state["warned"] = True
@@ -164,7 +167,7 @@ def paged_decode_split(
     """`out[s] = ` one query per sequence at position `seq_lens[s] - 1` over vLLM's split
     cache (the native kernel); returns `out`. Bad values raise ValueError before any read.
     The scales apply to fp8 caches only (vLLM's rule: an "auto" cache stores the values)."""
-    if unavailable_reason() is not None:
+    if not available():
         raise RuntimeError(f"torch_backends.native is not available: {unavailable_reason()}")
     if kv_cache_dtype == "auto":
         k_scale = v_scale = 1.0
@@ -184,4 +187,3 @@ def paged_decode_split(
         kv_cache_dtype,
     )
     return out
-

@@ -62,7 +62,6 @@ HANDLERS = (
 )
 
 
-
 @dataclass(frozen=True)
 class Library:
     """One shared library built from csrc/: which units, against which framework."""

@@ -1,0 +1,263 @@
+"""The native CPU kernels as torch ops (`torch_backends.native`): the decode over vLLM's split
+cache against the float64 oracle, bad input refused before any write, `opcheck`,
+`torch.compile` without a graph break, and the torch fallback where the C++ is not built."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tolerances import assert_close
+from torch_cases import FP8, alibi, nan_cache, put, reference_attention, round_like_cache
+
+from torch_backends import native
+from torch_backends.cpu_paged_attn import PagedAttention as CpuPagedAttention
+from torch_backends.paged_attn import PagedAttention
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    native.unavailable_reason() is not None,
+    reason=f"native torch ops not available: {native.unavailable_reason()}",
+)
+
+
+def split_decode_case(
+    gen,
+    *,
+    num_seqs,
+    num_heads,
+    num_kv_heads,
+    head_size,
+    block_size,
+    dtype,
+    kv_cache_dtype="auto",
+    max_len=70,
+    k_scale=1.0,
+    v_scale=1.0,
+):
+    """A decode step over a NaN-poisoned split cache filled by index arithmetic: (query, key
+    cache, value cache, block tables, seq lens, the keys and values the cache holds as float64
+    [sum(seq_lens), Hkv, D])."""
+    seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen).tolist()
+    seq_lens[0] = max_len  # one full-length sequence: the tables' width
+    seq_lens[-1] = 0 if num_seqs > 2 else seq_lens[-1]  # an empty row gives zeros
+    max_blocks = -(-max_len // block_size)
+    num_blocks = num_seqs * max_blocks + 2
+    ids = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks]
+    tables = ids.reshape(num_seqs, max_blocks).to(torch.int32)
+    cache_dtype = torch.float32 if kv_cache_dtype in FP8 else dtype
+    kv_cache = nan_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype,
+                         kv_cache_dtype)  # fmt: skip
+    keys, values = [], []
+    for s, n in enumerate(seq_lens):
+        k, v = (torch.randn(n, num_kv_heads, head_size, generator=gen) for _ in "kv")
+        for p in range(n):
+            slot = int(tables[s, p // block_size]) * block_size + p % block_size
+            args = (head_size, num_kv_heads, block_size, kv_cache_dtype)
+            put(kv_cache, 0, slot, k[p], *args, k_scale)
+            put(kv_cache, 1, slot, v[p], *args, v_scale)
+        keys.append(round_like_cache(k, kv_cache_dtype, cache_dtype, k_scale))
+        values.append(round_like_cache(v, kv_cache_dtype, cache_dtype, v_scale))
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, num_kv_heads, head_size)
+    query = torch.randn(num_seqs, num_heads, head_size, generator=gen).to(dtype)
+    return (query, key_cache, value_cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
+            torch.cat(keys), torch.cat(values))  # fmt: skip
+
+
+GRID = [
+    # dtype, kv_cache_dtype, head_size, block_size, group, bias
+    (torch.float32, "auto", 128, 16, 4, None),
+    (torch.float32, "auto", 64, 8, 1, "alibi"),
+    (torch.float32, "auto", 80, 32, 2, "window"),
+    (torch.float32, "auto", 120, 16, 4, "softcap"),
+    (torch.float32, "auto", 256, 16, 8, None),
+    (torch.bfloat16, "auto", 128, 16, 4, None),
+    (torch.bfloat16, "auto", 96, 16, 2, "alibi"),
+    (torch.bfloat16, "auto", 64, 32, 1, "window"),
+    (torch.float16, "auto", 64, 16, 4, "softcap"),
+    (torch.bfloat16, "fp8", 128, 16, 4, None),
+    (torch.float32, "fp8_e4m3", 64, 16, 2, "window"),
+    (torch.bfloat16, "fp8_e5m2", 128, 16, 4, "alibi"),
+]
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype,head_size,block_size,group,bias", GRID)
+def test_decode_matches_the_float64_oracle(
+    dtype, kv_cache_dtype, head_size, block_size, group, bias, rng
+):
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    hkv = 2
+    scales = (0.7, 1.3) if kv_cache_dtype in FP8 else (1.0, 1.0)
+    q, kc, vc, tables, lens, keys, values = split_decode_case(
+        gen, num_seqs=5, num_heads=hkv * group, num_kv_heads=hkv, head_size=head_size,
+        block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        k_scale=scales[0], v_scale=scales[1],
+    )  # fmt: skip
+    bias_kwargs = {
+        None: {},
+        "alibi": dict(alibi_slopes=torch.tensor(alibi(hkv * group))),
+        "window": dict(sliding_window=19),
+        "softcap": dict(logits_soft_cap=3.0),
+    }[bias]
+    out = torch.full_like(q, float("nan"))
+    CpuPagedAttention.forward_decode(
+        out, q, kc, vc, tables, lens, int(lens.max()), kv_cache_dtype, hkv, 0.3,
+        bias_kwargs.get("alibi_slopes"), *scales,
+        sliding_window=bias_kwargs.get("sliding_window"),
+        logits_soft_cap=bias_kwargs.get("logits_soft_cap"),
+    )  # fmt: skip
+    expected = reference_attention(
+        q, keys, values, [1] * len(lens), lens.tolist(), causal=True, scale=0.3, **bias_kwargs
+    )
+    assert_close(out.float(), expected, dtype, FP8.get(kv_cache_dtype), what="native decode")
+
+
+def _small_case(rng, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    return split_decode_case(
+        gen, num_seqs=3, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype
+    )[:5]
+
+
+def _call(out, q, kc, vc, tables, lens):
+    native.paged_decode_split(
+        out, q, kc, vc, tables, lens, scale=0.125, alibi_slopes=None, k_scale=1.0,
+        v_scale=1.0, sliding_window=None, logits_soft_cap=None, kv_cache_dtype="auto",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda t, n: t.__setitem__((0, 1), 10_000), r"block_tables\[0, 1\]=10000 must be in"),
+        (lambda t, n: t.__setitem__((0, 0), -1), r"block_tables\[0, 0\]=-1 must be in"),
+        (lambda t, n: n.__setitem__(1, 10_000), r"seq_lens\[1\]=10000 must be in \[0, max_"),
+        (lambda t, n: n.__setitem__(2, -4), r"seq_lens\[2\]=-4 must be in"),
+    ],
+)
+def test_bad_values_raise_before_any_write(damage, message, rng):
+    q, kc, vc, tables, lens = _small_case(rng)
+    damage(tables, lens)
+    out = torch.full_like(q, 7.0)
+    snapshot = (kc.clone(), vc.clone())
+    with pytest.raises(ValueError, match=message):
+        _call(out, q, kc, vc, tables, lens)
+    assert torch.equal(out, torch.full_like(q, 7.0))  # not one row written
+    for before, after in zip(snapshot, (kc, vc), strict=True):  # the caches' bytes unchanged
+        assert torch.equal(before.view(torch.uint8), after.view(torch.uint8))
+
+
+def test_bad_shapes_and_dtypes_name_the_argument(rng):
+    q, kc, vc, tables, lens = _small_case(rng)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        torch.ops.jax_attn.paged_decode_split(
+            out, q, kc, vc, tables.long(), lens, None, 0.1, torch.ones(1), torch.ones(1), 0,
+            0.0, "auto",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="out must have the query's shape and dtype"):
+        _call(out[:2], q, kc, vc, tables, lens)
+    with pytest.raises(ValueError, match=r"value_cache .* must be \[num_blocks, num_kv_heads"):
+        _call(out, q, kc, vc[:, :1].contiguous(), tables, lens)
+    with pytest.raises(ValueError, match="kv_cache_dtype=fp9 must be auto, fp8"):
+        kc8 = torch.zeros(kc.shape[0], 2, 64 // 16, 16, 16, dtype=torch.uint8)
+        vc8 = torch.zeros(kc.shape[0], 2, 64, 16, dtype=torch.uint8)
+        native.paged_decode_split(
+            out, q, kc8, vc8, tables, lens,
+            scale=0.1, alibi_slopes=None, k_scale=1.0, v_scale=1.0, sliding_window=None,
+            logits_soft_cap=None, kv_cache_dtype="fp9",
+        )  # fmt: skip
+
+
+def test_opcheck(rng):
+    q, kc, vc, tables, lens = _small_case(rng, torch.bfloat16)
+    args = (torch.empty_like(q), q, kc, vc, tables, lens, torch.rand(4), 0.125,
+            torch.ones(1), torch.ones(1), 0, 0.0, "auto")  # fmt: skip
+    torch.library.opcheck(torch.ops.jax_attn.paged_decode_split.default, args)
+
+
+def test_torch_compile_traces_a_decode_without_a_graph_break(rng):
+    q, kc, vc, tables, lens = _small_case(rng)
+
+    def step(query, out):
+        CpuPagedAttention.forward_decode(
+            out, query * 2.0, kc, vc, tables, lens, 64, "auto", 2, 0.125, None, 1.0, 1.0,
+            sliding_window=24,
+        )  # fmt: skip
+        return out + 1.0
+
+    eager = step(q, torch.empty_like(q))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # fullgraph: no breaks
+    assert torch.equal(compiled(q, torch.empty_like(q)), eager)
+
+
+def _run_child(code: str, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **env}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=full_env, timeout=600)  # fmt: skip
+
+
+DECODE_IN_A_CHILD = """
+    import sys, warnings
+    import torch
+    from torch_backends import get_attn_backend, AttentionLayer, native
+    backend = get_attn_backend("TORCH_SDPA")
+    impl = backend.get_impl_cls()(4, 64, 0.125, 2, None, None, "auto")
+    md = backend.get_builder_cls()(None).build(
+        [20, 7], [1, 1], -1, -1, block_tables=[[1, 0], [2]], block_size=16)
+    kv = torch.randn(2, 3, 16 * 2 * 64)
+    q = torch.randn(2, 4 * 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = impl.forward(AttentionLayer(1.0, 1.0), q, None, None, kv, md)
+        b = impl.forward(AttentionLayer(1.0, 1.0), q, None, None, kv, md)
+    print("REASON:", native.unavailable_reason())
+    print("WARNINGS:", sum("native CPU kernels are not available" in str(w.message)
+                           for w in caught))
+    print("EQUAL:", torch.equal(a, b), "FINITE:", bool(a.isfinite().all()))
+    print("JAX:", "jax" in sys.modules)
+"""
+
+
+def test_without_the_library_decode_runs_in_torch_and_says_so_once():
+    result = _run_child(DECODE_IN_A_CHILD, JAX_ATTN_CPU_DISABLE="1")
+    assert result.returncode == 0, result.stderr
+    assert "REASON: disabled by JAX_ATTN_CPU_DISABLE=1" in result.stdout
+    assert "WARNINGS: 1" in result.stdout  # two decodes, one warning
+    assert "EQUAL: True FINITE: True" in result.stdout
+
+
+def test_the_torch_half_runs_native_without_importing_jax():
+    result = _run_child(DECODE_IN_A_CHILD)
+    assert result.returncode == 0, result.stderr
+    assert "REASON: None" in result.stdout and "WARNINGS: 0" in result.stdout
+    assert "JAX: False" in result.stdout
+
+
+def test_native_and_torch_paths_agree(rng):
+    """The same decode through the kernel and through the vectorized-torch fallback."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, kc, vc, tables, lens, *_ = split_decode_case(
+        gen, num_seqs=4, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+        dtype=torch.float32, max_len=300,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _call(out, q, kc, vc, tables, lens)
+    native_state = dict(native._state)
+    try:
+        native._state["reason"] = "forced for this test"
+        native._state["warned"] = True
+        fallback = PagedAttention.forward_decode(
+            q, kc, vc, tables, lens, int(lens.max()), "auto", 2, 0.125, None, 1.0, 1.0
+        )
+    finally:
+        native._state.clear()
+        native._state.update(native_state)
+    np.testing.assert_allclose(out.numpy(), fallback.numpy(), rtol=2e-6, atol=2e-6)
