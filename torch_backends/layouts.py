@@ -27,6 +27,7 @@ import torch
 from jaxtyping import Float, Shaped
 from torch import Tensor
 
+from torch_backends import native
 from torch_backends.checks import check_slot_mapping
 from torch_backends.shapes import BlockTables, KeysValues, SlotMapping
 
@@ -146,8 +147,10 @@ class CacheLayout(ABC):
     def store(
         self, key_cache: Tensor, value_cache: Tensor, slots: Tensor, key: Tensor, value: Tensor
     ) -> None:
-        """Put already-quantized rows `[T, Hkv, D]` at valid slots (`PagedCache.write`'s
-        scatter)."""
+        """Put already-quantized rows `[T, Hkv, D]` at their checked slots, -1 skipped
+        (`PagedCache.write`'s scatter)."""
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
         block_size = self.block_size(key_cache)
         block, offset = slots // block_size, slots % block_size
         for cache, x, is_key in ((key_cache, key, True), (value_cache, value, False)):
@@ -171,6 +174,21 @@ class SplitLayout(CacheLayout):
 
     def block_size(self, key_cache):
         return key_cache.shape[3]
+
+    def store(self, key_cache, value_cache, slots, key, value):
+        """The native scatter (`torch_backends.native.store_split`) on CPU, else torch's."""
+        if (
+            key_cache.device.type == "cpu"
+            and key.device.type == "cpu"
+            and key_cache.is_contiguous()
+            and value_cache.is_contiguous()
+            and native.available()
+        ):
+            raw = self.raw(key_cache)
+            native.store_split(key.to(raw.dtype), value.to(raw.dtype), raw,
+                               self.raw(value_cache), slots)  # fmt: skip
+            return
+        super().store(key_cache, value_cache, slots, key, value)
 
     def put(self, cache, block, offset, x, is_key):
         if is_key:  # cache[b, :, :, o, :] is [T, Hkv, D // x, x] under advanced indexing
@@ -261,10 +279,9 @@ class PagedCache:
         if check:
             check_slot_mapping("slot_mapping", slot_mapping, key.shape[0], num_blocks, block_size)
         slots = slot_mapping.flatten().long()
-        keep = slots >= 0
-        key = layout.quantize(key[keep], self.k_scale)
-        value = layout.quantize(value[keep], self.v_scale)
-        layout.store(self.key_cache, self.value_cache, slots[keep], key, value)
+        key = layout.quantize(key, self.k_scale)
+        value = layout.quantize(value, self.v_scale)
+        layout.store(self.key_cache, self.value_cache, slots, key, value)
 
     def read_back(self, key: KeysValues, value: KeysValues) -> tuple[KeysValues, KeysValues]:
         """The new K/V as this cache returns them (rounded through fp8 when fp8)."""

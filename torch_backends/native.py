@@ -8,6 +8,8 @@ a fake (meta) kernel registered here, so `torch.compile` traces through it and
 `torch.library.opcheck` passes.
 
     paged_decode_split   vLLM's decode over its split cache layout (`paged_attention_v1`)
+    store_split          vLLM's cache write into that layout (`reshape_and_cache`)
+    copy_blocks          whole blocks between caches (vLLM's `copy_blocks`, `swap_blocks`)
 
 Where the library cannot be built (no compiler, a failed build, `JAX_ATTN_CPU_DISABLE=1`),
 `unavailable_reason()` says why, the callers run their vectorized-torch path, and a warning
@@ -23,11 +25,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from torch_backends.layouts import Scale
+Scale = Tensor | float  # a layer's k_scale / v_scale (as torch_backends.layouts.Scale)
 
 LIB_NAME = "libjax_attn_torch.so"
 # The C++ units of the torch library (every csrc header is part of its cache key).
-UNITS = ("paged_decode.cc", "torch_ops.cc")
+UNITS = ("paged_decode.cc", "paged_cache.cc", "torch_ops.cc")
 
 _lock = threading.Lock()
 _state: dict = {}  # "reason" (str | None), "path", "build_seconds", "warned" (bool)
@@ -116,9 +118,8 @@ def available() -> bool:
 
 
 def _register_fakes() -> None:
-    @torch.library.register_fake("jax_attn::paged_decode_split")
-    def _(out, query, *args) -> None:
-        return None
+    for op in ("paged_decode_split", "store_split", "copy_blocks"):
+        torch.library.register_fake(f"jax_attn::{op}")(lambda *args: None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,3 +188,19 @@ def paged_decode_split(
         kv_cache_dtype,
     )
     return out
+
+
+def store_split(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor
+) -> None:
+    """Rows `[T, Hkv, D]`, already in the cache's element type (fp8: uint8 bits), to their
+    slots in vLLM's split layout; -1 skips. Bad slots raise ValueError before any write."""
+    torch.ops.jax_attn.store_split(
+        key.contiguous(), value.contiguous(), key_cache, value_cache, slots.to(torch.int64)
+    )
+
+
+def copy_blocks(dst: list[Tensor], src: list[Tensor], block_pairs: Tensor) -> None:
+    """`dst[i][:, pairs[:, 1]] = src[i][:, pairs[:, 0]]` for caches `[2, NB, ...]`, every
+    source read before any write. Bad block ids raise ValueError before any write."""
+    torch.ops.jax_attn.copy_blocks(dst, src, block_pairs.to(torch.int64).contiguous())

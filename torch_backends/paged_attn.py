@@ -222,8 +222,13 @@ class PagedAttention:
     @staticmethod
     def swap_blocks(src_kv_cache: Tensor, dst_kv_cache: Tensor, src_to_dst: Tensor) -> None:
         """Copy blocks `src_to_dst[i, 0]` of src to `src_to_dst[i, 1]` of dst, for both the
-        key and value halves; src and dst may be on different devices (CPU <-> CUDA)."""
-        pairs = src_to_dst.to("cpu", torch.long)
+        key and value halves; src and dst may be on different devices (CPU <-> CUDA). Block
+        ids outside either cache raise ValueError before anything is copied."""
+        pairs = _block_pairs("src_to_dst", src_to_dst, src_kv_cache.shape[1],
+                             dst_kv_cache.shape[1])  # fmt: skip
+        if _native_copies([dst_kv_cache, src_kv_cache]):
+            native.copy_blocks([dst_kv_cache], [src_kv_cache], pairs)
+            return
         src_ids = pairs[:, 0].to(src_kv_cache.device)
         dst_ids = pairs[:, 1].to(dst_kv_cache.device)
         for half in range(2):
@@ -232,9 +237,41 @@ class PagedAttention:
 
     @staticmethod
     def copy_blocks(kv_caches: list[Tensor], src_to_dists: Tensor) -> None:
-        """For every layer's `kv_cache`, copy block `src_to_dists[i, 0]` to `[i, 1]`."""
-        pairs = src_to_dists.long()
+        """For every layer's `kv_cache`, copy block `src_to_dists[i, 0]` to `[i, 1]`, every
+        source read before any write. Block ids outside a cache raise ValueError before
+        anything is copied."""
+        if not kv_caches:
+            return
+        num_blocks = min(kv_cache.shape[1] for kv_cache in kv_caches)
+        pairs = _block_pairs("src_to_dists", src_to_dists, num_blocks, num_blocks)
+        if _native_copies(kv_caches):
+            native.copy_blocks(kv_caches, kv_caches, pairs)
+            return
         for kv_cache in kv_caches:
             src, dst = pairs[:, 0].to(kv_cache.device), pairs[:, 1].to(kv_cache.device)
             blocks = kv_cache[:, src].clone()  # read every source before any write
             kv_cache[:, dst] = blocks
+
+
+def _block_pairs(name: str, pairs: Tensor, src_blocks: int, dst_blocks: int) -> Tensor:
+    """`pairs` as int64 `[N, 2]` on the CPU, (src, dst) ids checked against both caches."""
+    pairs = pairs.to("cpu", torch.long).reshape(-1, 2)
+    for column, limit, what in ((0, src_blocks, "source"), (1, dst_blocks, "destination")):
+        ids = pairs[:, column]
+        bad = (ids < 0) | (ids >= limit)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"{name}[{i}, {column}]={int(ids[i])} is out of range: {what} block ids must be "
+                f"in [0, {limit})"
+            )
+    return pairs
+
+
+def _native_copies(caches: list[Tensor]) -> bool:
+    """Whether the native block copy takes these caches (CPU, contiguous, one dtype)."""
+    return (
+        all(c.device.type == "cpu" and c.is_contiguous() and c.dim() >= 2 for c in caches)
+        and len({c.dtype for c in caches}) == 1
+        and native.available()
+    )

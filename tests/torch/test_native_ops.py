@@ -2,6 +2,7 @@
 cache against the float64 oracle, bad input refused before any write, `opcheck`,
 `torch.compile` without a graph break, and the torch fallback where the C++ is not built."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -250,14 +251,104 @@ def test_native_and_torch_paths_agree(rng):
     )  # fmt: skip
     out = torch.empty_like(q)
     _call(out, q, kc, vc, tables, lens)
-    native_state = dict(native._state)
-    try:
-        native._state["reason"] = "forced for this test"
-        native._state["warned"] = True
+    with _torch_path():
         fallback = PagedAttention.forward_decode(
             q, kc, vc, tables, lens, int(lens.max()), "auto", 2, 0.125, None, 1.0, 1.0
         )
+    np.testing.assert_allclose(out.numpy(), fallback.numpy(), rtol=2e-6, atol=2e-6)
+
+
+@contextlib.contextmanager
+def _torch_path():
+    """A context in which `native.available()` is False (the vectorized-torch fallback)."""
+    saved = dict(native._state)
+    native._state.update(reason="forced for this test", warned=True)
+    try:
+        yield
     finally:
         native._state.clear()
-        native._state.update(native_state)
-    np.testing.assert_allclose(out.numpy(), fallback.numpy(), rtol=2e-6, atol=2e-6)
+        native._state.update(saved)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,dtype", [("auto", torch.float32),
+                                                  ("auto", torch.bfloat16),
+                                                  ("fp8", torch.bfloat16),
+                                                  ("fp8_e5m2", torch.float16)])  # fmt: skip
+def test_cache_write_is_byte_identical_to_the_torch_path(kv_cache_dtype, dtype, rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    num_blocks, block_size, hkv, d, tokens = 12, 16, 2, 64, 40
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[::7] = -1  # PAD_SLOT_ID: skipped
+    key, value = (torch.randn(tokens, hkv, d, generator=gen).to(dtype) for _ in "kv")
+    caches = []
+    for use_torch in (False, True):
+        kv_cache = nan_cache(num_blocks, block_size, hkv, d, dtype, kv_cache_dtype)
+        key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, hkv, d)
+        with _torch_path() if use_torch else contextlib.nullcontext():
+            PagedAttention.write_to_paged_cache(
+                key, value, key_cache, value_cache, slots, kv_cache_dtype, 0.8, 1.2
+            )
+        caches.append(kv_cache.view(torch.uint8))
+    assert torch.equal(caches[0], caches[1])
+    # and the rows landed: every written slot of the native cache is finite, the rest NaN
+    kv_cache = caches[0].view(torch.uint8 if kv_cache_dtype in FP8 else dtype)
+    written = int((slots >= 0).sum())
+    if kv_cache_dtype == "auto":
+        assert int(kv_cache.isfinite().sum()) == 2 * written * hkv * d
+
+
+def test_cache_write_refuses_a_bad_slot_before_any_write(rng):
+    kv_cache = nan_cache(4, 16, 2, 64, torch.float32, "auto")
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, 2, 64)
+    key = torch.randn(3, 2, 64)
+    before = kv_cache.clone()
+    with pytest.raises(ValueError, match=r"slot_mapping\[2\]=64 must be -1 \(PAD_SLOT_ID\) or"):
+        native.store_split(key, key, key_cache, value_cache, torch.tensor([0, 5, 64]))
+    assert torch.equal(before.isnan(), kv_cache.isnan())  # still all NaN: nothing written
+
+
+def test_a_repeated_slot_keeps_the_later_row():
+    kv_cache = torch.zeros(2, 2, 16 * 1 * 16)
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, 1, 16)
+    rows = torch.arange(3.0)[:, None, None].expand(3, 1, 16).contiguous()
+    native.store_split(rows, rows, key_cache, value_cache, torch.tensor([3, 3, -1]))
+    assert torch.equal(value_cache[0, 0, :, 3], torch.full((16,), 1.0))
+
+
+@pytest.mark.parametrize("use_torch", [False, True])
+def test_copy_blocks_reads_every_source_before_writing(use_torch, rng):
+    caches = [torch.randn(2, 6, 32) for _ in range(3)]
+    originals = [c.clone() for c in caches]
+    chain = torch.tensor([[0, 1], [1, 2], [5, 0]])  # 1 <- 0, 2 <- old 1, 0 <- 5
+    with _torch_path() if use_torch else contextlib.nullcontext():
+        CpuPagedAttention.copy_blocks(caches, chain)
+    for cache, orig in zip(caches, originals, strict=True):
+        expected = orig.clone()
+        expected[:, [1, 2, 0]] = orig[:, [0, 1, 5]]
+        assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("use_torch", [False, True])
+def test_swap_and_copy_refuse_bad_block_ids_before_any_copy(use_torch):
+    caches = [torch.randn(2, 6, 32) for _ in range(2)]
+    originals = [c.clone() for c in caches]
+    with _torch_path() if use_torch else contextlib.nullcontext():
+        with pytest.raises(ValueError, match=r"src_to_dists\[1, 1\]=6 is out of range"):
+            CpuPagedAttention.copy_blocks(caches, torch.tensor([[0, 1], [2, 6]]))
+        with pytest.raises(ValueError, match=r"src_to_dst\[0, 0\]=-1 is out of range"):
+            PagedAttention.swap_blocks(caches[0], caches[1], torch.tensor([[-1, 2]]))
+    assert all(torch.equal(c, o) for c, o in zip(caches, originals, strict=True))
+
+
+def test_opcheck_cache_ops():
+    kv_cache = torch.randn(2, 4, 16 * 2 * 64)
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, 2, 64)
+    key = torch.randn(5, 2, 64)
+    torch.library.opcheck(
+        torch.ops.jax_attn.store_split.default,
+        (key, key.clone(), key_cache, value_cache, torch.tensor([0, 9, -1, 40, 63])),
+    )
+    caches = [torch.randn(2, 4, 32), torch.randn(2, 4, 32)]
+    torch.library.opcheck(
+        torch.ops.jax_attn.copy_blocks.default, (caches, caches, torch.tensor([[0, 3], [1, 2]]))
+    )

@@ -11,6 +11,16 @@
 //     vLLM's decode (`paged_attention_v1`) on its split cache layout: key [NB, Hkv, D/x, BS, x],
 //     value [NB, Hkv, D, BS]; out [S, Hq, D] is written. fp8 caches are uint8 tensors holding
 //     float8 bit patterns, named by kv_cache_dtype ("fp8" / "fp8_e4m3": e4m3fn, "fp8_e5m2").
+//
+//   store_split(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache,
+//       Tensor slot_mapping) -> ()
+//     vLLM's `reshape_and_cache`: rows [T, Hkv, D] (already the cache's element type: fp8 as
+//     uint8 bits) to slot_mapping[t] (int64; -1 skips; a repeated slot keeps the later row).
+//
+//   copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor block_pairs) -> ()
+//     dst[i][:, pairs[:, 1]] = src[i][:, pairs[:, 0]] for caches [2, NB, ...] (vLLM's
+//     copy_blocks with dst = src, swap_blocks with one pair of caches), every source read
+//     before any destination is written.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,6 +29,7 @@
 #include <atomic>
 #include <string>
 
+#include "paged_cache.h"
 #include "paged_decode.h"
 
 namespace jax_attn_cpu {
@@ -152,6 +163,89 @@ void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tenso
   TORCH_CHECK_VALUE(error.empty(), error);
 }
 
+void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+                 at::Tensor value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_size], got ",
+                    key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value ", value.sizes(), " must match key ",
+                    key.sizes());
+  TORCH_CHECK_VALUE(key_cache.dim() == 5 && value_cache.dim() == 4,
+                    "key_cache must be [num_blocks, num_kv_heads, head_size / x, block_size, x] "
+                    "and value_cache [num_blocks, num_kv_heads, head_size, block_size], got ",
+                    key_cache.sizes(), " and ", value_cache.sizes());
+  using Named = std::pair<const at::Tensor*, const char*>;
+  for (const Named& t : {Named{&key, "key"}, Named{&value, "value"},
+                         Named{&key_cache, "key_cache"}, Named{&value_cache, "value_cache"},
+                         Named{&slot_mapping, "slot_mapping"}}) {
+    check_cpu_contiguous(*t.first, t.second);
+  }
+  for (const at::Tensor* t : {&key, &value, static_cast<const at::Tensor*>(&value_cache)}) {
+    TORCH_CHECK_VALUE(t->scalar_type() == key_cache.scalar_type(),
+                      "key, value and both caches must have one dtype (the cache's: fp8 as "
+                      "uint8), got ", t->scalar_type(), " and ", key_cache.scalar_type());
+  }
+  StoreArgs a;
+  a.layout = CacheLayout::kSplit;
+  a.num_tokens = key.size(0);
+  a.num_kv_heads = key.size(1);
+  a.head_size = key.size(2);
+  a.num_blocks = key_cache.size(0);
+  a.block_size = key_cache.size(3);
+  a.elem_bytes = key_cache.element_size();
+  const std::vector<int64_t> key_shape{a.num_blocks, a.num_kv_heads,
+                                       a.head_size * a.elem_bytes / 16, a.block_size,
+                                       16 / a.elem_bytes};
+  const std::vector<int64_t> value_shape{a.num_blocks, a.num_kv_heads, a.head_size,
+                                         a.block_size};
+  TORCH_CHECK_VALUE(key_cache.sizes() == at::IntArrayRef(key_shape) &&
+                        value_cache.sizes() == at::IntArrayRef(value_shape),
+                    "caches ", key_cache.sizes(), " and ", value_cache.sizes(),
+                    " must be ", at::IntArrayRef(key_shape), " and ",
+                    at::IntArrayRef(value_shape), " for rows ", key.sizes());
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == a.num_tokens &&
+                        slot_mapping.scalar_type() == at::kLong,
+                    "slot_mapping must be int64 [num_tokens=", a.num_tokens, "], got ",
+                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  a.slots = slot_mapping.data_ptr<int64_t>();
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  const std::string error = store_rows(a, torch_workers());
+  TORCH_CHECK_VALUE(error.empty(), error);
+}
+
+void copy_blocks_op(at::TensorList dst, at::TensorList src, const at::Tensor& block_pairs) {
+  TORCH_CHECK_VALUE(dst.size() == src.size(), "dst and src must list as many caches, got ",
+                    dst.size(), " and ", src.size());
+  check_cpu_contiguous(block_pairs, "block_pairs");
+  TORCH_CHECK_VALUE(block_pairs.dim() == 2 && block_pairs.size(1) == 2 &&
+                        block_pairs.scalar_type() == at::kLong,
+                    "block_pairs must be int64 [num_pairs, 2], got ", block_pairs.scalar_type(),
+                    " ", block_pairs.sizes());
+  std::vector<BlockCopy> copies(dst.size());
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const at::Tensor &d = dst[i], &s = src[i];
+    check_cpu_contiguous(d, "dst");
+    check_cpu_contiguous(s, "src");
+    TORCH_CHECK_VALUE(d.dim() >= 2 && d.size(0) == 2 && s.dim() == d.dim() && s.size(0) == 2 &&
+                          d.scalar_type() == s.scalar_type() &&
+                          d.sizes().slice(2) == s.sizes().slice(2),
+                      "caches must be [2, num_blocks, ...] with one block shape and dtype, got ",
+                      d.sizes(), " ", d.scalar_type(), " and ", s.sizes(), " ", s.scalar_type());
+    copies[i].dst = static_cast<char*>(d.data_ptr());
+    copies[i].src = static_cast<const char*>(s.data_ptr());
+    copies[i].dst_blocks = d.size(1);
+    copies[i].src_blocks = s.size(1);
+    copies[i].block_bytes = d[0][0].numel() * d.element_size();
+    copies[i].halves = 2;
+  }
+  const std::string error =
+      copy_blocks(copies.data(), static_cast<int64_t>(copies.size()),
+                  block_pairs.data_ptr<int64_t>(), block_pairs.size(0), torch_workers());
+  TORCH_CHECK_VALUE(error.empty(), error);
+}
+
 }  // namespace
 }  // namespace jax_attn_cpu
 
@@ -161,8 +255,14 @@ TORCH_LIBRARY(jax_attn, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor? alibi_slopes, float scale, "
       "Tensor k_scale, Tensor v_scale, int sliding_window, float logits_soft_cap, "
       "str kv_cache_dtype) -> ()");
+  m.def(
+      "store_split(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor block_pairs) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(jax_attn, CPU, m) {
   m.impl("paged_decode_split", &jax_attn_cpu::paged_decode_split);
+  m.impl("store_split", &jax_attn_cpu::store_split);
+  m.impl("copy_blocks", &jax_attn_cpu::copy_blocks_op);
 }

@@ -1,0 +1,47 @@
+// Cache writes and block copies on the CPU, framework-free (torch_ops.cc binds them as torch
+// ops for torch_backends; the JAX core writes through XLA scatters). Raw bytes: the caller
+// hands rows already in the cache's element type (fp8: their bit patterns).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kernel_common.h"
+#include "paged_decode.h"
+
+namespace jax_attn_cpu {
+
+// Rows [T, Hkv, D] of `elem_bytes`-byte elements written to their slots (block * BS + offset)
+// in a cache of `layout` (the split layout: key [NB, Hkv, D / x, BS, x], value [NB, Hkv, D, BS];
+// token-major: [NB, BS, Hkv, D]). A slot of -1 (PAD_SLOT_ID) writes nothing; a slot given twice
+// keeps the later token's row.
+struct StoreArgs {
+  CacheLayout layout = CacheLayout::kSplit;
+  int64_t num_tokens = 0, num_kv_heads = 0, head_size = 0;
+  int64_t num_blocks = 0, block_size = 0, elem_bytes = 0;
+  const int64_t* slots = nullptr;  // [T]
+  const void* key = nullptr;       // [T, Hkv, D]
+  const void* value = nullptr;
+  void* key_cache = nullptr;
+  void* value_cache = nullptr;
+};
+
+// Returns "" or a message naming the first bad slot (outside [-1, NB * BS)), before any write.
+std::string store_rows(const StoreArgs& args, const Workers& workers);
+
+// One cache (or pair of caches) whose blocks are copied: `num_blocks` blocks of `block_bytes`,
+// in `halves` contiguous runs (vLLM's kv_cache [2, NB, ...]: the key and value halves).
+struct BlockCopy {
+  char* dst = nullptr;
+  const char* src = nullptr;
+  int64_t dst_blocks = 0, src_blocks = 0, block_bytes = 0, halves = 1;
+};
+
+// For every copy and each half: block pairs[i][1] of dst <- block pairs[i][0] of src, every
+// source read before any destination is written (chains and overlaps come out as if all the
+// sources were copied first). Returns "" or a message naming the first bad pair, before any
+// write.
+std::string copy_blocks(const BlockCopy* copies, int64_t num_copies, const int64_t* pairs,
+                        int64_t num_pairs, const Workers& workers);
+
+}  // namespace jax_attn_cpu
