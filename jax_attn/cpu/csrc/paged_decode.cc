@@ -621,6 +621,87 @@ struct Queries {
   const bf16_t* bf16;
 };
 
+// The split layout's logits without a key tile: rows [row0, row0 + rg) of kv head's keys at
+// `keys` ([D / x, BS, x], x = 16 bytes), tokens [t0, t0 + n) of the block. Each 16-byte piece
+// of 4 tokens x (4 float32 | 8 bf16 dims) is one lane group of a register, multiplied by the
+// row's matching 16 query bytes broadcast to every group (fma, or vdpbf16ps under kDot), so
+// the cache is read in place; the 4 partial sums of each token are added at the end. Tokens
+// >= n are never read (masked loads: zeros). logits[r]: lane t = token t0 + t, times qk_scale.
+template <int NC, bool kDot>
+inline void split_logits(const Problem& p, const Queries& q, const void* keys, int64_t t0,
+                         int64_t n, int64_t row0, int rg, __m512* logits) {
+  constexpr int64_t DP = NC * 16, DP2 = (NC + 1) / 2 * 32;
+  const int64_t BS = p.block_size;
+  __m512 acc[4][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  // Valid lanes of register j (tokens 4j .. 4j + 3): 4 float32 / 8 bf16 lanes per token.
+  uint32_t valid[4];
+  for (int j = 0; j < 4; ++j) {
+    valid[j] = 0;
+    for (int k = 0; k < 4; ++k) {
+      if (4 * j + k < n) valid[j] |= (kDot ? 0xffu : 0xfu) << ((kDot ? 8 : 4) * k);
+    }
+  }
+  if constexpr (kDot) {
+#if JAX_ATTN_DECODE_BF16_DOT
+    const bf16_t* k = static_cast<const bf16_t*>(keys) + t0 * 8;
+#pragma GCC unroll 2
+    for (int64_t c = 0; c < p.head_size / 8; ++c) {
+      __m512i kv[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        kv[j] = _mm512_maskz_loadu_epi16(valid[j], k + c * BS * 8 + 32 * j);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        if (r >= rg) break;
+        const auto* qr = reinterpret_cast<const __m128i*>(q.bf16 + (row0 + r) * DP2 + 8 * c);
+        const __m512i qb = _mm512_broadcast_i32x4(_mm_loadu_si128(qr));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)qb, (__m512bh)kv[j]);
+        }
+      }
+    }
+#endif
+  } else {
+    const float* k = static_cast<const float*>(keys) + t0 * 4;
+#pragma GCC unroll 2
+    for (int64_t c = 0; c < p.head_size / 4; ++c) {
+      __m512 kv[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        kv[j] = _mm512_maskz_loadu_ps(static_cast<__mmask16>(valid[j]), k + c * BS * 4 + 16 * j);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        if (r >= rg) break;
+        const __m512 qb = _mm512_broadcast_f32x4(_mm_load_ps(q.f32 + (row0 + r) * DP + 4 * c));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(kv[j], qb, acc[r][j]);
+      }
+    }
+  }
+  // acc[r][j], 128-bit lane L: the 4 partial sums of token 4j + L. Pairs, then quads, leave
+  // token 4k + L at position 4L + k; one permute puts token t at lane t.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int r = 0; r < rg; ++r) {
+    const __m512* a = acc[r];
+    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_ps(a[0], a[1], 0x88),
+                                     _mm512_shuffle_ps(a[0], a[1], 0xdd));
+    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_ps(a[2], a[3], 0x88),
+                                     _mm512_shuffle_ps(a[2], a[3], 0xdd));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, 0x88),
+                                   _mm512_shuffle_ps(x01, x23, 0xdd));
+    logits[r] = _mm512_permutexvar_ps(order, y);
+    if constexpr (kDot) logits[r] = _mm512_mul_ps(logits[r], _mm512_set1_ps(p.qk_scale));
+  }
+}
+
 // All G query rows of kv head h against one tile of n tokens: logits, online softmax, values.
 // Keys: the widened tile ktile ([16, DP] float32), or with kDot the bf16 tile ktile2 ([16, DP2]);
 // values: rows [0, n) at v_rows, v_stride elements apart, widened as they are summed (the
@@ -632,12 +713,14 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
                                            const float* ktile, const bf16_t* ktile2,
                                            const VT* v_rows, int64_t v_stride, int64_t h,
                                            int64_t n, __m512 distance,
-                                           TilePrefetcher& prefetcher) {
+                                           TilePrefetcher& prefetcher,
+                                           const __m512* pre = nullptr) {
   constexpr int64_t DP = NC * 16;
   constexpr int NC2 = (NC + 1) / 2;
   const int64_t G = p.group;
   TilePrefetcher pf = prefetcher;  // a local copy: kept in registers
-  const int64_t steps = G * (kDot ? NC2 : NC) + (G + 3) / 4 * ((NC + 3) / 4) * n;
+  const int64_t key_steps = pre ? 0 : G * (kDot ? NC2 : NC);
+  const int64_t steps = std::max<int64_t>(1, key_steps + (G + 3) / 4 * ((NC + 3) / 4) * n);
   const int64_t per_step = (pf.remaining() + steps - 1) / steps;
   const __mmask16 valid = tail_mask(n);
   const __mmask16 last_mask = tail_mask(p.head_size - (NC - 1) * 16);
@@ -651,9 +734,13 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
     for (int r = 0; r < rg; ++r) {
       pf.issue(per_step);
       const int64_t row = h * G + g0 + r;
-      // logits[t] = q . k[t]: 16 independent accumulators, one per key.
+      // logits[t] = q . k[t]: 16 independent accumulators, one per key (or given: `pre`,
+      // the G rows' logits of this tile already computed from the split layout's keys).
       __m512 dots[16];
       __m512 logits;
+      if (pre) {
+        logits = pre[g0 + r];
+      } else
 #if JAX_ATTN_DECODE_BF16_DOT
       if constexpr (kDot) {
         dot_keys_bf16<NC2>(q.bf16 + row * NC2 * 32, ktile2, dots, pf, per_step);
@@ -751,6 +838,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   constexpr bool kKeysDirect = std::is_same_v<KV, float> || (kDot && !kFp8);
   alignas(64) float vtile_split[16 * DP];
   alignas(64) KV knative[kKeysDirect ? 1 : 16 * DP];
+  // kKeysDirect: the G rows' logits of the current tile (split_logits), for attend_tile.
+  std::unique_ptr<__m512[]> split_pre(new __m512[kKeysDirect ? p.group + 3 : 1]);
   if (split) {  // gathers write columns [0, D) only: the padding stays zero
     if constexpr (kDot) {
       std::memset(ktile2, 0, sizeof(ktile2));
@@ -816,11 +905,17 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
         }
         if (split) {
           const int64_t head = (table[b] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
-          if constexpr (std::is_same_v<KV, float>) {
-            gather_split_keys(kc + head, BS, t0, n, D, ktile, DP);
-          } else if constexpr (kDot && !kFp8) {
-            gather_split_keys(reinterpret_cast<const bf16_t*>(kc + head), BS, t0, n, D, ktile2,
-                              DP2);
+          if constexpr (kKeysDirect) {  // float32, or bf16 under kDot: keys read in place
+            const int64_t G = p.group;
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+              split_logits<NC, kDot>(p, queries, kc + head, t0, n, h * G + g0,
+                                     static_cast<int>(std::min<int64_t>(4, G - g0)),
+                                     split_pre.get() + g0);
+            }
+            transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split);
+            attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n,
+                                         distance, pf, split_pre.get());
+            continue;
           } else {
             gather_split_keys(kc + head, BS, t0, n, D, knative, D);
             if constexpr (kDot) {
