@@ -8,6 +8,7 @@ which sit a floor above it and may import everything.
 """
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import os
@@ -48,6 +49,7 @@ def cmd_info(args) -> int:
     except Exception as e:
         versions.add_row("jax devices", f"unavailable: {e}")
     versions.add_row("xformers compiled ops", escape(_xformers_ops()))
+    versions.add_row("native kernels", escape(_native_kernels()))
     console.print(versions)
     if getattr(args, "gpu_compile", False):
         return _gpu_compile_report(console)
@@ -160,6 +162,19 @@ def check_legend(specs, backends) -> list[str]:
     if named:
         lines.append("[dim]columns:[/] " + ", ".join(named) + "; n/a: not supported there")
     return lines
+
+
+def _native_kernels() -> str:
+    """Whether the native CPU kernels load here: jax_attn.cpu's XLA library and
+    torch_backends.native's torch ops (each built on first use)."""
+    parts = []
+    for label, module in (("XLA", "jax_attn.cpu"), ("torch ops", "torch_backends.native")):
+        try:
+            reason = importlib.import_module(module).unavailable_reason()
+        except ImportError as e:
+            reason = f"does not import ({e})"
+        parts.append(f"{label}: " + ("built" if reason is None else reason))
+    return "; ".join(parts)
 
 
 def _xformers_ops() -> str:
