@@ -26,6 +26,7 @@ tokens (greedy, float32): the exit code is 1 when one does not.
 """
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import json
@@ -126,27 +127,42 @@ def omp_runtime() -> str:
 # One process: one setting, every backend
 
 
-def time_steps(llm, prompts, max_tokens: int) -> tuple[list[float], list[list[int]]]:
-    """One greedy generation stepped by hand: (decode step times in s, tokens per prompt)."""
+def generate_interleaved(engines: dict, prompts, max_tokens: int, rotate: int) -> dict:
+    """One greedy generation on every engine at once, stepped by hand in turns (each step of
+    each backend timed between steps of the others, so machine noise spreads over all of
+    them): {backend: (decode step times in s, tokens per prompt)}."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    engine = llm.llm_engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    started, decode_s, tokens = set(), [], {}
-    while engine.has_unfinished_requests():
-        decode = len(started) == len(prompts)  # everyone had a first token: a decode step
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        elapsed = time.perf_counter() - t0
-        if decode:
-            decode_s.append(elapsed)
-        for out in outputs:
-            if out.outputs and out.outputs[0].token_ids:
-                started.add(out.request_id)
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-    return decode_s, [tokens[str(i)] for i in range(len(prompts))]
+    names = list(engines)
+    state = {}
+    for name, llm in engines.items():
+        for i, prompt in enumerate(prompts):
+            llm.llm_engine.add_request(str(i), prompt, params)
+        state[name] = (set(), [], {})  # started requests, decode step times, tokens
+    turn = 0
+    while any(llm.llm_engine.has_unfinished_requests() for llm in engines.values()):
+        k = (rotate + turn) % len(names)
+        turn += 1
+        for name in names[k:] + names[:k]:
+            engine = engines[name].llm_engine
+            if not engine.has_unfinished_requests():
+                continue
+            started, decode_s, tokens = state[name]
+            decode = len(started) == len(prompts)  # everyone had a first token: a decode step
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - t0
+            if decode:
+                decode_s.append(elapsed)
+            for out in outputs:
+                if out.outputs and out.outputs[0].token_ids:
+                    started.add(out.request_id)
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return {
+        name: (decode_s, [tokens[str(i)] for i in range(len(prompts))])
+        for name, (_, decode_s, tokens) in state.items()
+    }
 
 
 def child(args) -> None:
@@ -157,22 +173,28 @@ def child(args) -> None:
     model_dir = Path(args.model)
     prompts = json.loads((model_dir / "prompts.json").read_text())
     model = h.TinyModel("llama_bench", model_dir, "generate", tuple(prompts))
-    names = list(BACKENDS)
-    k = args.round % len(names)
-    order = names[k:] + names[:k]
     result = {
         "setting": args.child,
         "env": {v: os.environ[v] for v in OMP_VARIABLES if v in os.environ},
         "round": args.round,
-        "order": order,
         "torch_threads": torch.get_num_threads(),
         "backends": {},
     }
-    for name in order:
-        with h.engine(model, BACKENDS[name], max_model_len=args.max_model_len) as llm:
-            time_steps(llm, prompts, args.max_tokens)  # untimed: compiles, warms up
-            steps, tokens = time_steps(llm, prompts, args.max_tokens)
-        result["backends"][name] = {"decode_step_s": steps, "tokens": tokens}
+    # One engine per backend, all alive at once (each built inside its own substitution; the
+    # model runner keeps the backend class it was built with).
+    with contextlib.ExitStack() as stack:
+        engines = {
+            name: stack.enter_context(h.engine(model, qualname, max_model_len=args.max_model_len))
+            for name, qualname in BACKENDS.items()
+        }
+        generate_interleaved(engines, prompts, args.max_tokens, args.round)  # compiles, warms
+        for _ in range(args.repeats or 1):
+            timed = generate_interleaved(engines, prompts, args.max_tokens, args.round + 1)
+            for name, (steps, tokens) in timed.items():
+                row = result["backends"].setdefault(name, {"decode_step_s": [], "tokens": tokens})
+                row["decode_step_s"] += steps
+                if tokens != row["tokens"]:
+                    row["tokens_changed"] = True
     result["omp_runtime"] = omp_runtime()
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -181,11 +203,11 @@ def child(args) -> None:
 # The parent: build, run the children, summarize
 
 
-def run_child(setting: str, round_: int, model: Path, size: dict) -> dict:
+def run_child(setting: str, round_: int, model: Path, size: dict, repeats: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in OMP_VARIABLES} | SETTINGS[setting]
     cmd = [sys.executable, "-m", "benchmarks.engine_step", "--child", setting,
            "--round", str(round_), "--model", str(model),
-           "--max-model-len", str(size["max_model_len"]), "--max-tokens", str(size["max_tokens"])]  # fmt: skip
+           "--max-model-len", str(size["max_model_len"]), "--max-tokens", str(size["max_tokens"]), "--repeats", str(repeats)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -250,6 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--max-tokens", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--repeats", type=int, help="timed generations per child (default 2; quick 1)")
     args = p.parse_args(argv)
     if args.child:
         child(args)
@@ -269,8 +292,12 @@ def main(argv=None) -> int:
         for r in range(rounds):
             for s in settings:
                 print(f"[engine_step] round {r + 1}/{rounds}: {s}", file=sys.stderr, flush=True)
-                runs.append(run_child(s, r, model, size))
+                runs.append(run_child(s, r, model, size, args.repeats or (1 if args.quick else 2)))
                 load.append(os.getloadavg())
+                steps = {n: statistics.median(b["decode_step_s"]) * 1e3
+                         for n, b in runs[-1]["backends"].items()}  # fmt: skip
+                print(f"[engine_step]   median ms {json.dumps(steps)}; load {load[-1][0]:.2f}",
+                      file=sys.stderr, flush=True)  # fmt: skip
     summary = summarize(runs, settings)
     print_table(summary)
     print(f"load average (1, 5, 15 min) before: {load[0]}, after: {load[-1]}")
