@@ -12,12 +12,13 @@ decode steps under each OpenMP setting in `SETTINGS`:
     ... --quick --json out.json                           # smoke run (tests/vllm085)
 
 The settings are environment variables that torch's OpenMP runtime reads once, when torch loads,
-so each setting runs in a process of its own (`--child`), started with its variables and
-without the others'. One child per setting per round, settings alternated round by round; inside
-a child the backends take turns, in an order rotated by round. Per backend: an engine, one
-untimed generation (JAX compiles each new shape; vLLM warms up), then the same generation timed
-step by step (`LLMEngine.step`). A step is a decode step when every request already had its
-first token before it: 8 sequences, one new token each, nothing else scheduled.
+so each runs in processes of its own (`--child`), started with its variables and without the
+others'. One process per setting, backend and round: a deployment runs one backend, so vLLM's
+own is never timed beside XLA's threads (which, in one process, slow every backend: see
+docs/interop.md). The pairs run in an order rotated by round. Per process: an engine, one untimed
+generation (JAX compiles each new shape; vLLM warms up), then `--repeats` generations timed step
+by step (`LLMEngine.step`). A step is a decode step when every request already had its first
+token before it: every sequence (8 in the full size), one new token each, nothing else scheduled.
 
 Reported: per setting and backend, the median decode step (median over rounds of each round's
 median), and ratios to vLLM's own TORCH_SDPA in the same setting and to the same backend under
@@ -26,7 +27,6 @@ tokens (greedy, float32): the exit code is 1 when one does not.
 """
 
 import argparse
-import contextlib
 import datetime
 import importlib
 import json
@@ -44,12 +44,12 @@ OMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "JAX_AT
 SETTINGS = {
     "default": {},  # libgomp's own: spin ~300k pauses after each parallel region, then sleep
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # workers sleep at once
-    "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin10k": {"GOMP_SPINCOUNT": "10000"},  # what the JAX backend recommends (interop.omp)
     "spin1k": {"GOMP_SPINCOUNT": "1000"},
     "jax1thread": {"JAX_ATTN_CPU_THREADS": "1"},  # the native kernels on the calling thread
 }
 DEFAULT_SETTINGS = ("default", "passive", "spin10k")
-QUICK_SETTINGS = ("default", "passive")
+QUICK_SETTINGS = ("default", "spin10k")  # libgomp's own and the recommended one
 
 BACKENDS = {
     "vLLM TORCH_SDPA": "vllm.attention.backends.torch_sdpa.TorchSDPABackend",
@@ -127,42 +127,27 @@ def omp_runtime() -> str:
 # One process: one setting, every backend
 
 
-def generate_interleaved(engines: dict, prompts, max_tokens: int, rotate: int) -> dict:
-    """One greedy generation on every engine at once, stepped by hand in turns (each step of
-    each backend timed between steps of the others, so machine noise spreads over all of
-    them): {backend: (decode step times in s, tokens per prompt)}."""
+def generate(llm, prompts, max_tokens: int) -> tuple[list[float], list[list[int]]]:
+    """One greedy generation stepped by hand: (decode step times in s, tokens per prompt)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    names = list(engines)
-    state = {}
-    for name, llm in engines.items():
-        for i, prompt in enumerate(prompts):
-            llm.llm_engine.add_request(str(i), prompt, params)
-        state[name] = (set(), [], {})  # started requests, decode step times, tokens
-    turn = 0
-    while any(llm.llm_engine.has_unfinished_requests() for llm in engines.values()):
-        k = (rotate + turn) % len(names)
-        turn += 1
-        for name in names[k:] + names[:k]:
-            engine = engines[name].llm_engine
-            if not engine.has_unfinished_requests():
-                continue
-            started, decode_s, tokens = state[name]
-            decode = len(started) == len(prompts)  # everyone had a first token: a decode step
-            t0 = time.perf_counter()
-            outputs = engine.step()
-            elapsed = time.perf_counter() - t0
-            if decode:
-                decode_s.append(elapsed)
-            for out in outputs:
-                if out.outputs and out.outputs[0].token_ids:
-                    started.add(out.request_id)
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-    return {
-        name: (decode_s, [tokens[str(i)] for i in range(len(prompts))])
-        for name, (_, decode_s, tokens) in state.items()
-    }
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    started, decode_s, tokens = set(), [], {}
+    while engine.has_unfinished_requests():
+        decode = len(started) == len(prompts)  # everyone had a first token: a decode step
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - t0
+        if decode:
+            decode_s.append(elapsed)
+        for out in outputs:
+            if out.outputs and out.outputs[0].token_ids:
+                started.add(out.request_id)
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return decode_s, [tokens[str(i)] for i in range(len(prompts))]
 
 
 def child(args) -> None:
@@ -175,26 +160,20 @@ def child(args) -> None:
     model = h.TinyModel("llama_bench", model_dir, "generate", tuple(prompts))
     result = {
         "setting": args.child,
+        "backend": args.backend,
         "env": {v: os.environ[v] for v in OMP_VARIABLES if v in os.environ},
         "round": args.round,
         "torch_threads": torch.get_num_threads(),
-        "backends": {},
     }
-    # One engine per backend, all alive at once (each built inside its own substitution; the
-    # model runner keeps the backend class it was built with).
-    with contextlib.ExitStack() as stack:
-        engines = {
-            name: stack.enter_context(h.engine(model, qualname, max_model_len=args.max_model_len))
-            for name, qualname in BACKENDS.items()
-        }
-        generate_interleaved(engines, prompts, args.max_tokens, args.round)  # compiles, warms
+    with h.engine(model, BACKENDS[args.backend], max_model_len=args.max_model_len) as llm:
+        generate(llm, prompts, args.max_tokens)  # untimed: JAX compiles, vLLM warms up
+        result["decode_step_s"], result["tokens"] = [], None
         for _ in range(args.repeats or 1):
-            timed = generate_interleaved(engines, prompts, args.max_tokens, args.round + 1)
-            for name, (steps, tokens) in timed.items():
-                row = result["backends"].setdefault(name, {"decode_step_s": [], "tokens": tokens})
-                row["decode_step_s"] += steps
-                if tokens != row["tokens"]:
-                    row["tokens_changed"] = True
+            steps, tokens = generate(llm, prompts, args.max_tokens)
+            result["decode_step_s"] += steps
+            if result["tokens"] not in (None, tokens):
+                result["tokens_changed"] = True
+            result["tokens"] = tokens
     result["omp_runtime"] = omp_runtime()
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -203,46 +182,44 @@ def child(args) -> None:
 # The parent: build, run the children, summarize
 
 
-def run_child(setting: str, round_: int, model: Path, size: dict, repeats: int) -> dict:
+def run_child(setting: str, backend: str, round_: int, model: Path, size: dict, repeats: int):
     env = {k: v for k, v in os.environ.items() if k not in OMP_VARIABLES} | SETTINGS[setting]
     cmd = [sys.executable, "-m", "benchmarks.engine_step", "--child", setting,
-           "--round", str(round_), "--model", str(model),
-           "--max-model-len", str(size["max_model_len"]), "--max-tokens", str(size["max_tokens"]), "--repeats", str(repeats)]  # fmt: skip
+           "--backend", backend, "--round", str(round_), "--model", str(model),
+           "--max-model-len", str(size["max_model_len"]),
+           "--max-tokens", str(size["max_tokens"]), "--repeats", str(repeats)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(
-            f"setting {setting!r} round {round_}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+            f"{setting!r} {backend!r} round {round_}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
         )
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def summarize(runs: list[dict], settings: list[str]) -> dict:
     """Per setting and backend: the median over rounds of each round's median decode step."""
-    table, mismatches = {}, []
-    want = None
-    for r in runs:
-        base = r["backends"][BASELINE]["tokens"]
-        want = want or base
-        for name, row in r["backends"].items():
-            if row["tokens"] != want:
-                mismatches.append(f"{r['setting']} round {r['round']} {name}")
+    table = {}
+    want = next(r["tokens"] for r in runs if r["backend"] == BASELINE)
+    mismatches = [
+        f"{r['setting']} round {r['round']} {r['backend']}"
+        for r in runs
+        if r["tokens"] != want or r.get("tokens_changed")
+    ]
     for s in settings:
         table[s] = {}
         for name in BACKENDS:
             per_round = [
-                statistics.median(r["backends"][name]["decode_step_s"])
+                statistics.median(r["decode_step_s"])
                 for r in runs
-                if r["setting"] == s
+                if r["setting"] == s and r["backend"] == name
             ]
             table[s][name] = {"median_s": statistics.median(per_round), "rounds_s": per_round}
     for s in settings:
         for name, row in table[s].items():
             row["x_vllm"] = row["median_s"] / table[s][BASELINE]["median_s"]
             row["x_default"] = (
-                row["median_s"] / table["default"][name]["median_s"]
-                if "default" in table
-                else None
+                row["median_s"] / table["default"][name]["median_s"] if "default" in table else None
             )
     return {"table": table, "mismatches": mismatches}
 
@@ -268,6 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the record here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
@@ -285,18 +263,20 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown settings {unknown} (known: {', '.join(SETTINGS)})")
     rounds = args.rounds or (1 if args.quick else 2)
+    repeats = args.repeats or (1 if args.quick else 2)
     load = [os.getloadavg()]
     runs = []
     with tempfile.TemporaryDirectory(prefix="engine_step_") as tmp:
         model = build_llama(Path(tmp), size, seed=args.seed)
+        pairs = [(s, b) for s in settings for b in BACKENDS]
         for r in range(rounds):
-            for s in settings:
-                print(f"[engine_step] round {r + 1}/{rounds}: {s}", file=sys.stderr, flush=True)
-                runs.append(run_child(s, r, model, size, args.repeats or (1 if args.quick else 2)))
+            k = (r * len(BACKENDS) + r) % len(pairs)  # a different start (setting, backend)
+            for s, b in pairs[k:] + pairs[:k]:
+                print(f"[engine_step] round {r + 1}/{rounds}: {s} {b}", file=sys.stderr, flush=True)
+                runs.append(run_child(s, b, r, model, size, repeats))
                 load.append(os.getloadavg())
-                steps = {n: statistics.median(b["decode_step_s"]) * 1e3
-                         for n, b in runs[-1]["backends"].items()}  # fmt: skip
-                print(f"[engine_step]   median ms {json.dumps(steps)}; load {load[-1][0]:.2f}",
+                step = statistics.median(runs[-1]["decode_step_s"]) * 1e3
+                print(f"[engine_step]   median {step:.2f} ms; load {load[-1][0]:.2f}",
                       file=sys.stderr, flush=True)  # fmt: skip
     summary = summarize(runs, settings)
     print_table(summary)
@@ -309,6 +289,7 @@ def main(argv=None) -> int:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "quick": args.quick,
             "size": size,
+            "repeats": repeats,
             "settings": {s: SETTINGS[s] for s in settings},
             "load": load,
             "runs": runs,

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine_step") / "engine_step.json"
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.engine_step", "--quick", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
@@ -31,26 +33,28 @@ def record(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def test_every_setting_ran_in_its_own_environment(record):
+def test_every_setting_and_backend_ran_in_its_own_process(record):
     assert record["quick"] is True
     assert list(record["settings"]) == list(engine_step.QUICK_SETTINGS)
-    assert [r["setting"] for r in record["runs"]] == list(engine_step.QUICK_SETTINGS)
+    pairs = {(r["setting"], r["backend"]) for r in record["runs"]}
+    assert pairs == {(s, b) for s in engine_step.QUICK_SETTINGS for b in engine_step.BACKENDS}
+    assert len(record["runs"]) == len(pairs)
     for run in record["runs"]:
-        # the child saw exactly its setting's variables, none of the others'
+        # the process saw exactly its setting's variables, none of the others'
         assert run["env"] == engine_step.SETTINGS[run["setting"]], run["setting"]
         assert "libgomp" in run["omp_runtime"] or run["torch_threads"] == 1
 
 
-def test_every_backend_timed_every_decode_step(record):
-    steps = record["size"]["max_tokens"] - 1  # the first token comes from the prefill step
+def test_every_decode_step_timed(record):
+    # the first token of each generation comes from the prefill step
+    steps = (record["size"]["max_tokens"] - 1) * record["repeats"]
     prompts = len(record["size"]["prompt_lengths"])
     for run in record["runs"]:
-        assert set(run["backends"]) == set(engine_step.BACKENDS)
-        for name, row in run["backends"].items():
-            assert len(row["decode_step_s"]) == steps, (run["setting"], name)
-            assert all(0 < t < 60 for t in row["decode_step_s"]), (run["setting"], name)
-            assert len(row["tokens"]) == prompts
-            assert all(len(t) == record["size"]["max_tokens"] for t in row["tokens"])
+        what = (run["setting"], run["backend"])
+        assert len(run["decode_step_s"]) == steps, what
+        assert all(0 < t < 60 for t in run["decode_step_s"]), what
+        assert len(run["tokens"]) == prompts, what
+        assert all(len(t) == record["size"]["max_tokens"] for t in run["tokens"]), what
     for setting, rows in record["table"].items():
         assert set(rows) == set(engine_step.BACKENDS), setting
         for row in rows.values():
@@ -60,8 +64,7 @@ def test_every_backend_timed_every_decode_step(record):
 
 def test_tokens_equal_across_backends_and_settings(record):
     assert record["mismatches"] == []
-    want = record["runs"][0]["backends"][engine_step.BASELINE]["tokens"]
+    want = next(r["tokens"] for r in record["runs"] if r["backend"] == engine_step.BASELINE)
     for run in record["runs"]:
-        for name, row in run["backends"].items():
-            assert row["tokens"] == want, (run["setting"], name)
-            assert not row.get("tokens_changed"), (run["setting"], name)
+        assert run["tokens"] == want, (run["setting"], run["backend"])
+        assert not run.get("tokens_changed"), (run["setting"], run["backend"])
