@@ -5,7 +5,9 @@ parallel op ends, libgomp's workers do not sleep at once: each spins `GOMP_SPINC
 (300 000 by default, milliseconds of a core) waiting for the next op. In a model step the JAX
 backend's attention comes right after torch ops (the projections, the rotary embedding), so its
 XLA call starts while torch's workers still spin on the cores XLA's pool and the native kernels'
-workers need, and it runs slower for it than alone.
+workers need. With more runnable threads than cores (XLA's pool beside torch's on a small
+machine, or any other load) it gets far worse: workers spin on cores that the thread they wait
+for needs, and a whole step can run several times slower (measured: docs/interop.md).
 
 libgomp reads its wait policy once, when torch loads, from the environment; nothing can change it
 afterwards. So the backend cannot fix it for the user without touching their torch code: it says
@@ -16,12 +18,12 @@ effect on vLLM 0.8.5's engine step are in docs/interop.md ("Threads: torch's Ope
 import os
 import warnings
 
-# What the warning recommends: spin briefly (a few microseconds), then sleep. Back-to-back torch
-# ops still find their workers awake; a JAX call after a torch op finds the cores free.
-RECOMMENDED_SPINCOUNT = 1000
+# What the warning recommends: spin briefly (~0.1 ms, longer than the Python between a model's
+# torch ops, far shorter than the default), then sleep. Back-to-back torch ops still find their
+# workers awake; a JAX call after a torch op finds the cores free. Spin counts up to this are
+# taken as short enough (measured in vLLM's engine step: docs/interop.md).
+RECOMMENDED_SPINCOUNT = 10_000
 RECOMMENDED = f"GOMP_SPINCOUNT={RECOMMENDED_SPINCOUNT}"
-# Spin counts up to this are short enough (measured: docs/interop.md).
-SHORT_SPINCOUNT = 10_000
 
 _warned = False
 
@@ -79,7 +81,7 @@ def spin_problem(
     count = env.get("GOMP_SPINCOUNT")
     if count is not None:
         n = _spincount(count)
-        if n is not None and n <= SHORT_SPINCOUNT:
+        if n is not None and n <= RECOMMENDED_SPINCOUNT:
             return None
         spin = f"GOMP_SPINCOUNT={count}"
     elif policy == "ACTIVE":
@@ -88,10 +90,11 @@ def spin_problem(
         spin = "libgomp's default of 300000 spins"
     return (
         f"torch's {torch_threads} OpenMP threads (GNU libgomp) spin after every torch op "
-        f"({spin}) and take the cores the JAX backend's next XLA call needs: inside a model step "
-        f"its attention runs slower than alone. Set {RECOMMENDED} (or OMP_WAIT_POLICY=PASSIVE, "
-        "which slows small torch ops more) in the environment before torch is imported; see "
-        "docs/interop.md, 'Threads: torch's OpenMP and XLA'"
+        f"({spin}) on the cores the JAX backend's next XLA call needs; with more runnable threads "
+        "than cores (XLA's pool beside torch's, or any other load) a model step can run several "
+        f"times slower. Set {RECOMMENDED} (or OMP_WAIT_POLICY=PASSIVE, which slows small torch "
+        "ops more) in the environment before torch is imported; see docs/interop.md, 'Threads: "
+        "torch's OpenMP and XLA'"
     )
 
 

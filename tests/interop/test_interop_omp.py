@@ -18,6 +18,7 @@ GOMP = ["libgomp-a34b3233.so.1"]
     [
         ({}, GOMP, 2, "libgomp's default of 300000 spins"),
         ({"GOMP_SPINCOUNT": "100000"}, GOMP, 2, "GOMP_SPINCOUNT=100000"),
+        ({"GOMP_SPINCOUNT": "10001"}, GOMP, 2, "GOMP_SPINCOUNT=10001"),
         ({"GOMP_SPINCOUNT": "300k"}, GOMP, 2, "GOMP_SPINCOUNT=300k"),
         ({"GOMP_SPINCOUNT": "infinite"}, GOMP, 2, "GOMP_SPINCOUNT=infinite"),
         ({"OMP_WAIT_POLICY": "active"}, GOMP, 8, "OMP_WAIT_POLICY=ACTIVE"),
@@ -30,8 +31,8 @@ GOMP = ["libgomp-a34b3233.so.1"]
         ({}, [], 2, None),
     ],
     ids=[
-        "default", "spin100000", "spin300k", "infinite", "active", "spin1000", "spin10k",
-        "spin0", "passive", "one-thread", "iomp", "no-openmp",
+        "default", "spin100000", "spin10001", "spin300k", "infinite", "active", "spin1000",
+        "spin10k", "spin0", "passive", "one-thread", "iomp", "no-openmp",
     ],
 )  # fmt: skip
 def test_spin_problem(env, openmp, threads, warns):
