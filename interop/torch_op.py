@@ -16,6 +16,9 @@ together, with the batch's own `query_start_loc`:
     |<---- prefill_0 ---->|<- prefill_1 ->|d0|d1|d2|   query_start_loc [0, 5, 8, 9, 10, 11]
 
 Cache-less attention (encoder, encoder-only, vLLM's profiling run) goes through the varlen op.
+
+On CPU, the first call warns (once) when torch's OpenMP workers will spin through the XLA calls
+(`interop.omp`): set `GOMP_SPINCOUNT` before torch is imported (docs/interop.md, "Threads").
 """
 
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ from torch import Tensor
 
 import jax_attn
 from interop.dlpack import index_to_jax, to_jax, to_torch
+from interop.omp import warn_if_spinning
 from torch_backends.abstract import AttentionType
 from torch_backends.host_batch import cumsum
 from torch_backends.layouts import NhdLayout, PagedCache
@@ -61,6 +65,8 @@ def paged_attention_op(
     `[S, max_blocks]` (any integer dtype: int64 values outside int32 raise `OverflowError`
     rather than wrap), alibi_slopes f32 `[Hq]`; returns `[T, Hq, D]`. (torch.library infers
     the op's schema from plain `torch.Tensor` annotations: the shapes live here.)"""
+    if query.device.type == "cpu":
+        warn_if_spinning()  # once: torch's OpenMP wait policy (interop/omp.py)
     num_seqs = seq_lens.shape[0]
     metadata = jax_attn.RaggedMetadata(
         query_start_loc=index_to_jax(query_start_loc, "query_start_loc"),
@@ -121,6 +127,8 @@ def varlen_attention_op(
 ) -> torch.Tensor:
     """`jax_attn.varlen_attention` over torch tensors: query `[Tq, Hq, D]`, key/value
     `[Tk, Hkv, D]`, cu_seqlens_q / cu_seqlens_k i32 `[S + 1]`; returns `[Tq, Hq, D]`."""
+    if query.device.type == "cpu":
+        warn_if_spinning()
     out = jax_attn.varlen_attention(
         to_jax(query),
         to_jax(key),

@@ -95,7 +95,9 @@ class TinyModel:
 # Models
 
 
-def save_tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> None:
+def save_tokenizer(
+    path: Path, vocab_size: int = VOCAB_SIZE, max_len: int = ENGINE_DEFAULTS["max_model_len"]
+) -> None:
     """A word-level tokenizer: the words `w4 .. w{vocab_size-1}` are one token each, whitespace
     separated, after 4 special tokens. No post-processor: a prompt of n words is n tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -111,7 +113,7 @@ def save_tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> None:
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
-        model_max_length=ENGINE_DEFAULTS["max_model_len"],
+        model_max_length=max_len,
     )
     fast.save_pretrained(path)
 
@@ -123,11 +125,11 @@ def random_prompts(rng: np.random.Generator, lengths: Sequence[int]) -> tuple[st
     )
 
 
-def _save(model, path: Path) -> None:
+def _save(model, path: Path, max_len: int = ENGINE_DEFAULTS["max_model_len"]) -> None:
     import torch
 
     model.to(dtype=torch.float32).save_pretrained(path, safe_serialization=True)
-    save_tokenizer(path)
+    save_tokenizer(path, max_len=max_len)
 
 
 def _drop_zero_tensor(file: Path, name: str) -> None:
