@@ -55,17 +55,40 @@ def _builder():
     return sys.modules[name]
 
 
+def _openmp_flags(include: Path, lib_dir: Path) -> tuple[list[str], list[str]]:
+    """(compile, link) flags that put `at::parallel_for` on torch's own OpenMP pool.
+
+    With an OpenMP torch (ATen/Config.h: AT_PARALLEL_OPENMP 1), `at::parallel_for` is a header
+    template around `#pragma omp parallel`: compiled without -fopenmp it runs on the calling
+    thread alone. And the OpenMP runtime must be torch's: the wheels bundle a libgomp (named
+    libgomp.so.1 or libgomp-<hash>.so.1), so the library links that file, never the system's
+    (two runtimes would mean two thread pools fighting over the cores)."""
+    config = (include / "ATen" / "Config.h").read_text()
+    if "#define AT_PARALLEL_OPENMP 1" not in config:
+        return [], []  # torch's native pool: at::parallel_for calls into libtorch
+    bundled = sorted(lib_dir.glob("libgomp*.so*"))
+    return ["-fopenmp"], [str(bundled[0])] if bundled else ["-fopenmp"]
+
+
 def _torch_library(build):
     torch_dir = Path(torch.__file__).parent
-    lib_dir = str(torch_dir / "lib")
+    lib_dir = torch_dir / "lib"
     include = torch_dir / "include"
+    omp_compile, omp_link = _openmp_flags(include, lib_dir)
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     return build.Library(
         LIB_NAME,
         units=lambda: [build.CSRC / unit for unit in UNITS],
         include_dirs=lambda: [str(include), str(include / "torch" / "csrc" / "api" / "include")],
         version=lambda: "torch " + torch.__version__,
-        compile_flags=lambda: [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"],
-        link_flags=lambda: [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu"],
+        compile_flags=lambda: [abi, *omp_compile],
+        link_flags=lambda: [
+            f"-L{lib_dir}",
+            f"-Wl,-rpath,{lib_dir}",
+            "-lc10",
+            "-ltorch_cpu",
+            *omp_link,
+        ],
     )
 
 

@@ -393,10 +393,12 @@ inline void transpose16x16(__m512* r) {
 // tokens' elements are read).
 template <typename KV, int NC>
 inline void transpose_split_values(const KV* src, int64_t block_size, int64_t t0, int64_t n,
-                                   int64_t head_size, float* dst) {
+                                   int64_t head_size, float* dst, TilePrefetcher& pf,
+                                   int64_t per_step) {
   const __mmask16 m = tail_mask(n);
 #pragma GCC unroll 1
   for (int j = 0; j < NC; ++j) {
+    pf.issue(per_step);
     __m512 r[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
@@ -629,7 +631,8 @@ struct Queries {
 // >= n are never read (masked loads: zeros). logits[r]: lane t = token t0 + t, times qk_scale.
 template <int NC, bool kDot>
 inline void split_logits(const Problem& p, const Queries& q, const void* keys, int64_t t0,
-                         int64_t n, int64_t row0, int rg, __m512* logits) {
+                         int64_t n, int64_t row0, int rg, __m512* logits, TilePrefetcher& pf,
+                         int64_t per_step) {
   constexpr int64_t DP = NC * 16, DP2 = (NC + 1) / 2 * 32;
   const int64_t BS = p.block_size;
   __m512 acc[4][4];
@@ -651,6 +654,7 @@ inline void split_logits(const Problem& p, const Queries& q, const void* keys, i
     const bf16_t* k = static_cast<const bf16_t*>(keys) + t0 * 8;
 #pragma GCC unroll 2
     for (int64_t c = 0; c < p.head_size / 8; ++c) {
+      pf.issue(per_step);
       __m512i kv[4];
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
@@ -672,6 +676,7 @@ inline void split_logits(const Problem& p, const Queries& q, const void* keys, i
     const float* k = static_cast<const float*>(keys) + t0 * 4;
 #pragma GCC unroll 2
     for (int64_t c = 0; c < p.head_size / 4; ++c) {
+      pf.issue(per_step);
       __m512 kv[4];
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
@@ -906,13 +911,18 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
         if (split) {
           const int64_t head = (table[b] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
           if constexpr (kKeysDirect) {  // float32, or bf16 under kDot: keys read in place
+            // The prefetches, spread over every step here and in attend_tile (its value
+            // steps: per group of 4 rows, 4 chunks x n tokens).
             const int64_t G = p.group;
+            const int64_t steps = (G + 3) / 4 * (D * static_cast<int64_t>(sizeof(KV)) / 16 +
+                                                 (NC + 3) / 4 * n) + NC;
+            const int64_t per_step = (pf.remaining() + steps - 1) / steps;
             for (int64_t g0 = 0; g0 < G; g0 += 4) {
               split_logits<NC, kDot>(p, queries, kc + head, t0, n, h * G + g0,
                                      static_cast<int>(std::min<int64_t>(4, G - g0)),
-                                     split_pre.get() + g0);
+                                     split_pre.get() + g0, pf, per_step);
             }
-            transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split);
+            transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, pf, per_step);
             attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n,
                                          distance, pf, split_pre.get());
             continue;
@@ -926,7 +936,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
               widen_tile<KV, NC>(knative, D, n, last_mask, ktile);
             }
           }
-          transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split);
+          TilePrefetcher none;  // these paths leave the prefetches to attend_tile
+          transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, none, 0);
           attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n,
                                        distance, pf);
           continue;
