@@ -274,6 +274,13 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
         return output
 
     info = dict(torch_threads=torch.get_num_threads(), device=device)
+    if device == "cpu":
+        from torch_backends import native
+
+        reason = native.unavailable_reason()
+        info["decode"] = "native op" if reason is None else "vectorized torch"
+        if reason is not None:
+            info["note"] = f"decode in vectorized torch: native ops {reason}"
     return Prepared(call, _torch_output, info)
 
 
