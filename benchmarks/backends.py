@@ -25,31 +25,16 @@ import importlib
 import importlib.util
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
+from benchmarks.prepared import Prepared, Skip
 from benchmarks.workloads import Data, Spec
 
 # The dense oracle materializes [Hq, T, L] logits per sequence for every token of the batch:
 # past these sizes one call takes many seconds, so it is skipped with a note.
 REFERENCE_MAX_FLOPS = 20e9
 REFERENCE_MAX_BYTES = 4e9
-
-
-class Skip(Exception):
-    """This peer does not run this workload here (the message says why)."""
-
-
-@dataclasses.dataclass
-class Prepared:
-    call: Callable[[], Any]  # one step; returns once the result is ready
-    output: Callable[[Any], np.ndarray]  # a call's result as float32 [T, Hq, D]
-    info: dict = dataclasses.field(default_factory=dict)
-    # One call returning its own duration, for a peer whose calls are timed where they run
-    # (another process); None: the bench times `call` itself.
-    timed: Callable[[], float] | None = None
-    close: Callable[[], None] | None = None  # after the workload's rounds (frees its memory)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.backends import Prepared, Skip
+from benchmarks.prepared import Prepared, Skip
 from benchmarks.workloads import Data
 
 NAME = "vllm085-TORCH_SDPA"

@@ -8,7 +8,6 @@ which sit a floor above it and may import everything.
 """
 
 import argparse
-import importlib
 import importlib.metadata
 import json
 import os
@@ -167,14 +166,22 @@ def check_legend(specs, backends) -> list[str]:
 def _native_kernels() -> str:
     """Whether the native CPU kernels load here: jax_attn.cpu's XLA library and
     torch_backends.native's torch ops (each built on first use)."""
-    parts = []
-    for label, module in (("XLA", "jax_attn.cpu"), ("torch ops", "torch_backends.native")):
-        try:
-            reason = importlib.import_module(module).unavailable_reason()
-        except ImportError as e:
-            reason = f"does not import ({e})"
-        parts.append(f"{label}: " + ("built" if reason is None else reason))
-    return "; ".join(parts)
+    try:
+        from jax_attn import cpu
+
+        xla = cpu.unavailable_reason()
+    except ImportError as e:
+        xla = f"does not import ({e})"
+    try:
+        from torch_backends import native
+
+        torch_ops = native.unavailable_reason()
+    except ImportError as e:
+        torch_ops = f"does not import ({e})"
+    return "; ".join(
+        f"{label}: " + ("built" if reason is None else reason)
+        for label, reason in (("XLA", xla), ("torch ops", torch_ops))
+    )
 
 
 def _xformers_ops() -> str:

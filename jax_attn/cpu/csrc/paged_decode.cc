@@ -844,7 +844,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   alignas(64) float vtile_split[16 * DP];
   alignas(64) KV knative[kKeysDirect ? 1 : 16 * DP];
   // kKeysDirect: the G rows' logits of the current tile (split_logits), for attend_tile.
-  std::unique_ptr<__m512[]> split_pre(new __m512[kKeysDirect ? p.group + 3 : 1]);
+  FloatBuffer split_pre_rows(static_cast<size_t>((kKeysDirect ? p.group + 3 : 1) * 16));
+  __m512* split_pre = reinterpret_cast<__m512*>(split_pre_rows.get());  // 64-byte aligned
   if (split) {  // gathers write columns [0, D) only: the padding stays zero
     if constexpr (kDot) {
       std::memset(ktile2, 0, sizeof(ktile2));
@@ -920,11 +921,11 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
             for (int64_t g0 = 0; g0 < G; g0 += 4) {
               split_logits<NC, kDot>(p, queries, kc + head, t0, n, h * G + g0,
                                      static_cast<int>(std::min<int64_t>(4, G - g0)),
-                                     split_pre.get() + g0, pf, per_step);
+                                     split_pre + g0, pf, per_step);
             }
             transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, pf, per_step);
             attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n,
-                                         distance, pf, split_pre.get());
+                                         distance, pf, split_pre);
             continue;
           } else {
             gather_split_keys(kc + head, BS, t0, n, D, knative, D);
