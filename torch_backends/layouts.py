@@ -147,10 +147,8 @@ class CacheLayout(ABC):
     def store(
         self, key_cache: Tensor, value_cache: Tensor, slots: Tensor, key: Tensor, value: Tensor
     ) -> None:
-        """Put already-quantized rows `[T, Hkv, D]` at their checked slots, -1 skipped
-        (`PagedCache.write`'s scatter)."""
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
+        """Put already-quantized rows `[T, Hkv, D]` at valid slots (`PagedCache.write`'s
+        scatter: the pads are dropped before it)."""
         block_size = self.block_size(key_cache)
         block, offset = slots // block_size, slots % block_size
         for cache, x, is_key in ((key_cache, key, True), (value_cache, value, False)):
@@ -279,9 +277,10 @@ class PagedCache:
         if check:
             check_slot_mapping("slot_mapping", slot_mapping, key.shape[0], num_blocks, block_size)
         slots = slot_mapping.flatten().long()
-        key = layout.quantize(key, self.k_scale)
-        value = layout.quantize(value, self.v_scale)
-        layout.store(self.key_cache, self.value_cache, slots, key, value)
+        keep = slots >= 0
+        key = layout.quantize(key[keep], self.k_scale)
+        value = layout.quantize(value[keep], self.v_scale)
+        layout.store(self.key_cache, self.value_cache, slots[keep], key, value)
 
     def read_back(self, key: KeysValues, value: KeysValues) -> tuple[KeysValues, KeysValues]:
         """The new K/V as this cache returns them (rounded through fp8 when fp8)."""
