@@ -16,9 +16,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from torch_backends import native
 from torch_backends.layouts import Scale
 from torch_backends.paged_attn import PagedAttention as _GpuFileOps
+from torch_backends.paged_attn import decode
 from torch_backends.shapes import BlockTables, KeysValues, SlotMapping
 
 # vLLM V0's CPU paged ops list (no 120, unlike the GPU kernels').
@@ -84,47 +84,17 @@ class PagedAttention:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> None:
-        """One query per sequence at position `context_lens[i] - 1`, written into `output`."""
-        if (
-            output.is_contiguous()
-            and output.dtype == query.dtype
-            and native.decode_supported(query, key_cache)
-            and native.available()
-        ):
-            native.paged_decode_split(
-                output.view(query.shape),
-                query,
-                key_cache,
-                value_cache,
-                block_tables,
-                context_lens,
-                scale=scale,
-                alibi_slopes=alibi_slopes,
-                k_scale=k_scale,
-                v_scale=v_scale,
-                sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap,
-                kv_cache_dtype=kv_cache_dtype,
-            )
-            return
-        output.copy_(
-            _GpuFileOps.forward_decode(
-                query,
-                key_cache,
-                value_cache,
-                block_tables,
-                context_lens,
-                max_context_len,
-                kv_cache_dtype,
-                num_kv_heads,
-                scale,
-                alibi_slopes,
-                k_scale,
-                v_scale,
-                sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap,
-            )
-        )
+        """One query per sequence at position `context_lens[i] - 1`, written into `output`
+        (in place by the native kernel where `output` is contiguous in the query's dtype)."""
+        direct = output.is_contiguous() and output.dtype == query.dtype
+        result = decode(
+            query, key_cache, value_cache, block_tables, context_lens, max_context_len,
+            kv_cache_dtype, scale, alibi_slopes, k_scale, v_scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            out=output.view(query.shape) if direct else None,
+        )  # fmt: skip
+        if not direct:
+            output.copy_(result.view(output.shape))
 
     @staticmethod
     def copy_blocks(

@@ -123,44 +123,11 @@ class PagedAttention:
         """One query per sequence at position `seq_lens[i] - 1`."""
         if blocksparse_vert_stride > 1:
             raise ValueError("Block-sparse attention is not supported by this backend")
-        if native.decode_supported(query, key_cache) and native.available():
-            return native.paged_decode_split(
-                torch.empty_like(query),
-                query,
-                key_cache,
-                value_cache,
-                block_tables,
-                seq_lens,
-                scale=scale,
-                alibi_slopes=alibi_slopes,
-                k_scale=k_scale,
-                v_scale=v_scale,
-                sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap,
-                kv_cache_dtype=kv_cache_dtype,
-            )
-        num_seqs = query.shape[0]
-        max_seq_len = int(max_seq_len) if num_seqs else 0
-        if num_seqs == 0 or max_seq_len == 0:
-            return torch.zeros_like(query)
-        seq_lens = seq_lens.to(torch.long)
-        cache = _cache(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
-        k, v = cache.gather(block_tables, max_seq_len)
-        k_pos = torch.arange(max_seq_len, device=query.device)
-        out = masked_attention(
-            query[:, None].float(),  # [S, 1, Hq, D]
-            k,
-            v,
-            q_pos=(seq_lens - 1)[:, None],
-            k_pos=k_pos[None, :].expand(num_seqs, -1),
-            k_valid=k_pos[None, :] < seq_lens[:, None],
-            scale=scale,
-            causal=True,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-        )
-        return out[:, 0].to(query.dtype)
+        return decode(
+            query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, kv_cache_dtype,
+            scale, alibi_slopes, k_scale, v_scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
 
     @staticmethod
     def forward_prefix(
@@ -251,6 +218,67 @@ class PagedAttention:
             src, dst = pairs[:, 0].to(kv_cache.device), pairs[:, 1].to(kv_cache.device)
             blocks = kv_cache[:, src].clone()  # read every source before any write
             kv_cache[:, dst] = blocks
+
+
+def decode(
+    query: Float[Tensor, "num_seqs num_heads head_size"],
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: BlockTables,
+    seq_lens: Int[Tensor, " num_seqs"],
+    max_seq_len: int,
+    kv_cache_dtype: str,
+    scale: float,
+    alibi_slopes: Float[Tensor, " num_heads"] | None,
+    k_scale: Scale,
+    v_scale: Scale,
+    *,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    out: Float[Tensor, "num_seqs num_heads head_size"] | None = None,
+) -> Float[Tensor, "num_seqs num_heads head_size"]:
+    """Both ops files' decode, into `out` when given (contiguous, the query's dtype): the
+    native kernel on CPU where it is built, else the torch gather and masked attention."""
+    if native.decode_supported(query, key_cache) and native.available():
+        return native.paged_decode_split(
+            torch.empty_like(query) if out is None else out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale=scale,
+            alibi_slopes=alibi_slopes,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+    num_seqs = query.shape[0]
+    max_seq_len = int(max_seq_len) if num_seqs else 0
+    if num_seqs == 0 or max_seq_len == 0:
+        result = torch.zeros_like(query)
+        return result if out is None else out.copy_(result)
+    seq_lens = seq_lens.to(torch.long)
+    cache = _cache(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
+    k, v = cache.gather(block_tables, max_seq_len)
+    k_pos = torch.arange(max_seq_len, device=query.device)
+    attended = masked_attention(
+        query[:, None].float(),  # [S, 1, Hq, D]
+        k,
+        v,
+        q_pos=(seq_lens - 1)[:, None],
+        k_pos=k_pos[None, :].expand(num_seqs, -1),
+        k_valid=k_pos[None, :] < seq_lens[:, None],
+        scale=scale,
+        causal=True,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    result = attended[:, 0].to(query.dtype)
+    return result if out is None else out.copy_(result)
 
 
 def _block_pairs(name: str, pairs: Tensor, src_blocks: int, dst_blocks: int) -> Tensor:
