@@ -837,8 +837,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // into a float32 tile first (one instantiation of the math for all of them).
   constexpr bool kValuesInPlace = std::is_same_v<KV, float> || std::is_same_v<KV, bf16_t>;
   alignas(64) float vtile[kValuesInPlace ? 16 : 16 * DP];
-  // The split layout: values always through a float32 tile (transposed), keys gathered into
-  // ktile / ktile2 directly (float32; bf16 under kDot) or else into knative first.
+  // The split layout: values always through a float32 tile (transposed); keys read in place
+  // (kKeysDirect: float32, bf16 under kDot) or gathered into knative and widened from there.
   const bool split = p.layout == CacheLayout::kSplit;
   constexpr bool kKeysDirect = std::is_same_v<KV, float> || (kDot && !kFp8);
   alignas(64) float vtile_split[16 * DP];
@@ -846,13 +846,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // kKeysDirect: the G rows' logits of the current tile (split_logits), for attend_tile.
   FloatBuffer split_pre_rows(static_cast<size_t>((kKeysDirect ? p.group + 3 : 1) * 16));
   __m512* split_pre = reinterpret_cast<__m512*>(split_pre_rows.get());  // 64-byte aligned
-  if (split) {  // gathers write columns [0, D) only: the padding stays zero
-    if constexpr (kDot) {
-      std::memset(ktile2, 0, sizeof(ktile2));
-    } else {
-      std::memset(ktile, 0, sizeof(ktile));
-    }
-  }
+
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #if JAX_ATTN_DECODE_FP8_DOT
   // The fp8 lookup tables, in registers for the whole item.
