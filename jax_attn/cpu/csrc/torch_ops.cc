@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <initializer_list>
 #include <string>
 
 #include "paged_cache.h"
@@ -76,9 +77,14 @@ DType cache_dtype(const at::Tensor& t, const std::string& kv_cache_dtype) {
   return DType::kOther;
 }
 
-void check_cpu_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+using Named = std::pair<const at::Tensor*, const char*>;
+
+// Each tensor on the CPU and contiguous, or ValueError naming it.
+void check_cpu_contiguous(std::initializer_list<Named> tensors) {
+  for (const auto& [t, name] : tensors) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be a CPU tensor, got ", t->device());
+    TORCH_CHECK_VALUE(t->is_contiguous(), name, " must be contiguous");
+  }
 }
 
 float scalar(const at::Tensor& t, const char* name) {
@@ -103,12 +109,9 @@ void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tenso
   TORCH_CHECK_VALUE(value_cache.dim() == 4,
                     "value_cache must be [num_blocks, num_kv_heads, head_size, block_size], got ",
                     value_cache.sizes());
-  using Named = std::pair<const at::Tensor*, const char*>;
-  for (const Named& t : {Named{&out, "out"}, Named{&query, "query"},
-                         Named{&key_cache, "key_cache"}, Named{&value_cache, "value_cache"},
-                         Named{&block_tables, "block_tables"}, Named{&seq_lens, "seq_lens"}}) {
-    check_cpu_contiguous(*t.first, t.second);
-  }
+  check_cpu_contiguous({{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"},
+                        {&value_cache, "value_cache"}, {&block_tables, "block_tables"},
+                        {&seq_lens, "seq_lens"}});
   DecodeArgs a;
   a.layout = CacheLayout::kSplit;
   a.num_seqs = query.size(0);
@@ -143,7 +146,7 @@ void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tenso
     TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == a.num_heads && s.scalar_type() == at::kFloat,
                       "alibi_slopes must be float32 [num_heads=", a.num_heads, "], got ",
                       s.scalar_type(), " ", s.sizes());
-    check_cpu_contiguous(s, "alibi_slopes");
+    check_cpu_contiguous({{&s, "alibi_slopes"}});
     a.alibi_slopes = s.data_ptr<float>();
   }
   a.query_type = query_dtype(query);
@@ -173,12 +176,8 @@ void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
                     "key_cache must be [num_blocks, num_kv_heads, head_size / x, block_size, x] "
                     "and value_cache [num_blocks, num_kv_heads, head_size, block_size], got ",
                     key_cache.sizes(), " and ", value_cache.sizes());
-  using Named = std::pair<const at::Tensor*, const char*>;
-  for (const Named& t : {Named{&key, "key"}, Named{&value, "value"},
-                         Named{&key_cache, "key_cache"}, Named{&value_cache, "value_cache"},
-                         Named{&slot_mapping, "slot_mapping"}}) {
-    check_cpu_contiguous(*t.first, t.second);
-  }
+  check_cpu_contiguous({{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"},
+                        {&value_cache, "value_cache"}, {&slot_mapping, "slot_mapping"}});
   for (const at::Tensor* t : {&key, &value, static_cast<const at::Tensor*>(&value_cache)}) {
     TORCH_CHECK_VALUE(t->scalar_type() == key_cache.scalar_type(),
                       "key, value and both caches must have one dtype (the cache's: fp8 as "
@@ -218,7 +217,7 @@ void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
 void copy_blocks_op(at::TensorList dst, at::TensorList src, const at::Tensor& block_pairs) {
   TORCH_CHECK_VALUE(dst.size() == src.size(), "dst and src must list as many caches, got ",
                     dst.size(), " and ", src.size());
-  check_cpu_contiguous(block_pairs, "block_pairs");
+  check_cpu_contiguous({{&block_pairs, "block_pairs"}});
   TORCH_CHECK_VALUE(block_pairs.dim() == 2 && block_pairs.size(1) == 2 &&
                         block_pairs.scalar_type() == at::kLong,
                     "block_pairs must be int64 [num_pairs, 2], got ", block_pairs.scalar_type(),
@@ -226,8 +225,7 @@ void copy_blocks_op(at::TensorList dst, at::TensorList src, const at::Tensor& bl
   std::vector<BlockCopy> copies(dst.size());
   for (size_t i = 0; i < dst.size(); ++i) {
     const at::Tensor &d = dst[i], &s = src[i];
-    check_cpu_contiguous(d, "dst");
-    check_cpu_contiguous(s, "src");
+    check_cpu_contiguous({{&d, "dst"}, {&s, "src"}});
     TORCH_CHECK_VALUE(d.dim() >= 2 && d.size(0) == 2 && s.dim() == d.dim() && s.size(0) == 2 &&
                           d.scalar_type() == s.scalar_type() &&
                           d.sizes().slice(2) == s.sizes().slice(2),
