@@ -49,10 +49,19 @@ def array_device(x):
 
 def array_platform(x) -> str:
     """The platform ("cpu", "gpu", "tpu", ...) of the device holding `x` (`array_device`);
-    else (tracers, NumPy arrays, shape structs without a sharding) the default backend's."""
+    else (tracers, NumPy arrays, shape structs without a sharding) the platform of
+    `jax.default_device` where one is set (a compile-only TPU, `pallas.tpu_compile`), else the
+    default backend's."""
     device = array_device(x)
-    platform = jax.default_backend() if device is None else device.platform
+    if device is None:
+        device = jax.config.jax_default_device
+    platform = jax.default_backend() if device is None else _platform_of(device)
     return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def _platform_of(device) -> str:
+    # `jax.default_device` also takes a platform name ("cpu").
+    return device if isinstance(device, str) else device.platform
 
 
 def compute_capability(device) -> tuple[int, int] | None:
@@ -120,6 +129,23 @@ def _pallas_problem(query, key_cache) -> str | None:
     return problem
 
 
+def _tpu_problem(query, key_cache) -> str | None:
+    """Why the Pallas TPU kernels would refuse these dtypes or shapes, or None."""
+    from jax_attn.pallas import tpu_attention
+
+    _, block_size, _, head_size = key_cache.shape
+    return tpu_attention.tpu_problem(query.dtype, key_cache.dtype, block_size, head_size)
+
+
+def pallas_on_tpu(query, interpret) -> bool:
+    """Whether `impl="pallas"` means the TPU kernels (`pallas.tpu_attention`): on a TPU, or
+    anywhere with `interpret` a `pltpu.InterpretParams` (Pallas' TPU interpreter, on CPU);
+    otherwise the GPU kernels (`interpret=True` runs those on CPU)."""
+    if interpret is None or isinstance(interpret, bool):
+        return not interpret and array_platform(query) == "tpu"
+    return True
+
+
 def resolve_impl(impl: str, query, key_cache) -> str:
     """The implementation `impl` names, deciding "auto"; `query` and `key_cache` are arrays,
     tracers or `jax.ShapeDtypeStruct`s.
@@ -128,6 +154,8 @@ def resolve_impl(impl: str, query, key_cache) -> str:
     default backend when the array can tell (CPU arrays on a CUDA host stay on the CPU):
     - gpu: "pallas" where the native kernels take these dtypes and shapes on this GPU (16/32-bit
       queries, power-of-two block and head sizes, no e4m3 cache before sm_89), else "xla";
+    - tpu: "pallas" (the Pallas TPU kernels) where they take these dtypes and shapes
+      (`tpu_attention.tpu_problem`: bf16/f32 queries, bf16/f32/fp8 caches), else "xla";
     - cpu: "cpu" where `jax_attn.cpu` imports, its kernels are available and its
       `shape_problem` is None, else "xla";
     - anything else: "xla".
@@ -149,6 +177,8 @@ def resolve_impl(impl: str, query, key_cache) -> str:
     platform = array_platform(query)
     if platform == "gpu":
         return "pallas" if _pallas_problem(query, key_cache) is None else "xla"
+    if platform == "tpu":
+        return "pallas" if _tpu_problem(query, key_cache) is None else "xla"
     if platform == "cpu":
         try:
             cpu = cpu_kernels()
@@ -306,6 +336,10 @@ def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:
     impl = resolve_impl(impl, query, key_cache)
     if impl != "pallas":
         return impl, None  # one compiled version whatever `interpret` says
+    if pallas_on_tpu(query, interpret):
+        if not interpret and (problem := _tpu_problem(query, key_cache)) is not None:
+            raise ValueError(f"impl='pallas' cannot take these arguments on a TPU: {problem}")
+        return impl, interpret or False
     interpret = array_platform(query) != "gpu" if interpret is None else interpret
     if not interpret:
         problem = shape_rules.native_dtype_problem(
@@ -314,6 +348,17 @@ def _resolve(impl, interpret, query, key_cache) -> tuple[str, bool | None]:
         if problem is not None:
             raise ValueError(f"impl='pallas' cannot take these arguments: {problem}")
     return impl, interpret
+
+
+def _pallas_kernels(query, interpret):
+    """The module holding the Pallas kernels `impl="pallas"` runs (`pallas_on_tpu`)."""
+    if pallas_on_tpu(query, interpret):
+        from jax_attn.pallas import tpu_attention
+
+        return tpu_attention
+    from jax_attn import pallas
+
+    return pallas
 
 
 @_resolves_impl(
@@ -344,10 +389,11 @@ def paged_attention(
     `metadata.num_seqs` sequences are real; output rows of tokens past
     `query_start_loc[num_seqs]` are zeros, as are rows whose keys are all masked.
 
-    `impl`: "xla" (portable blockwise jnp), "pallas" (GPU kernel; `interpret` runs it on CPU,
-    by default when the arrays are not on a GPU), "cpu" (native CPU kernel; `RuntimeError` when
+    `impl`: "xla" (portable blockwise jnp), "pallas" (the GPU kernel, or the TPU kernel on a
+    TPU; `interpret=True` runs the GPU kernel on CPU, by default when the arrays are not on a
+    GPU or TPU, and `interpret=pltpu.InterpretParams()` the TPU kernel), "cpu" (native CPU kernel; `RuntimeError` when
     it is not available here), "reference" (the dense oracle), "auto" (the fastest that takes
-    these shapes where the arrays live: pallas on GPU, cpu on CPU, else xla; see
+    these shapes where the arrays live: pallas on GPU and TPU, cpu on CPU, else xla; see
     `resolve_impl`). `scale` defaults to `head_size ** -0.5`. Jitted inside (the choice of
     `impl` is made before), and jit-able from outside.
 
@@ -376,8 +422,7 @@ def paged_attention(
             query, key_cache, value_cache, md, scale=scale, **bias
         ).astype(query.dtype)
     if impl == "pallas":
-        from jax_attn.pallas import ragged_paged_attention
-
+        ragged_paged_attention = _pallas_kernels(query, interpret).ragged_paged_attention
         return ragged_paged_attention(
             query, key_cache, value_cache, *ragged, scale=scale, interpret=interpret, **bias
         )
@@ -429,8 +474,7 @@ def paged_decode(
 
         return reference.paged_decode(*args, scale=scale, **bias).astype(query.dtype)
     if impl == "pallas":
-        from jax_attn.pallas import paged_decode as pallas_decode
-
+        pallas_decode = _pallas_kernels(query, interpret).paged_decode
         return pallas_decode(*args, scale=scale, interpret=interpret, **bias)
     if impl == "cpu":
         return cpu_kernels().paged_decode(*args, scale=scale, **bias)

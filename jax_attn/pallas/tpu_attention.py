@@ -26,8 +26,9 @@ Layout on the TPU (the cache keeps the core's `[NB, BS, Hkv, D]`, no copy):
   DMA can fault; keys past `seq_len` get an exactly zero weight and their value rows are zeroed
   before the second dot, so unused memory (NaN included) never reaches an output.
 
-Shapes the Mosaic compile takes (checked by `tpu_shape_problem`): head sizes that are a multiple
-of 128 or 64 (the lane width, half of it), and any page size; interpret mode takes any.
+What the Mosaic compile takes (`tpu_problem`): bfloat16 or float32 queries; bf16, f32 or fp8
+caches (float16 has no load on these chips); every page size and head size (a head that is not
+a multiple of 128 lanes is padded in VMEM). Interpret mode takes any dtype.
 """
 
 import dataclasses
@@ -64,12 +65,23 @@ _MAX_LOGITS_BYTES = 4 * 1024 * 1024
 _VMEM_FLOOR = 16 * 1024 * 1024
 
 
-def tpu_shape_problem(block_size: int, head_size: int) -> str | None:
-    """Why the compiled (non-interpret) TPU kernels refuse these shapes, or None."""
-    if head_size % 128 and head_size != 64:
-        return f"head_size={head_size} must be 64 or a multiple of 128 (the TPU lane width)"
-    if block_size < 1:
-        return f"block_size={block_size} must be >= 1"
+# What the compiled kernels take: the TPU's float types (float16 has no VPU/MXU support on
+# the chips this targets), and fp8 caches, which are widened in VMEM before the dots.
+QUERY_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+CACHE_DTYPES = (*QUERY_DTYPES, *shape_rules.FP8_DTYPES)
+
+
+def tpu_problem(query_dtype, cache_dtype, block_size: int, head_size: int) -> str | None:
+    """Why the compiled TPU kernels refuse these dtypes or shapes, or None. Every block and
+    head size compiles (Mosaic pads a head that is not a multiple of 128 lanes); the dtypes
+    are the rule."""
+    if jnp.dtype(query_dtype) not in QUERY_DTYPES:
+        return f"query dtype {jnp.dtype(query_dtype).name} must be bfloat16 or float32 on a TPU"
+    if jnp.dtype(cache_dtype) not in CACHE_DTYPES:
+        names = ", ".join(d.name for d in CACHE_DTYPES)
+        return f"cache dtype {jnp.dtype(cache_dtype).name} must be one of {names} on a TPU"
+    if block_size < 1 or head_size < 1:
+        return f"block_size={block_size} and head_size={head_size} must be >= 1"
     return None
 
 
@@ -461,7 +473,7 @@ def paged_decode(
     )
     shape_rules.check_decode_arrays(block_tables, seq_lens, query.shape[0], int32_only=True)
     shape_rules.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
-    _check_tpu_shapes(key_cache, interpret)
+    _check_tpu_shapes(query, key_cache, interpret)
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -512,12 +524,12 @@ def paged_decode(
     return out.reshape(num_seqs, num_heads, head_size)
 
 
-def _check_tpu_shapes(key_cache, interpret) -> None:
+def _check_tpu_shapes(query, key_cache, interpret) -> None:
     if interpret:
         return
-    problem = tpu_shape_problem(key_cache.shape[1], key_cache.shape[3])
+    problem = tpu_problem(query.dtype, key_cache.dtype, key_cache.shape[1], key_cache.shape[3])
     if problem is not None:
-        raise ValueError(f"the TPU kernels cannot take these shapes: {problem}")
+        raise ValueError(f"the TPU kernels cannot take these arguments: {problem}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -698,7 +710,7 @@ def ragged_paged_attention(
     shape_rules.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
     if block_q is not None and block_q % SMALL_TILE:
         raise ValueError(f"block_q={block_q} must be a multiple of {SMALL_TILE}")
-    _check_tpu_shapes(key_cache, interpret)
+    _check_tpu_shapes(query, key_cache, interpret)
     num_tokens, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     max_seqs = block_tables.shape[0]
