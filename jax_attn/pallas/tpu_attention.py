@@ -6,9 +6,10 @@ Layout on the TPU (the cache keeps the core's `[NB, BS, Hkv, D]`, no copy):
 
 - A program owns one tile of queries (the decode kernel: one sequence's token; the ragged
   kernel: up to `block_q` tokens of one sequence, listed by the GPU kernel's `_tile_table`) and
-  every kv head. Per loop step it fetches `pages_per_step` whole pages `[BS, Hkv, D]` of K and of V
-  from HBM by async DMA into one of two VMEM slots, the next step's pages landing while this
-  step computes (double buffering). A page is one contiguous DMA for all heads: copying one
+  every kv head. Per loop step it fetches `block_k` keys, whole pages `[BS, Hkv, D]` or a run of
+  one page's tokens when a page is larger than the step, of K and of V from HBM by async DMA
+  into one of two VMEM slots, the next step's keys landing while this step computes (double
+  buffering). A page is one contiguous DMA for all heads: copying one
   head's `[BS, D]` out of a 16-bit or fp8 page would slice the HBM tiling of `(Hkv, D)`, which
   Mosaic refuses.
 - In VMEM the step's keys `[block_k, Hkv, D]` are swapped to `[Hkv, block_k, D]` and every query
@@ -50,16 +51,14 @@ MASK_VALUE = softmax.MASK_VALUE
 # A tile of at most this many tokens runs the short path (decodes in a mixed batch). Eight rows
 # is one float32 sublane tile.
 SMALL_TILE = 8
-# Keys per loop step when the caller does not say, and the most bytes one slot of K (or V)
-# may take in VMEM. Two slots each of K and V stay far below the 16 MiB that a v5e kernel
-# gets by default (v6e: 32 MiB).
+# Keys per loop step when the caller does not say, and query rows (tokens x heads of a group)
+# per ragged tile.
 _TARGET_BLOCK_K = 256
-_MAX_SLOT_BYTES = 2 * 1024 * 1024
-# Query rows (tokens x heads of a group) per ragged tile when the caller does not say.
 _TARGET_ROWS = 256
-# Bytes of the float32 logits of one step, `[Hkv, rows, block_k]`, the largest value a step
-# holds; rows and keys shrink for many kv heads.
-_MAX_LOGITS_BYTES = 4 * 1024 * 1024
+# Bytes the default plans may put in VMEM (`Plan.buffers`): pages per step and query rows
+# shrink until they fit, so a default plan stays inside the 16 MiB a v5e kernel gets by
+# default (v6e: 32 MiB) with room for Mosaic's own temporaries.
+_VMEM_BUDGET = 10 * 1024 * 1024
 # The scoped VMEM a kernel asks for: what its buffers need (`Plan.vmem_bytes`) with room for
 # Mosaic's own temporaries, at least the 16 MiB a v5e kernel gets by default.
 _VMEM_FLOOR = 16 * 1024 * 1024
@@ -91,7 +90,7 @@ class Plan:
     VMEM (bytes, the double-buffered K/V slots included)."""
 
     block_q: int
-    pages_per_step: int
+    block_k: int  # keys per step: whole pages, or a divisor of a page
     block_size: int
     num_kv_heads: int
     group: int
@@ -100,8 +99,13 @@ class Plan:
     query_itemsize: int
 
     @property
-    def block_k(self) -> int:
-        return self.pages_per_step * self.block_size
+    def copy_keys(self) -> int:
+        """Keys per DMA: a whole page, or the step's run of one page."""
+        return min(self.block_k, self.block_size)
+
+    @property
+    def copies(self) -> int:
+        return self.block_k // self.copy_keys
 
     @property
     def rows(self) -> int:
@@ -112,7 +116,7 @@ class Plan:
         lanes = -(-self.head_size // 128) * 128
         heads = -(-self.num_kv_heads // 8) * 8
         rows = -(-self.rows // 8) * 8
-        slot = self.pages_per_step * self.block_size * heads * lanes * self.cache_itemsize
+        slot = self.block_k * heads * lanes * self.cache_itemsize
         tile = self.block_q * (-(-self.group * self.num_kv_heads // 8) * 8) * lanes
         return {
             "kv slots (2 x K, 2 x V)": 4 * slot,
@@ -144,33 +148,49 @@ def make_plan(
     pages_per_step: int | None,
 ) -> Plan:
     """The defaults for what the caller left as None: about `_TARGET_BLOCK_K` keys per step
-    (whole pages, within `_MAX_SLOT_BYTES` and the table) and `_TARGET_ROWS` query rows, a
-    multiple of 8 tokens, both shrunk until a step's float32 logits fit `_MAX_LOGITS_BYTES`."""
-    cache_itemsize = jnp.dtype(cache_dtype).itemsize
-    page_bytes = block_size * (-(-num_kv_heads // 8) * 8) * head_size * cache_itemsize
-    if pages_per_step is None:
-        pages_per_step = max(1, _TARGET_BLOCK_K // block_size)
-        pages_per_step = min(pages_per_step, max(1, _MAX_SLOT_BYTES // page_bytes))
-        pages_per_step = min(pages_per_step, softmax.next_pow2(max(max_blocks, 1)))
-    if block_q is None:
-        block_q = max(SMALL_TILE, _TARGET_ROWS // group // SMALL_TILE * SMALL_TILE)
-        while (
-            block_q > SMALL_TILE
-            and num_kv_heads * group * block_q * pages_per_step * block_size * 4
-            > _MAX_LOGITS_BYTES
-        ):
-            block_q //= 2
-        block_q = max(SMALL_TILE, block_q // SMALL_TILE * SMALL_TILE)
-    return Plan(
-        block_q=block_q,
-        pages_per_step=pages_per_step,
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        group=group,
-        head_size=head_size,
-        cache_itemsize=cache_itemsize,
-        query_itemsize=jnp.dtype(query_dtype).itemsize,
-    )
+    (whole pages, no more than the table holds, or a run of a page larger than that) and
+    `_TARGET_ROWS` query rows in tiles of a multiple of 8 tokens, both halved until the buffers
+    fit `_VMEM_BUDGET`: first the rows, then the keys (down to one 8-token tile and 8 keys).
+    Example: 128-token pages of 32 float32 heads of 256 take 16 keys per step."""
+
+    def plan(q, k):
+        return Plan(
+            block_q=q,
+            block_k=k,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_size=head_size,
+            cache_itemsize=jnp.dtype(cache_dtype).itemsize,
+            query_itemsize=jnp.dtype(query_dtype).itemsize,
+        )
+
+    if pages_per_step is not None:
+        keys = pages_per_step * block_size
+    elif block_size > _TARGET_BLOCK_K and block_size % _TARGET_BLOCK_K == 0:
+        keys = _TARGET_BLOCK_K
+    else:
+        pages = max(1, _TARGET_BLOCK_K // block_size)
+        keys = min(pages, softmax.next_pow2(max(max_blocks, 1))) * block_size
+    q = block_q
+    if q is None:
+        q = max(SMALL_TILE, _TARGET_ROWS // group // SMALL_TILE * SMALL_TILE)
+    while plan(q, keys).vmem_bytes > _VMEM_BUDGET:
+        if block_q is None and q > SMALL_TILE:
+            q = max(SMALL_TILE, q // 2 // SMALL_TILE * SMALL_TILE)
+        elif pages_per_step is None and _can_halve(keys, block_size):
+            keys //= 2
+        else:
+            break
+    return plan(q, keys)
+
+
+def _can_halve(keys: int, block_size: int) -> bool:
+    """Whether a step of `keys` keys may take half as many: whole pages, or a run of at least 8
+    that still divides a page."""
+    if keys > block_size:
+        return keys % (2 * block_size) == 0
+    return keys % 2 == 0 and keys // 2 >= 8 and block_size % (keys // 2) == 0
 
 
 def interpret_params(interpret):
@@ -185,28 +205,36 @@ def interpret_params(interpret):
 
 
 class _Pages:
-    """The K/V pages of one sequence, fetched `pages_per_step` at a time into two VMEM slots."""
+    """The K/V keys of one sequence, fetched one step at a time into two VMEM slots
+    `[2, copies, copy_keys, Hkv, D]`: `copies` whole pages, or one run of `copy_keys` tokens
+    of a page (`Plan.copy_keys`)."""
 
     def __init__(self, k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, *, seq, max_blocks, kv_len):
         self.k_hbm, self.v_hbm, self.k_buf, self.v_buf = k_hbm, v_hbm, k_buf, v_buf
         self.sems, self.table_ref = sems, table_ref
         self.seq, self.max_blocks = seq, max_blocks
-        self.num_pages = pl.cdiv(kv_len, k_buf.shape[2])
-        self.num_blocks = k_hbm.shape[0]
+        self.num_blocks, self.block_size = k_hbm.shape[:2]
+        self.num_pages = pl.cdiv(kv_len, self.block_size)
 
     def _copies(self, step, slot):
-        per_step = self.k_buf.shape[1]
-        copies = []
-        for p in range(per_step):
-            index = step * per_step + p
+        copies, keys = self.k_buf.shape[1:3]
+        descriptors = []
+        for c in range(copies):
+            if keys == self.block_size:  # whole pages
+                index, tokens = step * copies + c, slice(None)
+            else:  # a run of one page (`copies == 1`); lax.div: both operands are >= 0
+                index = jax.lax.div(step * keys, self.block_size)
+                tokens = pl.ds(jax.lax.rem(step * keys, self.block_size), keys)
             used = (index < self.num_pages) & (index < self.max_blocks)
-            entry = self.table_ref[self.seq * self.max_blocks + jnp.minimum(index, self.max_blocks - 1)]
-            page = jnp.clip(jnp.where(used, entry, 0), 0, self.num_blocks - 1)
+            row = self.seq * self.max_blocks + jnp.minimum(index, self.max_blocks - 1)
+            page = jnp.clip(jnp.where(used, self.table_ref[row], 0), 0, self.num_blocks - 1)
             for hbm, buf, which in ((self.k_hbm, self.k_buf, 0), (self.v_hbm, self.v_buf, 1)):
-                copies.append(
-                    pltpu.make_async_copy(hbm.at[page], buf.at[slot, p], self.sems.at[which, slot])
+                descriptors.append(
+                    pltpu.make_async_copy(
+                        hbm.at[page, tokens], buf.at[slot, c], self.sems.at[which, slot]
+                    )
                 )
-        return copies
+        return descriptors
 
     def start(self, step, slot):
         for copy in self._copies(step, slot):
@@ -243,7 +271,7 @@ def _attend(q, row_pos, row_valid, slopes, pages, scratch, *, lo, hi, kv_len, cf
             pages.start(step + 1, 1 - slot)
 
         pages.wait(step, slot)
-        # [P, BS, Hkv, D] -> [block_k, Hkv, D] -> [Hkv, block_k, D]
+        # [copies, copy_keys, Hkv, D] -> [block_k, Hkv, D] -> [Hkv, block_k, D]
         k = pages.k_buf[slot].reshape(block_k, num_kv_heads, head_size)
         v = pages.v_buf[slot].reshape(block_k, num_kv_heads, head_size)
         k = jnp.swapaxes(k.astype(cfg.dtype), 0, 1)
@@ -328,7 +356,7 @@ def _key_range(first_pos, last_pos, seq_len, kv_len, *, causal, sliding_window):
 
 
 def _kv_scratch(plan: Plan, cache_dtype):
-    slot = (2, plan.pages_per_step, plan.block_size, plan.num_kv_heads, plan.head_size)
+    slot = (2, plan.copies, plan.copy_keys, plan.num_kv_heads, plan.head_size)
     return [
         pltpu.VMEM(slot, cache_dtype),
         pltpu.VMEM(slot, cache_dtype),
@@ -385,7 +413,7 @@ def _decode_kernel(
 ):
     seq = pl.program_id(0)
     seq_len = seq_lens_ref[seq]
-    kv_len = jnp.minimum(seq_len, max_blocks * k_buf.shape[2])
+    kv_len = jnp.minimum(seq_len, max_blocks * k_hbm.shape[1])
     cfg = dataclasses.replace(cfg, scales_ref=scales_ref)
     pages = _Pages(
         k_hbm, v_hbm, k_buf, v_buf, sems, tables_ref, seq=seq, max_blocks=max_blocks, kv_len=kv_len
@@ -583,14 +611,19 @@ def _ragged_kernel(
     first_pos, seq_len = tiles_ref[base + 3], tiles_ref[base + 4]
     block_q, num_heads, head_size = q_buf.shape
     group = num_heads // num_kv_heads
-    kv_len = jnp.minimum(seq_len, max_blocks * k_buf.shape[2])
+    kv_len = jnp.minimum(seq_len, max_blocks * k_hbm.shape[1])
     cfg = dataclasses.replace(cfg, scales_ref=scales_ref)
 
     def tile(tokens: int):
         """The tile as `tokens` query rows per head (`num_tokens <= tokens`)."""
         _copy_rows(
-            q_hbm, q_buf, src_start=q_start, dst_start=0, count=num_tokens,
-            max_rows=tokens, sem=row_sem,
+            q_hbm,
+            q_buf,
+            src_start=q_start,
+            dst_start=0,
+            count=num_tokens,
+            max_rows=tokens,
+            sem=row_sem,
         )
         rows = group * tokens
         # [t, Hq, D] -> [Hq, t, D] -> [Hkv, G * t, D] (float32 while rearranging: one
@@ -605,23 +638,47 @@ def _ragged_kernel(
             slopes = jnp.broadcast_to(slopes_ref[...][:, :, None], (num_kv_heads, group, tokens, 1))
             slopes = slopes.reshape(num_kv_heads, rows, 1)
         pages = _Pages(
-            k_hbm, v_hbm, k_buf, v_buf, sems, tables_ref,
-            seq=seq, max_blocks=max_blocks, kv_len=kv_len,
+            k_hbm,
+            v_hbm,
+            k_buf,
+            v_buf,
+            sems,
+            tables_ref,
+            seq=seq,
+            max_blocks=max_blocks,
+            kv_len=kv_len,
         )
         lo, hi = _key_range(
-            first_pos, first_pos + num_tokens - 1, seq_len, kv_len,
-            causal=cfg.causal, sliding_window=cfg.sliding_window,
+            first_pos,
+            first_pos + num_tokens - 1,
+            seq_len,
+            kv_len,
+            causal=cfg.causal,
+            sliding_window=cfg.sliding_window,
         )
         out = _attend(
-            q, row_pos, row_valid, slopes, pages, (acc_ref, m_ref, l_ref),
-            lo=lo, hi=hi, kv_len=kv_len, cfg=cfg,
+            q,
+            row_pos,
+            row_valid,
+            slopes,
+            pages,
+            (acc_ref, m_ref, l_ref),
+            lo=lo,
+            hi=hi,
+            kv_len=kv_len,
+            cfg=cfg,
         )
         # [Hkv, G * t, D] -> [Hq, t, D] -> [t, Hq, D]
         out = jnp.swapaxes(out.reshape(num_heads, tokens, head_size), 0, 1)
         o_buf[:tokens] = out.astype(o_buf.dtype)
         _copy_rows(
-            o_buf, o_hbm, src_start=0, dst_start=q_start, count=num_tokens,
-            max_rows=tokens, sem=row_sem,
+            o_buf,
+            o_hbm,
+            src_start=0,
+            dst_start=q_start,
+            count=num_tokens,
+            max_rows=tokens,
+            sem=row_sem,
         )
 
     small = min(SMALL_TILE, block_q)

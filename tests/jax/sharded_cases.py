@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -114,7 +115,9 @@ def run_case(case: dict, seed: int) -> dict:
         scale_kw = dict(k_scale=jnp.float32(0.7), v_scale=jnp.float32(1.3))
     kw = dict(impl=impl)
     if impl == "pallas":
-        kw["interpret"] = True
+        # The GPU kernels through Pallas' generic interpreter, or the TPU kernels through its
+        # TPU interpreter (DMAs and semaphores per device).
+        kw["interpret"] = pltpu.InterpretParams() if case.get("tpu") else True
     if case.get("alibi"):
         kw["alibi_slopes"] = jax_attn.alibi_slopes(hq)
     cache_shape = (nb, bs, hkv, d)
@@ -309,6 +312,10 @@ def cases() -> dict[str, dict]:
     )
     out["tp4-hq4-hkv1-pallas-decode"] = dict(
         tp=4, hq=4, hkv=1, impl="pallas", kind="decode", block_size=16
+    )
+    out["tp4-hq8-hkv2-pallas-tpu"] = dict(tp=4, hq=8, hkv=2, impl="pallas", tpu=True)
+    out["tp2-hq8-hkv2-pallas-tpu-decode-fp8"] = dict(
+        tp=2, hq=8, hkv=2, impl="pallas", tpu=True, kind="decode", cache_dtype="float8_e4m3fn"
     )
     out["tp4-hq8-hkv4-cpu"] = dict(tp=4, hq=8, hkv=4, impl="cpu", needs_cpu=True)
     out["tp4-hq8-hkv4-cpu-decode"] = dict(

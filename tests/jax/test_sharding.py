@@ -32,6 +32,8 @@ DEFAULT = [
     "dp2xtp4-hq8-hkv2-xla-fp8-decode",
     "tp2-hq8-hkv2-pallas",
     "tp4-hq8-hkv4-pallas-decode",
+    "tp4-hq8-hkv2-pallas-tpu",
+    "tp2-hq8-hkv2-pallas-tpu-decode-fp8",
     "tp4-hq8-hkv4-cpu",
     "tp4-hq8-hkv4-cpu-decode",
     "dp2xtp4-hq8-hkv2-cpu",
