@@ -108,6 +108,11 @@ class Plan:
         return self.block_k // self.copy_keys
 
     @property
+    def pages_per_step(self) -> int:
+        """Pages a step reads: `block_k // block_size`, 1 for a run of one page."""
+        return self.copies
+
+    @property
     def rows(self) -> int:
         return self.group * self.block_q
 

@@ -101,12 +101,16 @@ def unavailable_reason() -> str | None:
 
 
 @functools.cache
-def compile_device(target: str):
-    """A compile-only device of `TARGETS[target]`'s slice (no TPU needed)."""
+def topology(target: str):
+    """`TARGETS[target]`'s slice, described (its `.devices` compile, no TPU needed)."""
     from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(topology_name=TARGETS[target].topology, platform="tpu")
-    return topology.devices[0]
+    return topologies.get_topology_desc(topology_name=TARGETS[target].topology, platform="tpu")
+
+
+def compile_device(target: str):
+    """A compile-only device of `TARGETS[target]`'s slice (no TPU needed)."""
+    return topology(target).devices[0]
 
 
 @dataclasses.dataclass(frozen=True)

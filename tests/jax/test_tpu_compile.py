@@ -173,3 +173,86 @@ def test_oversized_plan_fails_with_the_chips_vmem(target):
         assert capacity / MiB - 1 <= float(used_of[1]) <= capacity / MiB, report.error
     else:
         assert f"size={capacity})" in report.error, report.error
+
+
+def _structs_on(sharding, *shapes_dtypes):
+    import jax
+
+    return [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes_dtypes]
+
+
+@pytest.mark.tpu_aot
+@needs_aot
+def test_auto_picks_the_tpu_kernels_and_falls_back_for_what_they_refuse():
+    """On a described v5e, `impl="auto"` resolves to the Pallas TPU kernels, and the entries'
+    compiled step holds Mosaic's custom call; a float16 query (no load for it on these chips)
+    takes the XLA path under "auto" and is refused, naming the rule, under "pallas"."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_attn
+    from jax_attn import paged
+
+    device = tpu_compile.compile_device("v5e")
+    one = jax.sharding.SingleDeviceSharding(device)
+    query, cache, f16 = _structs_on(
+        one,
+        ((32, 8, 128), jnp.bfloat16),
+        ((64, 16, 2, 128), jnp.bfloat16),
+        ((32, 8, 128), jnp.float16),
+    )
+    tables, lens = _structs_on(one, ((32, 8), jnp.int32), ((32,), jnp.int32))
+    assert paged.resolve_impl("auto", query, cache) == "pallas"
+    assert paged.resolve_impl("auto", f16, cache) == "xla"
+    with jax.default_device(device):
+        step = jax.jit(lambda q, k, v, t, s: jax_attn.paged_decode(q, k, v, t, s))
+        assert "tpu_custom_call" in step.lower(query, cache, cache, tables, lens).as_text()
+        with pytest.raises(ValueError, match="query dtype float16 must be bfloat16 or float32"):
+            jax_attn.paged_decode(f16, cache, cache, tables, lens, impl="pallas", check=False)
+
+
+@pytest.mark.tpu_aot
+@needs_aot
+@pytest.mark.parametrize("kind", ["ragged", "decode"])
+def test_sharded_over_a_2x2_v5e_with_tp4(kind):
+    """`PagedSharding` runs the TPU kernels per shard under `shard_map` on a 2x2 v5e mesh
+    (tp=4, Hq 32 / Hkv 8: two kv heads per chip), and the step compiles with no collective."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    from jax_attn.metadata import RaggedMetadata
+    from jax_attn.sharding import PagedSharding
+
+    topology = tpu_compile.topology("v5e")
+    mesh = Mesh(np.array(topology.devices).reshape(4), ("tp",))
+    layout = PagedSharding(mesh, num_heads=32, num_kv_heads=8)
+
+    def struct(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    tokens, seqs, blocks = 64, 8, 16
+    cache = struct(layout.kv_cache_shape(128, 16, 128), jnp.bfloat16, layout.cache_spec)
+    with jax.default_device(topology.devices[0]):
+        if kind == "ragged":
+            spec = layout.metadata_spec
+            md = RaggedMetadata(
+                query_start_loc=struct((seqs + 1,), jnp.int32, spec.query_start_loc),
+                seq_lens=struct((seqs,), jnp.int32, spec.seq_lens),
+                block_tables=struct((seqs, blocks), jnp.int32, spec.block_tables),
+                slot_mapping=struct((tokens,), jnp.int32, spec.slot_mapping),
+                num_seqs=struct((), jnp.int32, spec.num_seqs),
+            )
+            query = struct((tokens, 32, 128), jnp.bfloat16, layout.heads_spec)
+            step = jax.jit(lambda q, k, v, m: layout.paged_attention(q, k, v, m, impl="pallas"))
+            lowered = step.lower(query, cache, cache, md)
+        else:
+            query = struct((seqs, 32, 128), jnp.bfloat16, layout.heads_spec)
+            tables = struct((seqs, blocks), jnp.int32, layout.batch_spec)
+            lens = struct((seqs,), jnp.int32, layout.batch_spec)
+            step = jax.jit(lambda q, k, v, t, s: layout.paged_decode(q, k, v, t, s, impl="pallas"))
+            lowered = step.lower(query, cache, cache, tables, lens)
+        assert "tpu_custom_call" in lowered.as_text()
+        text = lowered.compile().as_text()
+    assert not re.search(r"all-reduce|all-gather|all-to-all|collective-permute", text)
