@@ -391,11 +391,11 @@ def paged_attention(
 
     `impl`: "xla" (portable blockwise jnp), "pallas" (the GPU kernel, or the TPU kernel on a
     TPU; `interpret=True` runs the GPU kernel on CPU, by default when the arrays are not on a
-    GPU or TPU, and `interpret=pltpu.InterpretParams()` the TPU kernel), "cpu" (native CPU kernel; `RuntimeError` when
-    it is not available here), "reference" (the dense oracle), "auto" (the fastest that takes
-    these shapes where the arrays live: pallas on GPU and TPU, cpu on CPU, else xla; see
-    `resolve_impl`). `scale` defaults to `head_size ** -0.5`. Jitted inside (the choice of
-    `impl` is made before), and jit-able from outside.
+    GPU or TPU, and `interpret=pltpu.InterpretParams()` the TPU kernel), "cpu" (native CPU
+    kernel; `RuntimeError` when it is not available here), "reference" (the dense oracle),
+    "auto" (the fastest that takes these shapes where the arrays live: pallas on GPU and TPU,
+    cpu on CPU, else xla; see `resolve_impl`). `scale` defaults to `head_size ** -0.5`.
+    Jitted inside (the choice of `impl` is made before), and jit-able from outside.
 
     `check` (keyword of the entry, default `jax_attn.config.check`, on): when the metadata
     and scales are concrete, the rules of `validate` plus finite positive scales are checked

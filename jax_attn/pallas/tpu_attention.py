@@ -447,7 +447,7 @@ def _decode_kernel(
 
 def decode_plan(query, key_cache, block_tables, pages_per_step=None) -> Plan:
     num_heads, head_size = query.shape[1:]
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    block_size, num_kv_heads = key_cache.shape[1:3]
     return make_plan(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
@@ -508,7 +508,7 @@ def paged_decode(
     shape_rules.check_positive_int(pages_per_compute_block, "pages_per_compute_block")
     _check_tpu_shapes(query, key_cache, interpret)
     num_seqs, num_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     max_blocks = max(block_tables.shape[1], 1)
     if block_tables.shape[1] == 0:
@@ -701,7 +701,7 @@ def _ragged_kernel(
 
 def ragged_plan(query, key_cache, block_tables, block_q=None, pages_per_step=None) -> Plan:
     num_heads, head_size = query.shape[1:]
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    block_size, num_kv_heads = key_cache.shape[1:3]
     return make_plan(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
@@ -774,7 +774,7 @@ def ragged_paged_attention(
         raise ValueError(f"block_q={block_q} must be a multiple of {SMALL_TILE}")
     _check_tpu_shapes(query, key_cache, interpret)
     num_tokens, num_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    num_kv_heads = key_cache.shape[2]
     max_seqs = block_tables.shape[0]
     max_blocks = max(block_tables.shape[1], 1)
     if block_tables.shape[1] == 0:
