@@ -93,7 +93,9 @@ def checksum_reference(*arrays) -> int:
     total = 0
     for a in arrays:
         raw = np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8)
-        padded = np.zeros(-(-raw.size // 8) * 8, np.uint8)
-        padded[: raw.size] = raw
-        total += int(padded.view("<u8").sum(dtype=np.uint64))  # wraps mod 2**64
+        whole = raw.size // 8 * 8
+        tail = np.zeros(8, np.uint8)
+        tail[: raw.size - whole] = raw[whole:]
+        total += int(raw[:whole].view("<u8").sum(dtype=np.uint64))  # wraps mod 2**64
+        total += int(tail.view("<u8")[0])
     return total % 2**64
