@@ -719,7 +719,8 @@ def render(console, record: dict) -> None:
         "GB/s: bytes moved (K/V read once + queries + outputs) / median time. "
         "of copy / of read: GB/s as a fraction of the copy floor's / the read floor's (a native "
         "streaming read of the whole K/V cache on the kernels' workers, the lower bound for "
-        "decode; XLA's jitted sum of the same cache beside it)."
+        "decode, with XLA's jitted sum of the same cache beside it; the jitted sum alone where "
+        "the native kernels are not built)."
     )
     for line in report.compute_lines(record):
         console.print(line)
