@@ -4,7 +4,7 @@ Registered as the `bench` subcommand of `jax-attn` through the entry-point group
 `jax_attn.commands` (pyproject.toml): `interop.cli` finds it there, adds this parser and calls
 `run`, and no module imports the benchmarks. Importing this module is cheap: the suites
 (`benchmarks.run` on CPU, `benchmarks.gpu_decode` with `--gpu`,
-`benchmarks.mesh` with `--mesh`) load when the command runs.
+`benchmarks.mesh` with `--mesh`, `benchmarks.plot` with `--plot`) load when the command runs.
 """
 
 import argparse
@@ -32,10 +32,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="strong scaling of a decode step over a mesh, e.g. tp=4 or tp=4,dp=2 "
         "(benchmarks/mesh.py; simulated CPU devices where the host has too few)",
     )
+    bench.add_argument(
+        "--plot",
+        metavar="RECORD",
+        help="draw a recorded run (a --json file, e.g. benchmarks/results/*.json) as a PNG "
+        "instead of running: peers side by side per workload, time and fraction of the floor "
+        "(benchmarks/plot.py; needs matplotlib)",
+    )
+    bench.add_argument(
+        "--out", metavar="PNG", help="with --plot: the image (default: RECORD with .png)"
+    )
     return bench
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "plot", None):
+        from benchmarks import plot
+
+        return plot.main(args)
     if getattr(args, "mesh", None):
         from benchmarks import mesh
 

@@ -4,8 +4,11 @@ Method (details and the latest table in `benchmarks/README.md`):
 1. The copy floor: a large array copy (out of cache), on one thread and on all cores; the faster
    method is the floor's copy and also runs as one more peer inside every workload's rounds, so
    each workload's fraction of copy bandwidth uses a copy measured under the same conditions.
-   The read floor: a jitted sum over the workload's whole K/V cache (every cached byte read once,
-   nothing gathered or written: no decode can read its cache faster), timed in the same rounds.
+   The read floor: a native streaming read of the workload's whole K/V cache with vector loads
+   on the kernels' workers (`jax_attn.cpu.read_floor`: every cached byte read once, nothing
+   gathered or written: no decode can read its cache faster), and beside it XLA's jitted sum
+   over the same arrays, both timed in the same rounds; "of read" is against the native read
+   (the jitted sum where the native kernels are not built).
 2. Per workload: draw the data once; prepare each peer (layouts, metadata, JAX compilation:
    never timed; the JAX compile time is reported); warm up; check each peer's output once
    against the JAX xla path; then time `reps` rounds, each round calling every peer in a
@@ -149,15 +152,17 @@ def add_fma_fractions(result: dict, fma_peak: dict) -> None:
 
 
 class ReadFloor:
-    """`jax.jit(sum)` over a workload's whole K/V cache: the least time any attention step needs
-    to read the cache once (the lower bound for decode). Its bandwidth counts the cache bytes
-    only (nothing is written).
+    """`jax.jit(sum)` over a workload's whole K/V cache: how fast XLA reads the cache once. Its
+    bandwidth counts the cache bytes only (nothing is written).
 
     The sum reads the cache's bytes as float32 words, whatever the cache dtype: the same bytes
     stream through the cores, and the floor does not depend on how fast XLA:CPU converts a
     dtype (an fp8 -> f32 sum runs at ~0.2 GB/s here, a float32 sum at memory speed; integer
     reductions are as slow).
     """
+
+    kind = "xla"
+    method = "jax.jit(sum) over the K/V cache's bytes as float32 words"
 
     def __init__(self, key_cache: np.ndarray, value_cache: np.ndarray) -> None:
         import jax
@@ -174,10 +179,41 @@ class ReadFloor:
         return self.compiled(*self.caches).block_until_ready()
 
 
-def _read_floor(data) -> ReadFloor | None:
+class NativeReadFloor:
+    """The machine's read floor over the same device arrays as `ReadFloor`: every byte read once
+    with vector loads on the native kernels' workers (`jax_attn.cpu.read_floor`), the least
+    time any attention step needs to read the cache once (the lower bound for decode). Its
+    checksum is checked once against NumPy's, so the floor is known to have read every byte."""
+
+    kind = "native"
+
+    def __init__(self, xla: ReadFloor, key_cache: np.ndarray, value_cache: np.ndarray) -> None:
+        from jax_attn.cpu import read_floor
+
+        self.reader = read_floor.Reader(*xla.caches)
+        self.bytes = self.reader.bytes
+        run = self.reader()
+        self.checksum_ok = run.checksum == read_floor.checksum_reference(key_cache, value_cache)
+        self.method = (
+            f"native streaming read (jax_attn.cpu.read_floor): {run.vector_bits}-bit loads on "
+            f"{run.workers} workers, {run.chunks} chunks"
+        )
+
+    def __call__(self):
+        return self.reader()
+
+
+def _read_floors(data) -> dict[str, ReadFloor | NativeReadFloor]:
+    """{"read": the floor "of read" is against, "read_xla": XLA's jitted sum}: the native read
+    where the kernels are built, else the jitted sum as both; {} without JAX."""
     if importlib.util.find_spec("jax") is None:
-        return None
-    return ReadFloor(data.key_cache, data.value_cache)
+        return {}
+    xla = ReadFloor(data.key_cache, data.value_cache)
+    from jax_attn import cpu
+
+    if cpu.unavailable_reason() is not None:
+        return {"read": xla, "read_xla": xla}
+    return {"read": NativeReadFloor(xla, data.key_cache, data.value_cache), "read_xla": xla}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +239,7 @@ def run_workload(
 ) -> dict:
     task = progress.add_task(f"{spec.name}: preparing", total=len(peers) + 2 + reps)
     data = make_data(spec, rng)
-    reader = _read_floor(data)
+    readers = _read_floors(data)
     rows: dict[str, dict] = {}
     prepared: dict[str, Prepared] = {}
     for peer in peers:
@@ -234,8 +270,8 @@ def run_workload(
                     pass  # its error is already the row's note
             del prepared[name]
     copier()
-    if reader is not None:
-        reader()
+    for floor in readers:
+        readers[floor]()
     progress.advance(task)
     _verify(spec, outputs, rows)
     del outputs
@@ -248,8 +284,9 @@ def run_workload(
     # is reported as an error, and the others go on.
     timers = {name: p.timed or _timer(p.call) for name, p in prepared.items()}
     timers["copy"] = _timer(copier)
-    if reader is not None:
-        timers["read"] = _timer(reader)
+    for floor in readers:
+        if floor == "read" or readers[floor] is not readers["read"]:  # the jitted sum: once
+            timers[floor] = _timer(readers[floor])
     names = list(timers)
     times = {name: [] for name in names}
     after_other = {name: [] for name in names}
@@ -281,15 +318,9 @@ def run_workload(
 
     copy = _stats(times.pop("copy"))
     copy_gb_s = copier.bytes / copy["median_s"] / 1e9
-    read = None
-    if reader is not None:
-        read = _stats(times.pop("read"))
-        read.update(
-            bytes=reader.bytes,
-            gb_s=reader.bytes / read["median_s"] / 1e9,
-            method="jax.jit(sum) over the K/V cache's bytes as float32 words",
-        )
-    del reader
+    read = _floor_record(readers.get("read"), times.pop("read", None))
+    read_xla = _floor_record(readers.get("read_xla"), times.pop("read_xla", None)) or read
+    del readers  # the floors' device copies of the cache
     base = np.median(times[BASELINE]) if BASELINE in times else None
     for name, ts in times.items():
         row = rows[name]
@@ -303,6 +334,7 @@ def run_workload(
         )
         row["fraction_of_copy"] = row["gb_s"] / copy_gb_s
         row["fraction_of_read"] = None if read is None else row["gb_s"] / read["gb_s"]
+        row["fraction_of_read_xla"] = None if read_xla is None else row["gb_s"] / read_xla["gb_s"]
         row["ratio_vs_jax"] = None if base is None else row["median_s"] / base
     return dict(
         spec=_spec_record(spec),
@@ -310,8 +342,26 @@ def run_workload(
         flops=spec.flops,
         copy=dict(copy, gb_s=copy_gb_s),
         read=read,
+        read_xla=read_xla,
         backends=rows,
     )
+
+
+def _floor_record(reader, times: list[float] | None) -> dict | None:
+    """A read floor's stats, bytes, GB/s, kind ("native" or "xla") and method; None when it was
+    not timed (no JAX, or the jitted sum already timed as "read")."""
+    if reader is None or times is None:
+        return None
+    record = dict(
+        _stats(times),
+        bytes=reader.bytes,
+        gb_s=reader.bytes / np.median(times) / 1e9,
+        kind=reader.kind,
+        method=reader.method,
+    )
+    if isinstance(reader, NativeReadFloor):
+        record["checksum_ok"] = reader.checksum_ok
+    return record
 
 
 def _timer(call: Callable[[], object]) -> Callable[[], float]:
@@ -585,6 +635,11 @@ def write_and_judge(console, record: dict, args: argparse.Namespace, *, baseline
         for p, row in result["backends"].items()
         if row["status"] == "error" or row.get("agrees") is False
     ]
+    failures += [
+        f"{w}/read floor: the native read's checksum differs from NumPy's sum of the cache"
+        for w, result in record["workloads"].items()
+        if (result.get("read") or {}).get("checksum_ok") is False
+    ]
     for failure in failures:
         console.print(f"[red]FAIL[/] {failure}")
     return 1 if failures else 0
@@ -649,9 +704,7 @@ def render(console, record: dict) -> None:
                     note = f"compile {row['compile_s']:.2f} s"
             table.add_row(label if i == 0 else "", peer, *cells, note)
         copy, read = result["copy"], result.get("read")
-        floors = [("copy", copy, "numpy copyto (read + write)")]
-        if read:
-            floors.append(("read", read, f"jitted sum of the K/V, {read['bytes'] / 1e6:.3g} MB"))
+        floors = [("copy", copy, "numpy copyto (read + write)"), *report.read_floors(result)]
         for i, (what, floor, note) in enumerate(floors):
             of_read = "" if not read else f"[dim]{floor['gb_s'] / read['gb_s']:.0%}"
             table.add_row(
@@ -664,8 +717,10 @@ def render(console, record: dict) -> None:
     console.print(
         "[dim]x jax: median time / jax-xla median time (> 1: jax-xla is faster). "
         "GB/s: bytes moved (K/V read once + queries + outputs) / median time. "
-        "of copy / of read: GB/s as a fraction of the copy floor's / the read floor's (a jitted "
-        "sum over the whole K/V cache, the lower bound for decode)."
+        "of copy / of read: GB/s as a fraction of the copy floor's / the read floor's (a native "
+        "streaming read of the whole K/V cache on the kernels' workers, the lower bound for "
+        "decode, with XLA's jitted sum of the same cache beside it; the jitted sum alone where "
+        "the native kernels are not built)."
     )
     for line in report.compute_lines(record):
         console.print(line)

@@ -14,10 +14,11 @@ prefetch distance in kv-head tiles for keys (values: twice as far; 0: off),
 `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen bf16 and fp8 keys (under bf16 queries) to
 float32 instead of dotting them with vdpbf16ps (both read per call: for A/B timing).
 `python -m jax_attn.cpu.build` builds eagerly. `fma_peak.measure()` times the vector FMA peak
-on the kernels' workers (what `jax-attn bench` reports compute against).
+on the kernels' workers (what `jax-attn bench` reports compute against), `read_floor.Reader`
+reads arrays once with vector loads on them (the bench's read floor).
 """
 
-from jax_attn.cpu import fma_peak
+from jax_attn.cpu import fma_peak, read_floor
 from jax_attn.cpu._build import unavailable_reason
 from jax_attn.cpu._shapes import shape_problem
 from jax_attn.cpu.paged_decode import paged_decode
@@ -34,6 +35,7 @@ __all__ = [
     "fma_peak",
     "paged_decode",
     "ragged_paged_attention",
+    "read_floor",
     "shape_problem",
     "unavailable_reason",
 ]

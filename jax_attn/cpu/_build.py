@@ -59,6 +59,7 @@ HANDLERS = (
     "jax_attn_cpu_paged_decode",
     "jax_attn_cpu_ragged_paged_attention",
     "jax_attn_cpu_fma_peak",
+    "jax_attn_cpu_read_floor",
 )
 
 

@@ -85,10 +85,35 @@ def test_unknown_workload_is_refused():
 
 
 def test_read_floor_beside_the_copy_floor(record):
+    """Both read floors of every workload: the native streaming read ("of read" is against it,
+    its checksum checked against NumPy's) and XLA's jitted sum over the same bytes."""
+    from jax_attn import cpu
+
+    native = cpu.unavailable_reason() is None
     for name, result in record["workloads"].items():
-        read = result["read"]
-        assert read["gb_s"] > 0 and read["bytes"] > 0 and read["reps"] >= 1, name
-        assert result["backends"][run.BASELINE]["fraction_of_read"] > 0, name
+        read, read_xla = result["read"], result["read_xla"]
+        for floor in (read, read_xla):
+            assert floor["gb_s"] > 0 and floor["bytes"] > 0 and floor["reps"] >= 1, name
+        assert read["bytes"] == read_xla["bytes"], name
+        assert read_xla["kind"] == "xla" and "jax.jit(sum)" in read_xla["method"], name
+        if native:
+            assert read["kind"] == "native" and read["checksum_ok"] is True, name
+            assert "native streaming read" in read["method"], name
+        else:
+            assert read == read_xla, name
+        row = result["backends"][run.BASELINE]
+        assert row["fraction_of_read"] == pytest.approx(row["gb_s"] / read["gb_s"]), name
+        assert row["fraction_of_read_xla"] == pytest.approx(row["gb_s"] / read_xla["gb_s"]), name
+
+
+def test_markdown_shows_both_read_floors(record):
+    text = report.markdown(record)
+    assert text.count("| | copy |") == len(record["workloads"])
+    assert text.count("| | read (jitted sum) |") == len(record["workloads"])
+    from jax_attn import cpu
+
+    if cpu.unavailable_reason() is None:
+        assert text.count("| | read (native) |") == len(record["workloads"])
 
 
 def test_fp8_and_long_context_workloads(record):

@@ -119,8 +119,8 @@ def test_shape_problem():
 
 # What the sanitizer builds run: slices of both kernels' correctness tests (odd block and head
 # sizes, windows, fp8 and bf16, the multi-head decode items, split-K), every bad-metadata test
-# (the issue's repro, the handlers' element counts, the bounded bad-metadata fuzz slice) and
-# the FMA-peak loop.
+# (the issue's repro, the handlers' element counts, the bounded bad-metadata fuzz slice),
+# the FMA-peak loop, and the read floor's loads.
 SANITIZED_TESTS = (
     ("test_cpu_decode.py", "block_size or window or split or head_size or bad_block or float8"
      " or bfloat16"),
@@ -128,6 +128,7 @@ SANITIZED_TESTS = (
      " or causal or bad or num_seqs or vmap"),
     ("test_cpu_bad_metadata.py", None),
     ("test_cpu_fma_peak.py", "every_fma"),
+    ("test_cpu_read_floor.py", "checksum or dtype"),
 )  # fmt: skip
 
 
@@ -175,8 +176,9 @@ def test_sanitizer_build_runs_both_kernels(portable):
 @pytest.mark.slow
 def test_portable_build_runs_the_correctness_tests():
     """The portable kernels (-march=x86-64-v3: no AVX-512, the ragged kernel's 8-wide GCC
-    vectors and the decode kernel's scalar path) through both kernels' whole correctness files
-    and the bad-metadata tests, without sanitizers (full speed, every case)."""
+    vectors and the decode kernel's scalar path) through both kernels' whole correctness files,
+    the bad-metadata tests and the read floor's (its AVX2 loads), without sanitizers (full
+    speed, every case)."""
     if cpu.unavailable_reason() is not None:
         pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
     env = {
@@ -184,7 +186,8 @@ def test_portable_build_runs_the_correctness_tests():
         "JAX_ATTN_CPU_EXTRA_FLAGS": "-march=x86-64-v3 -Werror",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    files = ("test_cpu_ragged.py", "test_cpu_decode.py", "test_cpu_bad_metadata.py")
+    files = ("test_cpu_ragged.py", "test_cpu_decode.py", "test_cpu_bad_metadata.py",
+             "test_cpu_read_floor.py")  # fmt: skip
     result = _pytest_in_child(env, [(name, None) for name in files])
     tail = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
