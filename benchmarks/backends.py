@@ -292,8 +292,17 @@ def _ipex_available() -> str | None:
 
 
 def _prepare_ipex(data: Data) -> Prepared:
+    """IPEX 2.8's paged kernels over one cache in IPEX's layout: prefills through
+    `PagedAttention.flash_attn_varlen_func`, decodes through
+    `PagedAttention.single_query_cached_kv_attention`.
+
+    Not `ipex.llm.functional.varlen_attention` for the prefills (vLLM V0's IPEX prefill):
+    measured in the bench's process on the mixed step (4 x 256 prefill + 28 decodes, float32,
+    2 threads, a loaded VM) it took the step to ~800 ms where the flash kernel's takes ~100,
+    and standalone it was 1.5-3x slower than the flash kernel on its own (benchmarks/README.md,
+    "IPEX's prefill"). The flash kernel over the whole step (decodes too) was slower than
+    splitting off the decodes to their own kernel."""
     import torch
-    from intel_extension_for_pytorch.llm import functional as ipex_functional
     from intel_extension_for_pytorch.llm.modules import PagedAttention as IpexPagedAttention
 
     from interop import layouts
@@ -308,45 +317,52 @@ def _prepare_ipex(data: Data) -> Prepared:
     scale = spec.head_size**-0.5
     query = _torch_tensor(data.query)  # [T, Hq, D]
     output = torch.empty_like(query)
+    kv_cache = layouts.nhd_to_ipex(
+        _torch_tensor(data.key_cache), _torch_tensor(data.value_cache)
+    )  # [2, NB, BS*Hkv*D], each half [NB, Hkv, BS, D]
+    shape = (kv_cache.shape[1], spec.num_kv_heads, spec.block_size, spec.head_size)
+    key_cache, value_cache = kv_cache[0].view(shape), kv_cache[1].view(shape)
+    tables = torch.from_numpy(data.block_tables.copy())  # [S, max_blocks] int32
+    seq_lens = torch.from_numpy(data.seq_lens.copy())
     num_pre = spec.num_prefills
     pre_tokens = int(data.query_lens[:num_pre].sum())
-    steps = []
+    steps, calls = [], {}
     if num_pre:
-        keys, values = (_torch_tensor(x) for x in data.prefill_kv())  # [Tk, Hkv, D]
-        q_lens = data.query_lens[:num_pre]
-        cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-        q_pre, out_pre = query[:pre_tokens], output[:pre_tokens]
-        max_len = int(q_lens.max())
+        # cu_seqlens_q [0, 256, 512, ...] and cu_seqlens_k the same for a prefill without a
+        # cached prefix (q_len == seq_len), its keys already in the cache.
+        cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(data.query_lens[:num_pre])]))
+        cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(data.seq_lens[:num_pre])]))
+        cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+        max_q, max_k = int(data.query_lens[:num_pre].max()), int(data.seq_lens[:num_pre].max())
+        q_pre, out_pre, tables_pre = query[:pre_tokens], output[:pre_tokens], tables[:num_pre]
 
         def prefill():
-            ipex_functional.varlen_attention(
-                q_pre, keys, values, out_pre, cu_seqlens, cu_seqlens, None, max_len, max_len,
-                0.0, scale, False, True, False, None,
+            # (window_size_left, window_size_right) (-1, 0): no window, causal; kv_cache_dtype
+            # "auto", k/v scales 1, soft cap -1 (none).
+            IpexPagedAttention.flash_attn_varlen_func(
+                out_pre, q_pre, key_cache, value_cache, cu_q, cu_k, max_q, max_k, scale, True,
+                tables_pre, None, -1, 0, "auto", 1.0, 1.0, -1.0,
             )  # fmt: skip
 
         steps.append(prefill)
+        calls["prefill"] = "PagedAttention.flash_attn_varlen_func"
     if num_pre < spec.num_seqs:
-        kv_cache = layouts.nhd_to_ipex(
-            _torch_tensor(data.key_cache), _torch_tensor(data.value_cache)
-        )  # [2, NB, BS*Hkv*D], each half [NB, Hkv, BS, D]
-        shape = (kv_cache.shape[1], spec.num_kv_heads, spec.block_size, spec.head_size)
-        key_cache, value_cache = kv_cache[0].view(shape), kv_cache[1].view(shape)
         # Query head h reads kv head h // (Hq / Hkv).
         group = spec.num_heads // spec.num_kv_heads
         head_mapping = torch.arange(spec.num_kv_heads, dtype=torch.int32)
         head_mapping = head_mapping.repeat_interleave(group)
-        tables = torch.from_numpy(data.block_tables[num_pre:].copy())
-        seq_lens = torch.from_numpy(data.seq_lens[num_pre:].copy())
-        max_len = int(seq_lens.max())
+        tables_dec, seq_lens_dec = tables[num_pre:], seq_lens[num_pre:]
+        max_len = int(seq_lens_dec.max())
         q_dec, out_dec = query[pre_tokens:], output[pre_tokens:]
 
         def decode():
             IpexPagedAttention.single_query_cached_kv_attention(
-                out_dec, q_dec, key_cache, value_cache, head_mapping, scale, tables, seq_lens,
-                spec.block_size, max_len, None,
+                out_dec, q_dec, key_cache, value_cache, head_mapping, scale, tables_dec,
+                seq_lens_dec, spec.block_size, max_len, None,
             )  # fmt: skip
 
         steps.append(decode)
+        calls["decode"] = "PagedAttention.single_query_cached_kv_attention"
 
     def call():
         for step in steps:
@@ -355,7 +371,7 @@ def _prepare_ipex(data: Data) -> Prepared:
 
     import intel_extension_for_pytorch as ipex
 
-    info = dict(torch_threads=torch.get_num_threads(), ipex=ipex.__version__)
+    info = dict(torch_threads=torch.get_num_threads(), ipex=ipex.__version__, **calls)
     return Prepared(call, _torch_output, info)
 
 
