@@ -5,14 +5,18 @@
 | jax-xla       | `jax_attn.paged_decode` (decode-only steps) or `paged_attention`, impl xla  |
 | jax-reference | the same entry with impl="reference" (the dense oracle), where it fits     |
 | jax-cpu       | the same entry with impl="cpu": the native CPU kernels through XLA's FFI   |
-| TORCH_SDPA    | `TorchSDPABackendImpl.forward`: prefills over their contiguous K/V, then   |
-|               | decodes over the paged cache (no cache write: keys are already there)      |
-| IPEX          | IPEX 2.8's kernels directly: `varlen_attention` for prefills,              |
-|               | `PagedAttention.single_query_cached_kv_attention` for decodes              |
+| TORCH_SDPA    | this project's `TorchSDPABackendImpl.forward` (`torch_backends`, vLLM V0's |
+|               | API, not vLLM's code): prefills through torch's SDPA over their contiguous |
+|               | K/V, decodes through this project's native kernel as a torch op            |
+|               | (`torch.ops.jax_attn.paged_decode_split`) over the paged cache             |
+| IPEX          | IPEX 2.8's kernels directly: `PagedAttention.flash_attn_varlen_func` for   |
+|               | prefills, `PagedAttention.single_query_cached_kv_attention` for decodes    |
 | XFORMERS      | `XFormersImpl.forward` as TORCH_SDPA, on CUDA only (no CPU kernel)         |
 | vllm085-      | vLLM 0.8.5's own `TorchSDPABackendImpl.forward` (decode: its C++           |
 |   TORCH_SDPA  | `paged_attention_v1`) in a worker process in the vllm085 env (torch 2.6),  |
 |               | timed there, one request per call (`benchmarks/vllm085.py`)                |
+| vllm-cpu-attn | vLLM 0.32's CPU_ATTN kernel, `torch.ops._C.cpu_attention_with_kv_cache`,   |
+|               | one call for the whole step, in this process (the vllm env)                |
 
 `prepare` does all conversion, layout changes, metadata building and (for JAX) compilation,
 so a call is the attention step and nothing else. Every call returns only when its result is
