@@ -456,12 +456,12 @@ def _prepare_vllm_cpu_attn(data: Data) -> Prepared:
     except NotImplementedError as e:
         raise Skip(f"skipped: vLLM 0.32: {e}") from None
     if kv_cache_dtype != "auto" and isa == "amx":
-        # Measured here (AMX with bf16 and int8 tiles, no amx_fp16): the write and the
-        # scheduler metadata pass, the attention call dies with SIGILL and takes the bench
-        # with it. bfloat16 caches run on amx; the "vec" kernel takes fp8 (tested).
+        # Measured here (amx_bf16 and amx_int8; neither amx_fp16 nor amx_fp8 in cpuinfo): the
+        # write and the scheduler metadata pass, the attention call dies with SIGILL and takes
+        # the bench with it. bfloat16 caches run on amx; the "vec" kernel takes fp8 (tested).
         raise Skip(
             "skipped: vLLM 0.32 picks its amx kernel for an fp8 cache here, which dies with an "
-            "illegal instruction on this CPU (amx_bf16, no amx_fp16)"
+            "illegal instruction on a CPU with amx_bf16 and no amx_fp16/amx_fp8 (measured)"
         )
     if kv_cache_dtype != "auto" and isa == "vec16":
         # What cpu_attn_reshape_and_cache answers (measured): "FP8 KV cache is only supported
@@ -484,9 +484,9 @@ def _prepare_vllm_cpu_attn(data: Data) -> Prepared:
         # Every slot of the core's cache, [NB * BS, Hkv, D], in the query dtype. An fp8 cache
         # goes in as its own fp8 values (exact in bfloat16 and float32) written with scale 1:
         # each is on the fp8 grid, so vLLM's quantization keeps it bit for bit (writing
-        # fp8 * scale with the scale lands a step lower for about half the entries: measured,
-        # vLLM's division and conversion do not undo the multiplication). The attention call
-        # applies k_scale and v_scale on reading, as for any fp8 cache.
+        # fp8 * scale with the scale does not: vLLM's division and conversion land some
+        # entries a step lower; measured, outputs up to 0.16 off). The attention call applies
+        # k_scale and v_scale on reading, as for any fp8 cache.
         x = cache.reshape(-1, num_kv_heads, head_size)
         if spec.cache_dtype is not None:
             return torch.from_numpy(x.astype(np.float32)).to(dtype)
