@@ -129,6 +129,29 @@ def test_vllm085_peer_is_timed_or_names_what_is_missing(record):
     assert fp8["status"] == "skipped" and "intel_extension_for_pytorch" in fp8["note"], fp8
 
 
+@pytest.mark.ipex
+def test_ipex_peer_names_its_calls_and_agrees(record):
+    """IPEX's paged kernels (the IPEX env): flash_attn_varlen_func for prefills (not
+    varlen_attention: benchmarks/README.md, "IPEX's prefill"), single_query for decodes."""
+    reason = record["unavailable"].get("IPEX")
+    if reason is not None:
+        pytest.skip(f"IPEX: {reason}")
+    for name, result in record["workloads"].items():
+        row = result["backends"]["IPEX"]
+        if name == "decode-fp8":
+            assert row["status"] == "skipped" and "fp8_e5m2" in row["note"], row
+            continue
+        assert row["status"] == "ok" and row["agrees"] is True, (name, row)
+        spec = result["spec"]
+        calls = {k: row.get(k) for k in ("prefill", "decode")}
+        assert calls == {
+            "prefill": "PagedAttention.flash_attn_varlen_func" if spec["num_prefills"] else None,
+            "decode": "PagedAttention.single_query_cached_kv_attention"
+            if spec["num_prefills"] < spec["num_seqs"]
+            else None,
+        }, (name, calls)
+
+
 @pytest.mark.vllm
 def test_vllm_cpu_attn_peer_is_timed_and_verified(record):
     """vLLM 0.32's CPU_ATTN kernels in the bench's process (the vllm env): every workload but
