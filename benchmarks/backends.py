@@ -5,14 +5,18 @@
 | jax-xla       | `jax_attn.paged_decode` (decode-only steps) or `paged_attention`, impl xla  |
 | jax-reference | the same entry with impl="reference" (the dense oracle), where it fits     |
 | jax-cpu       | the same entry with impl="cpu": the native CPU kernels through XLA's FFI   |
-| TORCH_SDPA    | `TorchSDPABackendImpl.forward`: prefills over their contiguous K/V, then   |
-|               | decodes over the paged cache (no cache write: keys are already there)      |
-| IPEX          | IPEX 2.8's kernels directly: `varlen_attention` for prefills,              |
-|               | `PagedAttention.single_query_cached_kv_attention` for decodes              |
+| TORCH_SDPA    | this project's `TorchSDPABackendImpl.forward` (`torch_backends`, vLLM V0's |
+|               | API, not vLLM's code): prefills through torch's SDPA over their contiguous |
+|               | K/V, decodes through this project's native kernel as a torch op            |
+|               | (`torch.ops.jax_attn.paged_decode_split`) over the paged cache             |
+| IPEX          | IPEX 2.8's kernels directly: `PagedAttention.flash_attn_varlen_func` for   |
+|               | prefills, `PagedAttention.single_query_cached_kv_attention` for decodes    |
 | XFORMERS      | `XFormersImpl.forward` as TORCH_SDPA, on CUDA only (no CPU kernel)         |
 | vllm085-      | vLLM 0.8.5's own `TorchSDPABackendImpl.forward` (decode: its C++           |
 |   TORCH_SDPA  | `paged_attention_v1`) in a worker process in the vllm085 env (torch 2.6),  |
 |               | timed there, one request per call (`benchmarks/vllm085.py`)                |
+| vllm-cpu-attn | vLLM 0.32's CPU_ATTN kernel, `torch.ops._C.cpu_attention_with_kv_cache`,   |
+|               | one call for the whole step, in this process (the vllm env)                |
 
 `prepare` does all conversion, layout changes, metadata building and (for JAX) compilation,
 so a call is the attention step and nothing else. Every call returns only when its result is
@@ -292,8 +296,17 @@ def _ipex_available() -> str | None:
 
 
 def _prepare_ipex(data: Data) -> Prepared:
+    """IPEX 2.8's paged kernels over one cache in IPEX's layout: prefills through
+    `PagedAttention.flash_attn_varlen_func`, decodes through
+    `PagedAttention.single_query_cached_kv_attention`.
+
+    Not `ipex.llm.functional.varlen_attention` for the prefills (vLLM V0's IPEX prefill):
+    measured in the bench's process on the mixed step (4 x 256 prefill + 28 decodes, float32,
+    2 threads, a loaded VM) it took the step to ~800 ms where the flash kernel's takes ~100,
+    and standalone it was 1.5-3x slower than the flash kernel on its own (benchmarks/README.md,
+    "IPEX's prefill"). The flash kernel over the whole step (decodes too) was slower than
+    splitting off the decodes to their own kernel."""
     import torch
-    from intel_extension_for_pytorch.llm import functional as ipex_functional
     from intel_extension_for_pytorch.llm.modules import PagedAttention as IpexPagedAttention
 
     from interop import layouts
@@ -308,45 +321,52 @@ def _prepare_ipex(data: Data) -> Prepared:
     scale = spec.head_size**-0.5
     query = _torch_tensor(data.query)  # [T, Hq, D]
     output = torch.empty_like(query)
+    kv_cache = layouts.nhd_to_ipex(
+        _torch_tensor(data.key_cache), _torch_tensor(data.value_cache)
+    )  # [2, NB, BS*Hkv*D], each half [NB, Hkv, BS, D]
+    shape = (kv_cache.shape[1], spec.num_kv_heads, spec.block_size, spec.head_size)
+    key_cache, value_cache = kv_cache[0].view(shape), kv_cache[1].view(shape)
+    tables = torch.from_numpy(data.block_tables.copy())  # [S, max_blocks] int32
+    seq_lens = torch.from_numpy(data.seq_lens.copy())
     num_pre = spec.num_prefills
     pre_tokens = int(data.query_lens[:num_pre].sum())
-    steps = []
+    steps, calls = [], {}
     if num_pre:
-        keys, values = (_torch_tensor(x) for x in data.prefill_kv())  # [Tk, Hkv, D]
-        q_lens = data.query_lens[:num_pre]
-        cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-        q_pre, out_pre = query[:pre_tokens], output[:pre_tokens]
-        max_len = int(q_lens.max())
+        # cu_seqlens_q [0, 256, 512, ...] and cu_seqlens_k the same for a prefill without a
+        # cached prefix (q_len == seq_len), its keys already in the cache.
+        cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(data.query_lens[:num_pre])]))
+        cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(data.seq_lens[:num_pre])]))
+        cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+        max_q, max_k = int(data.query_lens[:num_pre].max()), int(data.seq_lens[:num_pre].max())
+        q_pre, out_pre, tables_pre = query[:pre_tokens], output[:pre_tokens], tables[:num_pre]
 
         def prefill():
-            ipex_functional.varlen_attention(
-                q_pre, keys, values, out_pre, cu_seqlens, cu_seqlens, None, max_len, max_len,
-                0.0, scale, False, True, False, None,
+            # (window_size_left, window_size_right) (-1, 0): no window, causal; kv_cache_dtype
+            # "auto", k/v scales 1, soft cap -1 (none).
+            IpexPagedAttention.flash_attn_varlen_func(
+                out_pre, q_pre, key_cache, value_cache, cu_q, cu_k, max_q, max_k, scale, True,
+                tables_pre, None, -1, 0, "auto", 1.0, 1.0, -1.0,
             )  # fmt: skip
 
         steps.append(prefill)
+        calls["prefill"] = "PagedAttention.flash_attn_varlen_func"
     if num_pre < spec.num_seqs:
-        kv_cache = layouts.nhd_to_ipex(
-            _torch_tensor(data.key_cache), _torch_tensor(data.value_cache)
-        )  # [2, NB, BS*Hkv*D], each half [NB, Hkv, BS, D]
-        shape = (kv_cache.shape[1], spec.num_kv_heads, spec.block_size, spec.head_size)
-        key_cache, value_cache = kv_cache[0].view(shape), kv_cache[1].view(shape)
         # Query head h reads kv head h // (Hq / Hkv).
         group = spec.num_heads // spec.num_kv_heads
         head_mapping = torch.arange(spec.num_kv_heads, dtype=torch.int32)
         head_mapping = head_mapping.repeat_interleave(group)
-        tables = torch.from_numpy(data.block_tables[num_pre:].copy())
-        seq_lens = torch.from_numpy(data.seq_lens[num_pre:].copy())
-        max_len = int(seq_lens.max())
+        tables_dec, seq_lens_dec = tables[num_pre:], seq_lens[num_pre:]
+        max_len = int(seq_lens_dec.max())
         q_dec, out_dec = query[pre_tokens:], output[pre_tokens:]
 
         def decode():
             IpexPagedAttention.single_query_cached_kv_attention(
-                out_dec, q_dec, key_cache, value_cache, head_mapping, scale, tables, seq_lens,
-                spec.block_size, max_len, None,
+                out_dec, q_dec, key_cache, value_cache, head_mapping, scale, tables_dec,
+                seq_lens_dec, spec.block_size, max_len, None,
             )  # fmt: skip
 
         steps.append(decode)
+        calls["decode"] = "PagedAttention.single_query_cached_kv_attention"
 
     def call():
         for step in steps:
@@ -355,7 +375,180 @@ def _prepare_ipex(data: Data) -> Prepared:
 
     import intel_extension_for_pytorch as ipex
 
-    info = dict(torch_threads=torch.get_num_threads(), ipex=ipex.__version__)
+    info = dict(torch_threads=torch.get_num_threads(), ipex=ipex.__version__, **calls)
+    return Prepared(call, _torch_output, info)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM 0.32's CPU_ATTN: its C++ kernels, in this process (the vllm env)
+
+VLLM_CPU_ATTN_VERSION = "0.32"
+# What vLLM 0.32's CPU_ATTN backend declares it takes (`CPUAttentionBackend.supported_dtypes`,
+# `get_supported_head_sizes`); its kernels have templates for these only.
+_VLLM_CPU_ATTN_DTYPES = ("float32", "bfloat16", "float16")
+_VLLM_CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The bench's cache dtypes as vLLM names them (`kv_cache_dtype`; vLLM's "fp8" is e4m3).
+_VLLM_KV_CACHE_DTYPE = {None: "auto", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
+
+
+def why_vllm_cpu_attn_unavailable() -> str | None:
+    """None where vLLM 0.32's CPU attention kernels run in this process; else why not (what is
+    missing, and where to find it)."""
+    reason = _torch_available()
+    if reason:
+        return reason
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            f"not available: vLLM is not installed (vLLM {VLLM_CPU_ATTN_VERSION} is in the vllm "
+            "env: JAX_ATTN_ENV=vllm bash scripts/run.sh jax-attn bench)"
+        )
+    try:
+        import vllm
+    except Exception as e:  # e.g. its compiled extension or a sibling of torch failing to load
+        return f"not available: vllm does not import ({type(e).__name__}: {e})"
+    if not vllm.__version__.startswith(VLLM_CPU_ATTN_VERSION + "."):
+        return (
+            f"not available: needs vLLM {VLLM_CPU_ATTN_VERSION} (this is vLLM "
+            f"{vllm.__version__}; the vllm env has it: JAX_ATTN_ENV=vllm bash scripts/run.sh "
+            "jax-attn bench)"
+        )
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends import cpu_attn  # noqa: F401
+
+        current_platform.import_kernels()  # vllm._C (or _C_AVX512 / _C_AVX2): torch.ops._C
+    except Exception as e:
+        return (
+            f"not available: vLLM's CPU attention backend does not import ({type(e).__name__}: {e})"
+        )
+    import torch
+
+    if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+        return "not available: vLLM registered no torch.ops._C.cpu_attention_with_kv_cache"
+    return None
+
+
+def _prepare_vllm_cpu_attn(data: Data) -> Prepared:
+    """vLLM 0.32's `CPUAttentionBackendImpl.forward` without the layer around it: the one
+    `torch.ops._C.cpu_attention_with_kv_cache` call it makes, over the whole step (prefills and
+    decodes in one call, as vLLM V1 runs a step), with the scheduler metadata that
+    `CPUAttentionMetadataBuilder.build` makes (`torch.ops._C.get_scheduler_metadata`), built
+    here, before timing. The ISA is vLLM's own choice (`_get_attn_isa`: "vec16" for block 16,
+    "vec" for block 32 in float32, "amx" for bfloat16 at block 32 where the CPU has AMX), and
+    the cache is written once, here, by vLLM's `cpu_attn_reshape_and_cache` for that ISA (the
+    kernels keep keys in a packed, ISA-specific order inside each block, so no plain copy of
+    our cache would do)."""
+    import torch
+    import vllm
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    spec = data.spec
+    if spec.dtype not in _VLLM_CPU_ATTN_DTYPES:
+        raise Skip(f"skipped: vLLM's CPU_ATTN takes {'/'.join(_VLLM_CPU_ATTN_DTYPES)} queries")
+    if spec.head_size not in _VLLM_CPU_ATTN_HEAD_SIZES:
+        raise Skip(f"skipped: vLLM's CPU_ATTN has no kernel for head size {spec.head_size}")
+    kv_cache_dtype = _VLLM_KV_CACHE_DTYPE[spec.cache_dtype]
+    query = _torch_tensor(data.query)  # [T, Hq, D]
+    dtype = query.dtype
+    try:
+        isa = _get_attn_isa(dtype, spec.block_size, spec.head_size, kv_cache_dtype)
+    except NotImplementedError as e:
+        raise Skip(f"skipped: vLLM 0.32: {e}") from None
+    if kv_cache_dtype != "auto" and isa == "amx":
+        # Measured here (amx_bf16 and amx_int8; neither amx_fp16 nor amx_fp8 in cpuinfo): the
+        # write and the scheduler metadata pass, the attention call dies with SIGILL and takes
+        # the bench with it. bfloat16 caches run on amx; the "vec" kernel takes fp8 (tested).
+        raise Skip(
+            "skipped: vLLM 0.32 picks its amx kernel for an fp8 cache here, which dies with an "
+            "illegal instruction on a CPU with amx_bf16 and no amx_fp16/amx_fp8 (measured)"
+        )
+    if kv_cache_dtype != "auto" and isa == "vec16":
+        # What cpu_attn_reshape_and_cache answers (measured): "FP8 KV cache is only supported
+        # on x86 (AMX_FP8/AMX/VEC) ISA".
+        raise Skip(
+            f"skipped: vLLM 0.32's CPU kernels take an fp8 cache only with the vec/amx ISAs "
+            f"(block sizes that are multiples of 32); block {spec.block_size} runs vec16"
+        )
+
+    # The cache, as vLLM allocates it for CPU_ATTN: [NB, Hkv, BS, 2 * D] (uint8 bits for fp8),
+    # viewed as [NB, Hkv, 2 * BS, D]: per block and kv head, BS packed keys then BS values.
+    num_blocks, block_size, num_kv_heads, head_size = data.key_cache.shape
+    cache_dtype = torch.uint8 if kv_cache_dtype != "auto" else dtype
+    kv_cache = torch.zeros((num_blocks, num_kv_heads, block_size, 2 * head_size), dtype=cache_dtype)
+    key_cache, value_cache = kv_cache.view(
+        (num_blocks, num_kv_heads, 2 * block_size, head_size)
+    ).chunk(2, dim=2)
+
+    def tokens(cache: np.ndarray):
+        # Every slot of the core's cache, [NB * BS, Hkv, D], in the query dtype. An fp8 cache
+        # goes in as its own fp8 values (exact in bfloat16 and float32) written with scale 1:
+        # each is on the fp8 grid, so vLLM's quantization keeps it bit for bit (writing
+        # fp8 * scale with the scale does not: vLLM's division and conversion land some
+        # entries a step lower; measured, outputs up to 0.16 off). The attention call applies
+        # k_scale and v_scale on reading, as for any fp8 cache.
+        x = cache.reshape(-1, num_kv_heads, head_size)
+        if spec.cache_dtype is not None:
+            return torch.from_numpy(x.astype(np.float32)).to(dtype)
+        return _torch_tensor(x)
+
+    # Slot s = block * BS + offset: slot_mapping [0, 1, ..., NB * BS - 1] writes the core's
+    # cache block for block, so the block tables carry over as they are.
+    torch.ops._C.cpu_attn_reshape_and_cache(
+        tokens(data.key_cache),
+        tokens(data.value_cache),
+        key_cache,
+        value_cache,
+        torch.arange(num_blocks * block_size, dtype=torch.int64),
+        isa,
+        1.0,  # k_scale
+        1.0,  # v_scale
+        kv_cache_dtype,
+    )
+
+    # query_start_loc [0, 256, 512, 768, 1024, 1025, ...]: 4 prefills of 256, then decodes.
+    query_start_loc = torch.from_numpy(
+        np.concatenate([[0], np.cumsum(data.query_lens)]).astype(np.int32)
+    )
+    seq_lens = torch.from_numpy(data.seq_lens.astype(np.int32))
+    block_table = torch.from_numpy(data.block_tables.astype(np.int32))
+    # CPU_ATTN's `enable_kv_split` is vLLM's VLLM_CPU_ATTN_SPLIT_KV (whatever this process's
+    # environment says, as in vLLM).
+    kv_split = bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+    scheduler_metadata = torch.ops._C.get_scheduler_metadata(
+        spec.num_seqs,
+        spec.num_heads,
+        num_kv_heads,
+        head_size,
+        seq_lens,
+        dtype,
+        query_start_loc,
+        True,  # causal
+        -1,  # sliding_window_size: none
+        isa,
+        kv_split,
+        None,  # dynamic_causal
+        kv_cache_dtype,
+    )
+    output = torch.empty_like(query)
+    scale = head_size**-0.5
+
+    def call():
+        # Causal, no ALiBi, no window (-1), no soft cap (0.0), no sinks, no dynamic causal.
+        torch.ops._C.cpu_attention_with_kv_cache(
+            query, key_cache, value_cache, output, query_start_loc, seq_lens, scale,
+            True, None, -1, block_table, 0.0, scheduler_metadata, None, None,
+            spec.k_scale, spec.v_scale, kv_cache_dtype,
+        )  # fmt: skip
+        return output
+
+    info = dict(
+        torch_threads=torch.get_num_threads(),
+        vllm=vllm.__version__,
+        isa=isa,
+        kv_split=kv_split,
+        call="torch.ops._C.cpu_attention_with_kv_cache",
+    )
     return Prepared(call, _torch_output, info)
 
 
@@ -391,6 +584,7 @@ PEERS = [
         functools.partial(_prepare_vllm, backend_name="XFORMERS", device="cuda"),
     ),
     Peer("vllm085-TORCH_SDPA", _vllm085_available, _prepare_vllm085),
+    Peer("vllm-cpu-attn", why_vllm_cpu_attn_unavailable, _prepare_vllm_cpu_attn),
 ]
 
 BASELINE = "jax-xla"

