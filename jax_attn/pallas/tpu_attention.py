@@ -445,7 +445,8 @@ def _decode_kernel(
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def decode_plan(query, key_cache, block_tables, pages_per_step=None) -> Plan:
+def kernel_plan(query, key_cache, block_tables, *, block_q, pages_per_step) -> Plan:
+    """`make_plan` for these arrays (the decode kernel's tiles are one token: `block_q=1`)."""
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
     return make_plan(
@@ -456,7 +457,7 @@ def decode_plan(query, key_cache, block_tables, pages_per_step=None) -> Plan:
         cache_dtype=key_cache.dtype,
         query_dtype=query.dtype,
         max_blocks=block_tables.shape[1],
-        block_q=1,
+        block_q=block_q,
         pages_per_step=pages_per_step,
     )
 
@@ -513,7 +514,9 @@ def paged_decode(
     max_blocks = max(block_tables.shape[1], 1)
     if block_tables.shape[1] == 0:
         block_tables = jnp.zeros((num_seqs, 1), jnp.int32)
-    plan = decode_plan(query, key_cache, block_tables, pages_per_compute_block)
+    plan = kernel_plan(
+        query, key_cache, block_tables, block_q=1, pages_per_step=pages_per_compute_block
+    )
     cfg = _Config(
         block_k=plan.block_k,
         dtype=jnp.dtype(softmax.compute_dtype(query.dtype, key_cache.dtype)),
@@ -699,22 +702,6 @@ def _ragged_kernel(
             tile(block_q)
 
 
-def ragged_plan(query, key_cache, block_tables, block_q=None, pages_per_step=None) -> Plan:
-    num_heads, head_size = query.shape[1:]
-    block_size, num_kv_heads = key_cache.shape[1:3]
-    return make_plan(
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        group=num_heads // num_kv_heads,
-        head_size=head_size,
-        cache_dtype=key_cache.dtype,
-        query_dtype=query.dtype,
-        max_blocks=block_tables.shape[1],
-        block_q=block_q,
-        pages_per_step=pages_per_step,
-    )
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -779,7 +766,9 @@ def ragged_paged_attention(
     max_blocks = max(block_tables.shape[1], 1)
     if block_tables.shape[1] == 0:
         block_tables = jnp.zeros((max_seqs, 1), jnp.int32)
-    plan = ragged_plan(query, key_cache, block_tables, block_q, pages_per_compute_block)
+    plan = kernel_plan(
+        query, key_cache, block_tables, block_q=block_q, pages_per_step=pages_per_compute_block
+    )
     cfg = _Config(
         block_k=plan.block_k,
         dtype=jnp.dtype(softmax.compute_dtype(query.dtype, key_cache.dtype)),
