@@ -212,14 +212,16 @@ def interpret_params(interpret):
 class _Pages:
     """The K/V keys of one sequence, fetched one step at a time into two VMEM slots
     `[2, copies, copy_keys, Hkv, D]`: `copies` whole pages, or one run of `copy_keys` tokens
-    of a page (`Plan.copy_keys`)."""
+    of a page (`Plan.copy_keys`). `kv_len`: the keys of the sequence its table holds (at most
+    `max_blocks` pages, whatever `seq_len` says)."""
 
-    def __init__(self, k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, *, seq, max_blocks, kv_len):
+    def __init__(self, k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, *, seq, max_blocks, seq_len):
         self.k_hbm, self.v_hbm, self.k_buf, self.v_buf = k_hbm, v_hbm, k_buf, v_buf
         self.sems, self.table_ref = sems, table_ref
         self.seq, self.max_blocks = seq, max_blocks
         self.num_blocks, self.block_size = k_hbm.shape[:2]
-        self.num_pages = pl.cdiv(kv_len, self.block_size)
+        self.kv_len = jnp.minimum(seq_len, max_blocks * self.block_size)
+        self.num_pages = pl.cdiv(self.kv_len, self.block_size)
 
     def _copies(self, step, slot):
         copies, keys = self.k_buf.shape[1:3]
@@ -250,7 +252,7 @@ class _Pages:
             copy.wait()
 
 
-def _attend(q, row_pos, row_valid, slopes, pages, scratch, *, lo, hi, kv_len, cfg):
+def _attend(q, row_pos, row_valid, slopes, pages, scratch, *, lo, hi, cfg):
     """Softmax attention of the query rows `q` `[Hkv, R, D]` (compute dtype) over the keys
     `[lo, hi)` of one sequence, fetched through `pages`; returns `[Hkv, R, D]` float32, zeros
     for rows that saw no key. `row_pos` `[R, 1]` are the rows' positions, `row_valid` `[R, 1]`
@@ -309,7 +311,7 @@ def _attend(q, row_pos, row_valid, slopes, pages, scratch, *, lo, hi, kv_len, cf
         m_ref[:, :rows] = m_next
         # A zero weight times a NaN value is NaN: zero the value rows of unused slots first.
         key_rows = step * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k, 1), 1)
-        key_in_seq = key_rows < kv_len  # [1, block_k, 1]
+        key_in_seq = key_rows < pages.kv_len  # [1, block_k, 1]
         v = jnp.where(key_in_seq, v, jnp.zeros_like(v))
         pv = jnp.einsum(
             "hrk,hkd->hrd",
@@ -353,7 +355,7 @@ class _Config:
         return self.scales_ref[1]
 
 
-def _key_range(first_pos, last_pos, seq_len, kv_len, *, causal, sliding_window):
+def _key_range(first_pos, last_pos, kv_len, *, causal, sliding_window):
     """Keys `[lo, hi)` that queries at positions `first_pos..last_pos` may see."""
     hi = jnp.minimum(last_pos + 1, kv_len) if causal else kv_len
     lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
@@ -418,13 +420,20 @@ def _decode_kernel(
 ):
     seq = pl.program_id(0)
     seq_len = seq_lens_ref[seq]
-    kv_len = jnp.minimum(seq_len, max_blocks * k_hbm.shape[1])
     cfg = dataclasses.replace(cfg, scales_ref=scales_ref)
     pages = _Pages(
-        k_hbm, v_hbm, k_buf, v_buf, sems, tables_ref, seq=seq, max_blocks=max_blocks, kv_len=kv_len
+        k_hbm,
+        v_hbm,
+        k_buf,
+        v_buf,
+        sems,
+        tables_ref,
+        seq=seq,
+        max_blocks=max_blocks,
+        seq_len=seq_len,
     )
     lo, hi = _key_range(
-        seq_len - 1, seq_len - 1, seq_len, kv_len, causal=True, sliding_window=cfg.sliding_window
+        seq_len - 1, seq_len - 1, pages.kv_len, causal=True, sliding_window=cfg.sliding_window
     )
     group = q_ref.shape[1]
     row_pos = jnp.full((group, 1), seq_len - 1, jnp.int32)
@@ -439,27 +448,38 @@ def _decode_kernel(
         (acc_ref, m_ref, l_ref),
         lo=lo,
         hi=hi,
-        kv_len=kv_len,
         cfg=cfg,
     )
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def kernel_plan(query, key_cache, block_tables, *, block_q, pages_per_step) -> Plan:
-    """`make_plan` for these arrays (the decode kernel's tiles are one token: `block_q=1`)."""
+def _setup(query, key_cache, block_tables, *, block_q, pages_per_step, causal, **bias):
+    """What both wrappers derive before their `pallas_call`: the block tables (an empty table
+    becomes one column of page 0, never read), the table width, `make_plan` for these arrays
+    (the decode kernel's tiles are one token: `block_q=1`) and the kernel's `_Config`."""
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    return make_plan(
+    max_blocks = max(block_tables.shape[1], 1)
+    if block_tables.shape[1] == 0:
+        block_tables = jnp.zeros((block_tables.shape[0], 1), jnp.int32)
+    plan = make_plan(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         group=num_heads // num_kv_heads,
         head_size=head_size,
         cache_dtype=key_cache.dtype,
         query_dtype=query.dtype,
-        max_blocks=block_tables.shape[1],
+        max_blocks=max_blocks,
         block_q=block_q,
         pages_per_step=pages_per_step,
     )
+    cfg = _Config(
+        block_k=plan.block_k,
+        dtype=jnp.dtype(softmax.compute_dtype(query.dtype, key_cache.dtype)),
+        causal=causal,
+        **bias,
+    )
+    return block_tables, max_blocks, plan, cfg
 
 
 @functools.partial(
@@ -511,15 +531,12 @@ def paged_decode(
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_blocks = max(block_tables.shape[1], 1)
-    if block_tables.shape[1] == 0:
-        block_tables = jnp.zeros((num_seqs, 1), jnp.int32)
-    plan = kernel_plan(
-        query, key_cache, block_tables, block_q=1, pages_per_step=pages_per_compute_block
-    )
-    cfg = _Config(
-        block_k=plan.block_k,
-        dtype=jnp.dtype(softmax.compute_dtype(query.dtype, key_cache.dtype)),
+    block_tables, max_blocks, plan, cfg = _setup(
+        query,
+        key_cache,
+        block_tables,
+        block_q=1,
+        pages_per_step=pages_per_compute_block,
         causal=True,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
@@ -619,8 +636,25 @@ def _ragged_kernel(
     first_pos, seq_len = tiles_ref[base + 3], tiles_ref[base + 4]
     block_q, num_heads, head_size = q_buf.shape
     group = num_heads // num_kv_heads
-    kv_len = jnp.minimum(seq_len, max_blocks * k_hbm.shape[1])
     cfg = dataclasses.replace(cfg, scales_ref=scales_ref)
+    pages = _Pages(
+        k_hbm,
+        v_hbm,
+        k_buf,
+        v_buf,
+        sems,
+        tables_ref,
+        seq=seq,
+        max_blocks=max_blocks,
+        seq_len=seq_len,
+    )
+    lo, hi = _key_range(
+        first_pos,
+        first_pos + num_tokens - 1,
+        pages.kv_len,
+        causal=cfg.causal,
+        sliding_window=cfg.sliding_window,
+    )
 
     def tile(tokens: int):
         """The tile as `tokens` query rows per head (`num_tokens <= tokens`)."""
@@ -645,25 +679,6 @@ def _ragged_kernel(
         if slopes_ref is not None:
             slopes = jnp.broadcast_to(slopes_ref[...][:, :, None], (num_kv_heads, group, tokens, 1))
             slopes = slopes.reshape(num_kv_heads, rows, 1)
-        pages = _Pages(
-            k_hbm,
-            v_hbm,
-            k_buf,
-            v_buf,
-            sems,
-            tables_ref,
-            seq=seq,
-            max_blocks=max_blocks,
-            kv_len=kv_len,
-        )
-        lo, hi = _key_range(
-            first_pos,
-            first_pos + num_tokens - 1,
-            seq_len,
-            kv_len,
-            causal=cfg.causal,
-            sliding_window=cfg.sliding_window,
-        )
         out = _attend(
             q,
             row_pos,
@@ -673,7 +688,6 @@ def _ragged_kernel(
             (acc_ref, m_ref, l_ref),
             lo=lo,
             hi=hi,
-            kv_len=kv_len,
             cfg=cfg,
         )
         # [Hkv, G * t, D] -> [Hq, t, D] -> [t, Hq, D]
@@ -763,15 +777,12 @@ def ragged_paged_attention(
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     max_seqs = block_tables.shape[0]
-    max_blocks = max(block_tables.shape[1], 1)
-    if block_tables.shape[1] == 0:
-        block_tables = jnp.zeros((max_seqs, 1), jnp.int32)
-    plan = kernel_plan(
-        query, key_cache, block_tables, block_q=block_q, pages_per_step=pages_per_compute_block
-    )
-    cfg = _Config(
-        block_k=plan.block_k,
-        dtype=jnp.dtype(softmax.compute_dtype(query.dtype, key_cache.dtype)),
+    block_tables, max_blocks, plan, cfg = _setup(
+        query,
+        key_cache,
+        block_tables,
+        block_q=block_q,
+        pages_per_step=pages_per_compute_block,
         causal=causal,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,

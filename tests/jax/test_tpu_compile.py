@@ -175,12 +175,6 @@ def test_oversized_plan_fails_with_the_chips_vmem(target):
         assert f"size={capacity})" in report.error, report.error
 
 
-def _structs_on(sharding, *shapes_dtypes):
-    import jax
-
-    return [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes_dtypes]
-
-
 @pytest.mark.tpu_aot
 @needs_aot
 def test_auto_picks_the_tpu_kernels_and_falls_back_for_what_they_refuse():
@@ -194,14 +188,14 @@ def test_auto_picks_the_tpu_kernels_and_falls_back_for_what_they_refuse():
     from jax_attn import paged
 
     device = tpu_compile.compile_device("v5e")
-    one = jax.sharding.SingleDeviceSharding(device)
-    query, cache, f16 = _structs_on(
-        one,
+    query, cache, f16, tables, lens = tpu_compile._structs(
+        device,
         ((32, 8, 128), jnp.bfloat16),
         ((64, 16, 2, 128), jnp.bfloat16),
         ((32, 8, 128), jnp.float16),
+        ((32, 8), jnp.int32),
+        ((32,), jnp.int32),
     )
-    tables, lens = _structs_on(one, ((32, 8), jnp.int32), ((32,), jnp.int32))
     assert paged.resolve_impl("auto", query, cache) == "pallas"
     assert paged.resolve_impl("auto", f16, cache) == "xla"
     with jax.default_device(device):

@@ -218,7 +218,7 @@ def test_steps_visit_only_reachable_pages(window, block_k):
             for first in range(seq_len - q_len, seq_len, 4):
                 last = min(first + 3, seq_len - 1)
                 lo, hi = tpu_attention._key_range(
-                    first, last, seq_len, seq_len, causal=True, sliding_window=window
+                    first, last, seq_len, causal=True, sliding_window=window
                 )
                 seen = {
                     k
