@@ -418,6 +418,7 @@ def _spec_record(spec: Spec) -> dict:
         num_seqs=spec.num_seqs,
         num_tokens=spec.num_tokens,
         num_prefills=spec.num_prefills,
+        has_cached_prefix=spec.has_cached_prefix,
         query_lens=list(spec.query_lens),
         seq_lens=list(spec.seq_lens),
     )
@@ -442,6 +443,17 @@ def _ratio(results: dict, num: tuple[str, str], den: tuple[str, str]) -> float |
 
 
 VLLM085 = "vllm085-TORCH_SDPA"
+VLLM = "vllm-cpu-attn"
+# (workload, least vLLM time / jax-cpu time)
+VLLM_TARGETS = (
+    ("decode-f32", 1.6),
+    ("decode-bf16", 2.0),
+    ("decode-8x8192-bf16", 2.0),
+    ("prefill-8x512", 1.3),
+    ("prefill-bf16", 1.3),
+    ("chunked-prefill", 1.3),
+    ("mixed", 1.5),
+)
 
 
 def check_targets(results: dict) -> list[dict]:
@@ -519,6 +531,31 @@ def check_targets(results: dict) -> list[dict]:
                 goal="<= 1.25",
                 value=slower,
                 met=None if slower is None else slower <= 1.25,
+            )
+        )
+    # Issue 21: vLLM 0.32's CPU_ATTN (the vllm env) as the peer to beat.
+    for workload, least in VLLM_TARGETS:
+        value = _ratio(results, (workload, VLLM), (workload, CPU))
+        targets.append(
+            dict(
+                target=f"{workload}: {VLLM} time / {CPU} time",
+                goal=f">= {least}",
+                value=value,
+                met=None if value is None else value >= least,
+            )
+        )
+    bf16_gain = _ratio(results, ("prefill-8x512", CPU), ("prefill-bf16", CPU))
+    fraction = _row(results, "prefill-8x512", CPU).get("fraction_of_fma_peak")
+    for what, value, least in (
+        (f"prefill: f32 time / bf16 time ({CPU})", bf16_gain, 1.8),
+        (f"prefill-8x512: {CPU} fraction of the FMA peak", fraction, 0.75),
+    ):
+        targets.append(
+            dict(
+                target=what,
+                goal=f">= {least}",
+                value=value,
+                met=None if value is None else value >= least,
             )
         )
     compile_s = _row(results, "decode-f32", CPU).get("compile_s")

@@ -244,6 +244,13 @@ def prepare(data: Data, worker: Worker | None = None) -> Prepared:
     worker = worker or _worker
     if worker is None:  # why_unavailable comes first; this is a bug, not a skip
         raise RuntimeError("the vllm085 worker is not running")
+    if data.spec.has_cached_prefix:
+        # vllm/attention/backends/torch_sdpa.py (0.8.5), forward: a prefill whose metadata
+        # says chunked_prefill goes to intel_extension_for_pytorch's flash_attn_varlen_func.
+        raise Skip(
+            "skipped: vLLM 0.8.5's TORCH_SDPA runs a chunk over a cached prefix through IPEX "
+            "(intel_extension_for_pytorch), which the vllm085 env lacks"
+        )
     directory = _shared_dir()
     try:
         write_workload(data, directory)

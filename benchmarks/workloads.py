@@ -53,6 +53,11 @@ class Spec:
         return sum(q > 1 or q == s for q, s in zip(self.query_lens, self.seq_lens, strict=True))
 
     @property
+    def has_cached_prefix(self) -> bool:
+        """Some prefill reads keys cached by earlier steps (a chunk of a chunked prefill)."""
+        return any(1 < q < s for q, s in zip(self.query_lens, self.seq_lens, strict=True))
+
+    @property
     def is_decode(self) -> bool:
         return all(q == 1 for q in self.query_lens) and self.num_prefills == 0
 
@@ -87,7 +92,11 @@ class Spec:
         parts = []
         if self.num_prefills:
             lens = sorted(set(self.query_lens[: self.num_prefills]))
-            parts.append(f"{self.num_prefills} prefill x {'/'.join(map(str, lens))}")
+            kind = "chunk" if self.has_cached_prefix else "prefill"
+            parts.append(f"{self.num_prefills} {kind} x {'/'.join(map(str, lens))}")
+            if self.has_cached_prefix:
+                ctx = sorted(set(self.seq_lens[: self.num_prefills]))
+                parts[-1] += f" @ ctx {'/'.join(map(str, ctx))}"
         if decodes:
             ctx = sorted(set(self.seq_lens[self.num_prefills :]))
             parts.append(f"{decodes} decode @ ctx {'/'.join(map(str, ctx))}")
@@ -107,6 +116,10 @@ def _prefill(name, num, length, **kw) -> Spec:
     return Spec(name, (length,) * num, (length,) * num, **kw)
 
 
+def _chunked(name, num, chunk, prefix, **kw) -> Spec:
+    return Spec(name, (chunk,) * num, (prefix + chunk,) * num, **kw)
+
+
 def _mixed(name, prefills, prefill_len, decodes, ctx, **kw) -> Spec:
     query_lens = (prefill_len,) * prefills + (1,) * decodes
     seq_lens = (prefill_len,) * prefills + (ctx,) * decodes
@@ -117,7 +130,9 @@ def named_workloads(quick: bool = False) -> dict[str, Spec]:
     """The suite, by name. `quick` keeps the names and shrinks every size (a smoke run).
 
     decode-fp8 reads an e4m3 cache (a quarter of decode-f32's bytes) with bf16 queries;
-    decode-8x8192 is the long-context decode: 8 sequences at 8192 keys (537 MB of K/V).
+    decode-8x8192 is the long-context decode: 8 sequences at 8192 keys (537 MB of K/V), and
+    decode-8x8192-bf16 the same in bfloat16; prefill-bf16 is prefill-8x512 in bfloat16;
+    chunked-prefill is 8 chunks of 256 new tokens, each over a 2048-token cached prefix.
     """
     fp8 = dict(cache_dtype="float8_e4m3fn", k_scale=0.8, v_scale=1.3)
     if quick:
@@ -127,7 +142,10 @@ def named_workloads(quick: bool = False) -> dict[str, Spec]:
             _decode("decode-bf16", 4, 64, "bfloat16", **small),
             _decode("decode-fp8", 4, 64, "bfloat16", **fp8, **small),
             _decode("decode-8x8192", 2, 256, "float32", **small),
+            _decode("decode-8x8192-bf16", 2, 256, "bfloat16", **small),
             _prefill("prefill-8x512", 2, 32, **small),
+            _prefill("prefill-bf16", 2, 32, dtype="bfloat16", **small),
+            _chunked("chunked-prefill", 2, 16, 48, **small),
             _mixed("mixed", 2, 16, 3, 40, **small),
         ]
     else:
@@ -136,7 +154,10 @@ def named_workloads(quick: bool = False) -> dict[str, Spec]:
             _decode("decode-bf16", 32, 1024, "bfloat16", reps=15),
             _decode("decode-fp8", 32, 1024, "bfloat16", reps=15, **fp8),
             _decode("decode-8x8192", 8, 8192, "float32", reps=11),
+            _decode("decode-8x8192-bf16", 8, 8192, "bfloat16", reps=11),
             _prefill("prefill-8x512", 8, 512, reps=9),
+            _prefill("prefill-bf16", 8, 512, dtype="bfloat16", reps=9),
+            _chunked("chunked-prefill", 8, 256, 2048, reps=9),
             _mixed("mixed", 4, 256, 28, 1024, reps=11),
         ]
     return {s.name: s for s in specs}
@@ -158,15 +179,17 @@ class Data:
     def context_lens(self) -> np.ndarray:
         return self.seq_lens - self.query_lens
 
-    def prefill_kv(self) -> tuple[np.ndarray, np.ndarray]:
+    def prefill_kv(self, new_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The prefill sequences' keys and values, contiguous `[sum(prefill seq_lens), Hkv, D]`
-        (read back from the cache, so every backend sees the same numbers)."""
+        (read back from the cache, so every backend sees the same numbers); `new_only`: only
+        the step's own tokens (the last q_len of each), `[sum(prefill query_lens), Hkv, D]`."""
         spec = self.spec
+        first = self.context_lens if new_only else np.zeros_like(self.seq_lens)
         slots = [
             self.block_tables[i, pos // spec.block_size].astype(np.int64) * spec.block_size
             + pos % spec.block_size
             for i in range(spec.num_prefills)
-            for pos in [np.arange(self.seq_lens[i])]
+            for pos in [np.arange(first[i], self.seq_lens[i])]
         ]
         slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
         rows = (-1, spec.num_kv_heads, spec.head_size)

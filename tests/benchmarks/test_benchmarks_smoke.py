@@ -142,7 +142,8 @@ def test_vllm085_peer_is_timed_or_names_what_is_missing(record):
         for result in record["workloads"].values():
             assert result["backends"][vllm085.NAME]["status"] == "unavailable"
         pytest.skip(f"{vllm085.NAME}: {reason}")
-    for name in ("decode-f32", "decode-bf16", "decode-8x8192", "prefill-8x512", "mixed"):
+    for name in ("decode-f32", "decode-bf16", "decode-8x8192", "decode-8x8192-bf16",
+                 "prefill-8x512", "prefill-bf16", "mixed"):  # fmt: skip
         row = record["workloads"][name]["backends"][vllm085.NAME]
         assert row["status"] == "ok", (name, row["note"])
         assert row["agrees"] is True, (name, row["max_abs_err_vs_jax"])
@@ -231,3 +232,51 @@ def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
     assert {met for _, met in slow.values()} == {False}
     missing = run.check_targets({"decode-f32": rows(**{"TORCH_SDPA": 0.01})})
     assert all(t["met"] is None for t in missing if "TORCH_SDPA time" in t["target"])
+
+
+def test_issue21_targets_compare_jax_cpu_with_vllm_032():
+    def results(vllm, jax_cpu, bf16_prefill, fraction):
+        out = {
+            w: {"backends": {run.VLLM: dict(status="ok", median_s=vllm),
+                             "jax-cpu": dict(status="ok", median_s=jax_cpu)}}
+            for w, _ in run.VLLM_TARGETS
+        }  # fmt: skip
+        out["prefill-8x512"]["backends"]["jax-cpu"]["fraction_of_fma_peak"] = fraction
+        out["prefill-bf16"]["backends"]["jax-cpu"]["median_s"] = bf16_prefill
+        return out
+
+    names = {f"{w}: {run.VLLM} time / jax-cpu time" for w, _ in run.VLLM_TARGETS} | {
+        "prefill: f32 time / bf16 time (jax-cpu)",
+        "prefill-8x512: jax-cpu fraction of the FMA peak",
+    }
+
+    def issue21(targets):
+        return {t["target"]: t["met"] for t in targets if t["target"] in names}
+
+    fast = issue21(run.check_targets(results(0.030, 0.010, 0.005, 0.8)))
+    assert set(fast) == names and set(fast.values()) == {True}, fast
+    slow = issue21(run.check_targets(results(0.012, 0.010, 0.0095, 0.5)))
+    assert set(slow.values()) == {False}, slow
+    assert all(t["met"] is None for t in run.check_targets({}) if run.VLLM in t["target"])
+
+
+def test_chunked_and_bf16_workloads(record):
+    """chunked-prefill: chunks over a cached prefix (every peer that runs it agrees with
+    jax-xla, by the test above); prefill-bf16 and decode-8x8192-bf16: the f32 shapes in bf16."""
+    full = named_workloads(quick=False)
+    chunked = full["chunked-prefill"]
+    assert chunked.query_lens == (256,) * 8 and chunked.seq_lens == (2304,) * 8
+    assert chunked.has_cached_prefix and not full["prefill-8x512"].has_cached_prefix
+    assert "8 chunk x 256 @ ctx 2304" in chunked.describe()
+    for bf16, f32 in (("prefill-bf16", "prefill-8x512"), ("decode-8x8192-bf16", "decode-8x8192")):
+        assert full[bf16].dtype == "bfloat16" and full[f32].dtype == "float32"
+        assert (full[bf16].query_lens, full[bf16].seq_lens) == (
+            full[f32].query_lens,
+            full[f32].seq_lens,
+        )
+    result = record["workloads"]["chunked-prefill"]
+    assert result["spec"]["has_cached_prefix"] is True
+    assert result["backends"]["jax-cpu"]["status"] in ("ok", "unavailable")
+    if vllm085.NAME not in record["unavailable"]:
+        row = result["backends"][vllm085.NAME]
+        assert row["status"] == "skipped" and "intel_extension_for_pytorch" in row["note"], row

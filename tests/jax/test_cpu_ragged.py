@@ -72,6 +72,11 @@ CASES = [
     Case(batch="long", head_size=128, num_heads=32, num_kv_heads=8),
     *(Case(dtype=d) for d in ("bfloat16", "float16")),
     Case(dtype="bfloat16", cache_dtype="bfloat16", batch="chunked"),
+    # bf16 x bf16 (both products through vdpbf16ps where the CPU has it): head sizes that are
+    # not whole 32-element runs, and odd key counts per step (the last value pair half empty).
+    Case(dtype="bfloat16", batch="long", head_size=80, num_heads=12, num_kv_heads=3),
+    Case(dtype="bfloat16", head_size=72, alibi=True, block_size=8),
+    Case(dtype="bfloat16", batch="chunked", head_size=256, sliding_window=5, soft_cap=3.0),
     Case(dtype="float32", cache_dtype="bfloat16"),
     Case(dtype="bfloat16", cache_dtype="float8_e4m3fn"),
     Case(dtype="float32", cache_dtype="float8_e5m2"),

@@ -171,25 +171,27 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 #endif
 
 // S^T[n][r] for keys [n0, n0 + KB) and rows [r0, r0 + RV * W):
-// Qt: [D][Mp] (row-contiguous per d), Kw: [kKeys][ldk] (d-contiguous per key); the d loop
-// streams one Qt line per step and broadcasts one float of each of the KB keys.
+// Qt: [D][Mp] (row-contiguous per d), kr[n]: key n's D floats (a cache row, or its widened
+// copy); the d loop streams one Qt line per step and broadcasts one float of each of the KB keys.
 template <int RV, int KB>
-JAX_ATTN_HOT void qk_block(const float* __restrict Qt, int64_t Mp, const float* __restrict Kw,
-                     int64_t ldk, int64_t D, float* __restrict St, int64_t r0, int64_t n0) {
+JAX_ATTN_HOT void qk_block(const float* __restrict Qt, int64_t Mp, const float* const* kr,
+                           int64_t D, float* __restrict St, int64_t r0, int64_t n0) {
   V acc[KB][RV];
 #pragma GCC unroll 16
   for (int j = 0; j < KB; ++j) {
 #pragma GCC unroll 4
     for (int v = 0; v < RV; ++v) acc[j][v] = Vec::zero();
   }
-  const float* k = Kw + n0 * ldk;
+  const float* k[KB];
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) k[j] = kr[n0 + j];
   for (int64_t d = 0; d < D; ++d) {
     V q[RV];
 #pragma GCC unroll 4
     for (int v = 0; v < RV; ++v) q[v] = Vec::load(Qt + d * Mp + r0 + v * W);
 #pragma GCC unroll 16
     for (int j = 0; j < KB; ++j) {
-      const V kb = Vec::set1(k[j * ldk + d]);
+      const V kb = Vec::set1(k[j][d]);
 #pragma GCC unroll 4
       for (int v = 0; v < RV; ++v) acc[j][v] = Vec::fmadd(q[v], kb, acc[j][v]);
     }
@@ -242,15 +244,95 @@ JAX_ATTN_HOT void qk_block_bf16(const uint32_t* __restrict Qt2, int64_t Mp,
     }
   }
 }
+
+// The p.v side of the same path: O[r][d0 .. d0 + DV*16) = alpha[r] * O[r][..] +
+// sum over key pairs i of P[2i][r] V[2i][d] + P[2i+1][r] V[2i+1][d], with vdpbf16ps.
+// Pp: [np][Mp] pairs (P[2i][r], P[2i+1][r]) rounded to bf16; Vp: [np][Dp] pairs
+// (V[2i][d], V[2i+1][d]) straight from the cache. Probabilities in bf16 (8 significant bits,
+// as flash attention's bf16 kernels keep them) against float32 in the row sums.
+template <int R, int DV>
+JAX_ATTN_HOT void pv_block_bf16(float* __restrict O, int64_t ldo, const uint32_t* __restrict Pp,
+                                int64_t Mp, const uint32_t* __restrict Vp, int64_t ldv,
+                                int64_t np, int64_t r0, int64_t d0,
+                                const float* __restrict alpha) {
+  __m512 acc[R][DV];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
+#pragma GCC unroll 4
+    for (int v = 0; v < DV; ++v) {
+      acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(O + (r0 + i) * ldo + d0 + v * 16), a);
+    }
+  }
+  for (int64_t n = 0; n < np; ++n) {
+    __m512bh x[DV];
+#pragma GCC unroll 4
+    for (int v = 0; v < DV; ++v) {
+      x[v] = (__m512bh)_mm512_loadu_si512(Vp + n * ldv + d0 + v * 16);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(Pp[n * Mp + r0 + i]));
+#pragma GCC unroll 4
+      for (int v = 0; v < DV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pb, x[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(O + (r0 + i) * ldo + d0 + v * 16, acc[i][v]);
+  }
+}
+
+// Values 2i and 2i+1 (b: nullptr past the last key, read as zeros) of D bf16 each, interleaved
+// into Vp[d] = (a[d], b[d]) for d in [0, Dp) (zeros past D).
+inline void pack_value_pair(const bf16_t* a, const bf16_t* b, int64_t D, int64_t Dp,
+                            uint32_t* __restrict Vp) {
+  // Words 2k and 2k+1 of a 32-word result: a[k] and b[k] (the low half), a[16+k] and b[16+k].
+  alignas(64) static const uint16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                               37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                               11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                               53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                               27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int64_t d = 0; d < Dp; d += 32) {
+    const int64_t left = D - d;
+    const __mmask32 m = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+    const __m512i x = _mm512_maskz_loadu_epi16(m, a + d);
+    const __m512i y = b ? _mm512_maskz_loadu_epi16(m, b + d) : _mm512_setzero_si512();
+    _mm512_storeu_si512(Vp + d, _mm512_permutex2var_epi16(x, lo, y));
+    if (d + 16 < Dp) _mm512_storeu_si512(Vp + d + 16, _mm512_permutex2var_epi16(x, hi, y));
+  }
+}
+
+// Probabilities St[n][r] (float32, keys n < nv) into pairs Pp[i][r] = (P[2i][r], P[2i+1][r])
+// rounded to bf16, in place (row i of the result overwrites row i <= 2i, already read); a
+// missing key 2i+1 = nv counts as probability 0.
+inline void pack_probability_pairs(float* St, int64_t Mp, int64_t nv) {
+  uint32_t* Pp = reinterpret_cast<uint32_t*>(St);
+  for (int64_t i = 0; 2 * i < nv; ++i) {
+    const float* p0 = St + 2 * i * Mp;
+    const float* p1 = 2 * i + 1 < nv ? p0 + Mp : nullptr;
+    for (int64_t r = 0; r < Mp; r += 16) {
+      const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + r)));
+      const __m512i b =
+          p1 ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p1 + r)))
+             : _mm512_setzero_si512();
+      _mm512_storeu_si512(Pp + i * Mp + r, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
 #else
 #define JAX_ATTN_BF16_DOT 0
 #endif
 
-// O[r][d0 .. d0 + DV*W) = alpha[r] * O[r][..] + sum_{n < nv} P^T[n][r] * Vw[n][..] for rows
-// [r0, r0 + R): walks keys n in order; per key DV vector loads of Vw[n] and R broadcasts of P.
+// O[r][d0 .. d0 + DV*W) = alpha[r] * O[r][..] + sum_{n < nv} P^T[n][r] * vr[n][..] for rows
+// [r0, r0 + R): walks keys n in order; per key DV vector loads of vr[n] (value n's Dp floats:
+// a cache row, or its widened copy) and R broadcasts of P.
 template <int R, int DV>
 JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __restrict Pt, int64_t Mp,
-                     const float* __restrict Vw, int64_t ldv, int64_t nv, int64_t r0, int64_t d0,
+                     const float* const* vr, int64_t nv, int64_t r0, int64_t d0,
                      const float* __restrict alpha) {
   V acc[R][DV];
 #pragma GCC unroll 8
@@ -264,7 +346,7 @@ JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __rest
   for (int64_t n = 0; n < nv; ++n) {
     V x[DV];
 #pragma GCC unroll 4
-    for (int v = 0; v < DV; ++v) x[v] = Vec::load(Vw + n * ldv + d0 + v * W);
+    for (int v = 0; v < DV; ++v) x[v] = Vec::load(vr[n] + d0 + v * W);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const V p = Vec::set1(Pt[n * Mp + r0 + i]);
@@ -279,31 +361,55 @@ JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __rest
   }
 }
 
-// All rows [0, M) for the vectors [d0, d0 + DV*W): blocks of kPvRows rows, then the rest.
-template <int DV>
-inline void pv_rows(float* O, int64_t ldo, const float* Pt, int64_t Mp, const float* Vw,
-                    int64_t ldv, int64_t nv, int64_t M, int64_t d0, const float* alpha) {
-  int64_t r0 = 0;
-  for (; r0 + kPvRows <= M; r0 += kPvRows) {
-    pv_block<kPvRows, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+// The p.v operands of one head and step: the float32 path reads Pt[n][r] and value rows vr[n]
+// for n < count; the bf16 dot path reads pairs, Pt as uint32 [count][Mp] and Vp [count][ldv]
+// for count key pairs.
+struct PvArgs {
+  float* O;  // [M][ldo] unnormalized output rows
+  int64_t ldo;
+  const float* Pt;
+  int64_t Mp;
+  const float* const* vr;
+  const uint32_t* Vp;
+  int64_t ldv;
+  int64_t count;
+  const float* alpha;
+};
+
+template <int R, int DV, bool kDot>
+JAX_ATTN_HOT void pv_call(const PvArgs& a, int64_t r0, int64_t d0) {
+  if constexpr (kDot) {
+#if JAX_ATTN_BF16_DOT
+    pv_block_bf16<R, DV>(a.O, a.ldo, reinterpret_cast<const uint32_t*>(a.Pt), a.Mp, a.Vp, a.ldv,
+                         a.count, r0, d0, a.alpha);
+#endif
+  } else {
+    pv_block<R, DV>(a.O, a.ldo, a.Pt, a.Mp, a.vr, a.count, r0, d0, a.alpha);
   }
+}
+
+// All rows [0, M) for the vectors [d0, d0 + DV*W): blocks of kPvRows rows, then the rest.
+template <int DV, bool kDot>
+inline void pv_rows(const PvArgs& a, int64_t M, int64_t d0) {
+  int64_t r0 = 0;
+  for (; r0 + kPvRows <= M; r0 += kPvRows) pv_call<kPvRows, DV, kDot>(a, r0, d0);
   switch (M - r0) {
 #if JAX_ATTN_AVX512
     case 5:
-      pv_block<5, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      pv_call<5, DV, kDot>(a, r0, d0);
       break;
     case 4:
-      pv_block<4, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      pv_call<4, DV, kDot>(a, r0, d0);
       break;
 #endif
     case 3:
-      pv_block<3, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      pv_call<3, DV, kDot>(a, r0, d0);
       break;
     case 2:
-      pv_block<2, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      pv_call<2, DV, kDot>(a, r0, d0);
       break;
     case 1:
-      pv_block<1, DV>(O, ldo, Pt, Mp, Vw, ldv, nv, r0, d0, alpha);
+      pv_call<1, DV, kDot>(a, r0, d0);
       break;
     default:
       break;
@@ -429,16 +535,18 @@ struct HeadState {
   float* Qt;       // [D][Mp] scaled queries, transposed (bf16 dot: [D/2][Mp] bf16 pairs)
   float* O;        // [M][Dp] unnormalized output rows
   float* Kw;       // [kKeys][Dp] widened keys (bf16 dot: kKeys pointers to cache rows)
-  float* Vw;       // [kKeys][Dp] widened values
+  float* Vw;       // [kKeys][Dp] widened values (bf16 dot: [kKeys / 2][Dp] value pairs)
   float* row_max;  // [Mp] each below
   float* row_sum;
   float* alpha;
   float* q_pos;
   float* slope;
+  const float** kr;  // [kKeys] key n's row: in Kw, or the cache's own row (f32 cache)
+  const float** vr;  // [kKeys] value n's row, likewise (bf16 dot: the cache's bf16 row)
 };
 
 inline int64_t head_state_floats(int64_t D, int64_t Dp, int64_t M, int64_t Mp) {
-  return D * Mp + M * Dp + 2 * kKeys * Dp + 5 * Mp;
+  return D * Mp + M * Dp + 2 * kKeys * Dp + 5 * Mp + 2 * kKeys * 2;  // 2 floats per pointer
 }
 
 // S^T = K Q^T for one head: row-vector pairs outer (their Qt slice stays in L1), key blocks
@@ -465,41 +573,37 @@ inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, i
     }
 #endif
   } else {
-    (void)zero_row;
-    for (int64_t n = nv; n < nc1; ++n) std::memset(h.Kw + n * p.Dp, 0, sizeof(float) * p.D);
+    for (int64_t n = nv; n < nc1; ++n) h.kr[n] = zero_row;
     for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
       for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
-        qk_block<2, kQkKeys2>(h.Qt, Mp, h.Kw, p.Dp, p.D, St, r0, n0);
+        qk_block<2, kQkKeys2>(h.Qt, Mp, h.kr, p.D, St, r0, n0);
       }
     }
     for (; r0 < Mp; r0 += W) {
       for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
-        qk_block<1, kQkKeys1>(h.Qt, Mp, h.Kw, p.Dp, p.D, St, r0, n0);
+        qk_block<1, kQkKeys1>(h.Qt, Mp, h.kr, p.D, St, r0, n0);
       }
     }
   }
 }
 
-// O = alpha O + P V for one head: vector columns of O outer (their Vw slice stays in L1),
-// rows inner.
-inline void head_values(const Problem& p, HeadState& h, const float* St, int64_t Mp, int64_t M,
-                        int64_t nv) {
-  const int64_t Dp = p.Dp;
+// O = alpha O + P V for one head: vector columns of O outer (their slice of the values stays
+// in L1), rows inner.
+template <bool kDot>
+inline void head_values(const PvArgs& a, int64_t Dp, int64_t M) {
   int64_t d0 = 0;
-  for (; d0 + kPvVecs * W <= Dp; d0 += kPvVecs * W) {
-    pv_rows<kPvVecs>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
-  }
+  for (; d0 + kPvVecs * W <= Dp; d0 += kPvVecs * W) pv_rows<kPvVecs, kDot>(a, M, d0);
   switch ((Dp - d0) / W) {
 #if JAX_ATTN_AVX512
     case 3:
-      pv_rows<3>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+      pv_rows<3, kDot>(a, M, d0);
       break;
     case 2:
-      pv_rows<2>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+      pv_rows<2, kDot>(a, M, d0);
       break;
 #endif
     case 1:
-      pv_rows<1>(h.O, Dp, St, Mp, h.Vw, Dp, nv, M, d0, h.alpha);
+      pv_rows<1, kDot>(a, M, d0);
       break;
     default:
       break;
@@ -518,7 +622,7 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
   const int64_t per_head = head_state_floats(D, Dp, M, Mp);
   float* base = tls_scratch.get(static_cast<size_t>(nh * per_head + kKeys * Mp + Dp + 64));
   float* St = base;              // [kKeys][Mp]: logits, then probabilities (one head at a time)
-  float* zero_row = St + kKeys * Mp;  // [Dp] zeros: the bf16 dot's stand-in for missing keys
+  float* zero_row = St + kKeys * Mp;  // [Dp] zeros: the q.k blocks' stand-in for missing keys
   std::memset(zero_row, 0, sizeof(float) * Dp);
   HeadState heads[kMaxHeadsPerItem];
   for (int64_t h = 0; h < nh; ++h) {
@@ -528,11 +632,13 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
                          hb + D * Mp + M * Dp,
                          hb + D * Mp + M * Dp + kKeys * Dp,
                          hb + D * Mp + M * Dp + 2 * kKeys * Dp,
-                         nullptr, nullptr, nullptr, nullptr};
+                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
     heads[h].row_sum = heads[h].row_max + Mp;
     heads[h].alpha = heads[h].row_sum + Mp;
     heads[h].q_pos = heads[h].alpha + Mp;
     heads[h].slope = heads[h].q_pos + Mp;
+    heads[h].kr = reinterpret_cast<const float**>(heads[h].slope + Mp);
+    heads[h].vr = heads[h].kr + kKeys;
   }
 
   const QT* query = static_cast<const QT*>(p.query);
@@ -575,6 +681,8 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
   const CT* vc = static_cast<const CT*>(p.value_cache);
   const int32_t* table = p.block_tables + it.seq * p.MB;
   const int64_t run_bytes = nh * D * static_cast<int64_t>(sizeof(CT));
+  // A float32 cache whose rows are whole vectors is read in place (no widened copy).
+  const bool direct = std::is_same_v<CT, float> && D == Dp;
   for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kKeys) {
     const int64_t nv = std::min<int64_t>(kKeys, it.k_end - k0);
     // Keys k0 .. k0+nv through the block table: key n's slot holds [Hkv, D]; the item's kv
@@ -584,13 +692,25 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
       const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
       const int64_t off = (slot * p.Hkv + it.kvh) * D;
       for (int64_t h = 0; h < nh; ++h) {
+        HeadState& hs = heads[h];
         if constexpr (kDot) {
-          reinterpret_cast<const uint32_t**>(heads[h].Kw)[n] =
+          reinterpret_cast<const uint32_t**>(hs.Kw)[n] =
               reinterpret_cast<const uint32_t*>(kc + off + h * D);
+        } else if (direct) {
+          hs.kr[n] = reinterpret_cast<const float*>(kc + off + h * D);
         } else {
-          widen_row<CT>(kc + off + h * D, heads[h].Kw + n * Dp, D, Dp);
+          widen_row<CT>(kc + off + h * D, hs.Kw + n * Dp, D, Dp);
+          hs.kr[n] = hs.Kw + n * Dp;
         }
-        widen_row<CT>(vc + off + h * D, heads[h].Vw + n * Dp, D, Dp);
+        if constexpr (kDot) {
+          // Values in key pairs (packed below, once both rows are known).
+          hs.vr[n] = reinterpret_cast<const float*>(vc + off + h * D);
+        } else if (direct) {
+          hs.vr[n] = reinterpret_cast<const float*>(vc + off + h * D);
+        } else {
+          widen_row<CT>(vc + off + h * D, hs.Vw + n * Dp, D, Dp);
+          hs.vr[n] = hs.Vw + n * Dp;
+        }
       }
     }
     // Ask for the next step's key and value runs now; they arrive while this step computes
@@ -615,6 +735,18 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
         for (int64_t b = 0; b < run; b += 64) __builtin_prefetch(row + b);
       }
     }
+#if JAX_ATTN_BF16_DOT
+    if constexpr (kDot) {
+      for (int64_t h = 0; h < nh; ++h) {
+        const bf16_t* const* rows = reinterpret_cast<const bf16_t* const*>(heads[h].vr);
+        uint32_t* Vp = reinterpret_cast<uint32_t*>(heads[h].Vw);
+        for (int64_t i = 0; 2 * i < nv; ++i) {
+          pack_value_pair(rows[2 * i], 2 * i + 1 < nv ? rows[2 * i + 1] : nullptr, D, Dp,
+                          Vp + i * Dp);
+        }
+      }
+    }
+#endif
     const bool mask = (p.causal && k0 + nv - 1 > it.pos0) ||
                       (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
     for (int64_t h = 0; h < nh; ++h) {
@@ -622,7 +754,15 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
       head_logits<kDot>(p, hs, St, Mp, nv, zero_row);
       softmax_step(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, hs.row_max, hs.row_sum,
                    hs.alpha);
-      head_values(p, hs, St, Mp, M, nv);
+      PvArgs pv{hs.O, Dp, St, Mp, hs.vr, reinterpret_cast<const uint32_t*>(hs.Vw), Dp, nv,
+                hs.alpha};
+#if JAX_ATTN_BF16_DOT
+      if constexpr (kDot) {
+        pack_probability_pairs(St, Mp, nv);
+        pv.count = (nv + 1) / 2;
+      }
+#endif
+      head_values<kDot>(pv, Dp, M);
     }
   }
 
@@ -823,6 +963,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
     return e;
   }
 
+  advise_huge_pages(out->untyped_data(), out->size_bytes());
   // Rows outside the real sequences (padding tokens) are zeros.
   const size_t row_bytes = static_cast<size_t>(Hq * D) * ffi::ByteWidth(qt);
   char* out_bytes = static_cast<char*>(out->untyped_data());
