@@ -37,8 +37,11 @@ BATCHES = {
     "mixed": ([17, 1, 3, 1, 16, 70], [0, 31, 14, 0, 16, 45]),
     # 577 new tokens: with G = 1, 10 tiles of 64 rows, two tasks of one (sequence, kv head).
     "long": ([577, 1, 130], [0, 700, 67]),
-    # Enough decodes that one item takes several kv heads (each key's heads read as one run).
+    # A run of 12 decodes (4 or more in a row go to the decode kernel), then two short chunks.
     "decodes": ([1] * 12 + [20, 2], [5, 17, 0, 100, 31, 64, 2, 9, 200, 15, 40, 77, 3, 30]),
+    # Decodes between 2-token chunks (no run): enough small tiles that one item takes several
+    # kv heads (each key's heads read as one run).
+    "interleaved": ([1, 2] * 8, [5, 17, 0, 100, 31, 64, 2, 9, 200, 15, 40, 77, 3, 30, 8, 1]),
 }
 
 
@@ -65,6 +68,8 @@ CASES = [
     # GQA groups 1, 4, 7, 8 (rows per tile 64, 64, 63, 64), MQA.
     *(Case(num_heads=h, num_kv_heads=kv) for h, kv in [(4, 4), (8, 2), (7, 1), (16, 2), (8, 1)]),
     Case(batch="decodes", num_heads=16, num_kv_heads=4, block_size=8),
+    Case(batch="interleaved", num_heads=16, num_kv_heads=8, alibi=True, sliding_window=9),
+    Case(batch="interleaved", num_heads=8, num_kv_heads=8, dtype="bfloat16", soft_cap=3.0),
     Case(batch="decodes", num_heads=8, num_kv_heads=8, dtype="bfloat16", head_size=128),
     Case(batch="decodes", num_heads=12, num_kv_heads=4, alibi=True, sliding_window=33),
     Case(batch="decodes", num_heads=16, num_kv_heads=4, cache_dtype="float8_e4m3fn", soft_cap=3.0),
