@@ -362,6 +362,34 @@ inline __m512 transpose_sum16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x88), _mm512_shuffle_ps(z0, z1, 0xdd));
 }
 
+// In-register transpose of a 16 x 16 float block: on return r[c] lane i holds what r[i] lane c
+// held on entry.
+inline void transpose16x16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int g = 0; g < 4; ++g) {  // rows 4g .. 4g+3
+    const __m512 lo01 = _mm512_unpacklo_ps(r[4 * g], r[4 * g + 1]);
+    const __m512 hi01 = _mm512_unpackhi_ps(r[4 * g], r[4 * g + 1]);
+    const __m512 lo23 = _mm512_unpacklo_ps(r[4 * g + 2], r[4 * g + 3]);
+    const __m512 hi23 = _mm512_unpackhi_ps(r[4 * g + 2], r[4 * g + 3]);
+    // u[4g + m], 128-bit lane L: element 4L + m of rows 4g .. 4g+3.
+    u[4 * g + 0] = _mm512_shuffle_ps(lo01, lo23, 0x44);
+    u[4 * g + 1] = _mm512_shuffle_ps(lo01, lo23, 0xee);
+    u[4 * g + 2] = _mm512_shuffle_ps(hi01, hi23, 0x44);
+    u[4 * g + 3] = _mm512_shuffle_ps(hi01, hi23, 0xee);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512 a_even = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88);
+    const __m512 a_odd = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xdd);
+    const __m512 b_even = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88);
+    const __m512 b_odd = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xdd);
+    t[m] = _mm512_shuffle_f32x4(a_even, b_even, 0x88);       // column m      (lane 0)
+    t[8 + m] = _mm512_shuffle_f32x4(a_even, b_even, 0xdd);   // column 8 + m  (lane 2)
+    t[4 + m] = _mm512_shuffle_f32x4(a_odd, b_odd, 0x88);     // column 4 + m  (lane 1)
+    t[12 + m] = _mm512_shuffle_f32x4(a_odd, b_odd, 0xdd);    // column 12 + m (lane 3)
+  }
+  for (int c = 0; c < 16; ++c) r[c] = t[c];
+}
+
 #endif  // JAX_ATTN_AVX512
 
 }  // namespace jax_attn_cpu

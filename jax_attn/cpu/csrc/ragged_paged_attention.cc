@@ -654,36 +654,47 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
   const QT* query = static_cast<const QT*>(p.query);
   // Per kv head h: query rows [t0, t0 + nt) x heads [h*G, h*G + G): row r -> token r / G,
   // head r % G; read row-major (d fastest), written transposed into Qt[d][r] (bf16 dot:
-  // Qt2[d/2][r], unscaled bf16 pairs).
+  // Qt2[d/2][r], unscaled bf16 pairs), 16 rows x 16 columns at a time through registers.
   for (int64_t h = 0; h < nh; ++h) {
     HeadState& hs = heads[h];
     const int64_t kvh = it.kvh + h;
-    [[maybe_unused]] uint32_t* Qt2 = reinterpret_cast<uint32_t*>(hs.Qt);
+    const auto row = [&](int64_t r) { return query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D; };
     for (int64_t r = 0; r < Mp; ++r) {
-      if (r < M) {
-        const QT* q = query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D;
-        if constexpr (kDot) {
-          for (int64_t i = 0; i < D / 2; ++i) {
-            Qt2[i * Mp + r] = static_cast<uint32_t>(q[2 * i].bits) |
-                              (static_cast<uint32_t>(q[2 * i + 1].bits) << 16);
-          }
-        } else {
-          for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = widen(q[d]) * p.qk_scale;
-        }
-        hs.q_pos[r] = static_cast<float>(it.pos0 + r / G);
-        hs.slope[r] = p.slopes ? p.slopes[kvh * G + r % G] * kLog2e : 0.0f;
-      } else {
-        if constexpr (kDot) {
-          for (int64_t i = 0; i < D / 2; ++i) Qt2[i * Mp + r] = 0;
-        } else {
-          for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = 0.0f;
-        }
-        hs.q_pos[r] = 0.0f;
-        hs.slope[r] = 0.0f;
-      }
+      hs.q_pos[r] = r < M ? static_cast<float>(it.pos0 + r / G) : 0.0f;
+      hs.slope[r] = r < M && p.slopes ? p.slopes[kvh * G + r % G] * kLog2e : 0.0f;
       hs.row_max[r] = kMasked;
       hs.row_sum[r] = 0.0f;
     }
+#if JAX_ATTN_AVX512
+    const int64_t cols = kDot ? D / 2 : D;  // 32-bit columns: floats, or bf16 pairs
+    const __m512 qk_scale = _mm512_set1_ps(p.qk_scale);
+    for (int64_t r0 = 0; r0 < Mp; r0 += 16) {
+      const QT* rows[16];
+      for (int i = 0; i < 16; ++i) rows[i] = r0 + i < M ? row(r0 + i) : nullptr;
+      for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+        const __mmask16 m = tail_mask(cols - c0);
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i) {
+          if (rows[i] == nullptr) {
+            x[i] = _mm512_setzero_ps();
+          } else if constexpr (kDot) {
+            x[i] = _mm512_castsi512_ps(
+                _mm512_maskz_loadu_epi32(m, reinterpret_cast<const uint32_t*>(rows[i]) + c0));
+          } else {
+            x[i] = _mm512_mul_ps(load16<QT>(rows[i] + c0, m), qk_scale);
+          }
+        }
+        transpose16x16(x);
+        for (int64_t j = 0; j < std::min<int64_t>(16, cols - c0); ++j) {
+          _mm512_storeu_ps(hs.Qt + (c0 + j) * Mp + r0, x[j]);
+        }
+      }
+    }
+#else
+    for (int64_t r = 0; r < Mp; ++r) {
+      for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = r < M ? widen(row(r)[d]) * p.qk_scale : 0.0f;
+    }
+#endif
     std::memset(hs.O, 0, sizeof(float) * M * Dp);
   }
 
