@@ -26,8 +26,10 @@
 // (vpermi2b), 64 codes at a time, every fp8 value being exact in bf16.
 //
 // Memory: the key rows of the tile kPrefetchTiles kv-head steps ahead and the value rows of the
-// tile twice as far are prefetched into L2, the requests spread over the current tile's math
-// (TilePrefetcher). Measured on the 2-core Zen 4 dev VM (B=32 ctx=1024 Hq=32 Hkv=8 D=128
+// tile twice as far are prefetched (PREFETCHNTA), the requests spread over the current tile's
+// math (TilePrefetcher). The hint: on the 2-core Zen 5 VM, NTA over T1 (into L2), alternated
+// 4 rounds each, took decode-bf16 from 4.7-5.2 to 4.0-4.6 ms, decode-f32 from 8.9-9.7 to 8.7,
+// 8 x 8192 bf16 from 9.6-10.1 to 8.4-9.2 (T0 in between); each line is read once, soon. Measured on the 2-core Zen 4 dev VM (B=32 ctx=1024 Hq=32 Hkv=8 D=128
 // BS=16, NOTES.md): one thread, f32, the math alone (cache in L2) ~10 ms, from DRAM 25 ms with
 // the prefetches issued in one burst per tile (memory and math additive), 20 ms spread at each
 // query row, 16-18 ms spread at each key chunk (the finer, the better the overlap); values
@@ -254,7 +256,7 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
 #if JAX_ATTN_AVX512
 
 
-// Prefetches (into L2) the key rows of one later tile and the value rows of another, further
+// Prefetches (non-temporal: each line is read once) the key rows of one later tile and the value rows of another, further
 // ahead, a few cache lines at a time, so that the requests are spread over the current tile's
 // math: issued in one burst they fill the core's miss buffers and the math that follows runs
 // with the memory idle (figures: the top of this file).
@@ -278,8 +280,8 @@ class TilePrefetcher {
   // Request the next n lines of each cache.
   inline void issue(int64_t n) {
     for (; n > 0 && rows_ > 0; --n) {
-      _mm_prefetch(k_line_ + offset_, _MM_HINT_T1);
-      _mm_prefetch(v_line_ + offset_, _MM_HINT_T1);
+      _mm_prefetch(k_line_ + offset_, _MM_HINT_NTA);
+      _mm_prefetch(v_line_ + offset_, _MM_HINT_NTA);
       offset_ += 64;
       if (--left_ == 0) {
         k_ += stride_;
@@ -858,7 +860,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous, in
   // tiles of <= 16 tokens; kv heads in turn read their tile's 16 rows (D elements, Hkv * D
   // apart), while rows of later tiles (same order: blocks, tiles, heads; through the block
-  // table) are prefetched into L2.
+  // table) are prefetched.
   //
   // Where the rows of the tile `steps` kv-head steps after (block b, tile t0, head h) start
   // (element offset in a cache) and how many there are, in the order below: heads, then tiles,
