@@ -9,8 +9,9 @@ Environment: `JAX_ATTN_CPU_THREADS` sets the worker count (default: XLA's intra-
 `JAX_ATTN_CPU_DISABLE=1` turns the kernels off (to exercise the XLA fallback),
 `JAX_ATTN_CACHE_DIR` moves the build cache (default ~/.cache/jax-attn),
 `JAX_ATTN_CPU_EXTRA_FLAGS` adds compiler flags (e.g. `-march=x86-64-v3` for the portable
-kernels, `-fsanitize=address,undefined`), `JAX_ATTN_CPU_PREFETCH` sets the decode kernel's
-prefetch distance in kv-head tiles for keys (values: twice as far; 0: off),
+kernels, `-fsanitize=address,undefined`), `JAX_ATTN_CPU_PREFETCH=0` turns the decode kernel's
+prefetches off (on vLLM's split layout, N sets their distance in kv-head tiles for keys,
+values twice as far; jax_attn's own cache prefetches the next tile),
 `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen bf16 and fp8 keys (under bf16 queries) to
 float32 instead of dotting them with vdpbf16ps (both read per call: for A/B timing).
 `python -m jax_attn.cpu.build` builds eagerly. `fma_peak.measure()` times the vector FMA peak

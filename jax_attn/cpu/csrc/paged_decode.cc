@@ -25,21 +25,22 @@
 // (AVX512_VBMI too) take the same path: keys to bf16 and values to float32 by table lookups
 // (vpermi2b), 64 codes at a time, every fp8 value being exact in bf16.
 //
-// Memory: the key rows of the tile kPrefetchTiles kv-head steps ahead and the value rows of the
-// tile twice as far are prefetched (PREFETCHNTA), the requests spread over the current tile's
-// math (TilePrefetcher). The hint: on the 2-core Zen 5 VM, NTA over T1 (into L2), alternated
-// 4 rounds each, took decode-bf16 from 4.7-5.2 to 4.0-4.6 ms, decode-f32 from 8.9-9.7 to 8.7,
-// 8 x 8192 bf16 from 9.6-10.1 to 8.4-9.2 (T0 in between); each line is read once, soon. Measured on the 2-core Zen 4 dev VM (B=32 ctx=1024 Hq=32 Hkv=8 D=128
-// BS=16, NOTES.md): one thread, f32, the math alone (cache in L2) ~10 ms, from DRAM 25 ms with
-// the prefetches issued in one burst per tile (memory and math additive), 20 ms spread at each
-// query row, 16-18 ms spread at each key chunk (the finer, the better the overlap); values
-// twice as far ahead as keys: two threads bf16 5.9 vs 8.3 ms, f32 unchanged. Every cache line
-// must be requested (one request per 128 bytes ran as slowly as none). Tried and no faster
-// there: keys read in place with 4 tokens x 4 rows per register block (slower math: loads
-// from L2 instead of L1), prefetching whole token rows of the next tile (sequential 4 KB
-// pages), equal distances of 1-16 tiles, skipping the max update of tiles that raise no row's
-// max. On the Zen 5 VM before: whole-block sequential widening and reading f32 keys in place
-// (4 KB-aliased rows thrash L1) were both slower.
+// Memory: while a tile is computed, later cache lines are prefetched (PREFETCHNTA: each line
+// is read once, soon), the requests spread over the tile's math (TilePrefetcher): on jax_attn's
+// token-major cache the next tile's keys and values in address order, one Hkv-th per kv-head
+// step; on vLLM's split layout a head's whole block, kPrefetchTiles kv-head steps ahead for
+// keys and twice as far for values (decode_item). Measured on the 2-core Zen 5 VM (B=32
+// ctx=1024 Hq=32 Hkv=8 D=128 BS=16, NOTES.md), alternated rounds: NTA over T1 (into L2) took
+// decode-bf16 from 4.7-5.2 to 4.0-4.6 ms; on the token-major cache the address order over each
+// head's own 16 strided rows (16 DRAM pages open at a time) from 4.4-4.8 to 3.9-4.0 (f32
+// 8.5-8.8 to 7.7-8.5). Earlier, on the 2-core Zen 4 dev VM: one thread, f32, the math alone
+// (cache in L2) ~10 ms, from DRAM 25 ms with the prefetches issued in one burst per tile
+// (memory and math additive), 20 ms spread at each query row, 16-18 ms spread at each key
+// chunk (the finer, the better the overlap). Every cache line must be requested (one request
+// per 128 bytes ran as slowly as none). Tried and no faster there: keys read in place with 4
+// tokens x 4 rows per register block (slower math: loads from L2 instead of L1), distances
+// of 1-16 tiles. On the Zen 5 VM before: whole-block sequential widening and reading f32 keys
+// in place (4 KB-aliased rows thrash L1) were both slower.
 //
 // The split layout's tiles: a kv head's keys of one block are [D / x, BS, x], so a tile's
 // key rows are gathered 16 bytes at a time (float32 and the bf16 dot path straight into the
@@ -256,10 +257,10 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
 #if JAX_ATTN_AVX512
 
 
-// Prefetches (non-temporal: each line is read once) the key rows of one later tile and the value rows of another, further
-// ahead, a few cache lines at a time, so that the requests are spread over the current tile's
-// math: issued in one burst they fill the core's miss buffers and the math that follows runs
-// with the memory idle (figures: the top of this file).
+// Prefetches (non-temporal: each line is read once) rows of keys and of values, a few cache
+// lines at a time, so that the requests are spread over the current tile's math: issued in
+// one burst they fill the core's miss buffers and the math that follows runs with the memory
+// idle (figures: the top of this file).
 class TilePrefetcher {
  public:
   TilePrefetcher() = default;
@@ -859,16 +860,23 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
   // Memory order: the sequence's blocks in table order. Block b: [BS, Hkv, D] contiguous, in
   // tiles of <= 16 tokens; kv heads in turn read their tile's 16 rows (D elements, Hkv * D
-  // apart), while rows of later tiles (same order: blocks, tiles, heads; through the block
-  // table) are prefetched.
+  // apart), while later rows (through the block table) are prefetched:
+  // - token-major: the next tile's keys and values, [rows, Hkv, D] each, contiguous. Head step
+  //   h requests the h-th of each, so over a tile's Hkv steps every line of the next tile is
+  //   requested once, in address order. (Before: each head's own 16 rows, 4 head steps ahead
+  //   for keys and 8 for values, strided: DRAM pages opened 16 at a time. On the Zen 5 VM the
+  //   address order took decode-bf16 from 4.4-4.8 to 3.9-4.0 ms, decode-f32 8.5-8.8 to
+  //   7.7-8.5, 8 x 8192 f32 16.2-18.9 to 14.7-16.5; 3 rounds alternated.)
+  // - split: a kv head's block is contiguous per cache; the head's whole block, requested at
+  //   its first tile, kPrefetchTiles head steps ahead for keys and twice as far for values.
   //
-  // Where the rows of the tile `steps` kv-head steps after (block b, tile t0, head h) start
-  // (element offset in a cache) and how many there are, in the order below: heads, then tiles,
-  // then blocks (rows = 0 past the item's last block).
+  // Split: where the block of the tile `steps` kv-head steps after (block b, tile t0, head h)
+  // starts (element offset in a cache), rows 1 at the block's first tile, else 0 (and 0 past
+  // the item's last block).
   struct TileRows {
     int64_t offset, rows;
   };
-  auto tile_ahead = [&](int64_t b, int64_t t0, int64_t h, int64_t steps) {
+  auto split_ahead = [&](int64_t b, int64_t t0, int64_t h, int64_t steps) {
     int64_t hh = h + steps, tt = t0 / 16, bb = b;
     while (hh >= Hkv) {
       hh -= Hkv;
@@ -878,13 +886,20 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       }
     }
     if (bb > last_block) return TileRows{0, 0};
-    if (split) {  // the head's whole block (contiguous), requested at its first tile
-      return TileRows{(table[bb] * Hkv + hh) * D * BS, tt == 0 ? 1 : 0};
+    return TileRows{(table[bb] * Hkv + hh) * D * BS, tt == 0 ? 1 : 0};
+  };
+  // Token-major: the offset and rows of the tile after (block b, tile t0); rows 0 past the end.
+  auto next_tile = [&](int64_t b, int64_t t0) {
+    int64_t tt = t0 / 16 + 1, bb = b;
+    if (tt >= tiles_per_block || b * BS + tt * 16 >= it.end) {
+      tt = 0;
+      ++bb;
     }
-    return TileRows{table[bb] * block_stride + tt * 16 * row_stride + hh * D,
+    if (bb > last_block) return TileRows{0, 0};
+    return TileRows{table[bb] * block_stride + tt * 16 * row_stride,
                     std::min<int64_t>(16, BS - tt * 16)};
   };
-  const int64_t prefetch_row_bytes = (split ? D * BS : D) * static_cast<int64_t>(sizeof(KV));
+  const int64_t elem = static_cast<int64_t>(sizeof(KV));
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
     const int64_t t_end = std::min(it.end, b * BS + BS) - b * BS;
@@ -896,13 +911,20 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       for (int64_t h = 0; h < Hkv; ++h) {
         // Keys of the tile kPrefetchTiles kv-head steps ahead, values of the one twice as far.
         TilePrefetcher pf;
-        if (p.prefetch_tiles > 0) {
-          const TileRows keys = tile_ahead(b, t0, h, p.prefetch_tiles);
-          const TileRows values = tile_ahead(b, t0, h, 2 * p.prefetch_tiles);
+        if (p.prefetch_tiles > 0 && !split) {
+          const TileRows next = next_tile(b, t0);
+          const int64_t chunk = next.rows * D;  // elements: this step's h-th of the tile
+          if (next.rows > 0) {
+            pf = TilePrefetcher(kc + next.offset + h * chunk, vc + next.offset + h * chunk, 0, 1,
+                                chunk * elem);
+          }
+        } else if (p.prefetch_tiles > 0) {
+          const TileRows keys = split_ahead(b, t0, h, p.prefetch_tiles);
+          const TileRows values = split_ahead(b, t0, h, 2 * p.prefetch_tiles);
           if (keys.rows > 0) {
             pf = TilePrefetcher(kc + keys.offset, values.rows > 0 ? vc + values.offset : nullptr,
-                                row_stride * static_cast<int64_t>(sizeof(KV)),
-                                std::max(keys.rows, values.rows), prefetch_row_bytes);
+                                row_stride * elem, std::max(keys.rows, values.rows),
+                                D * BS * elem);
           }
         }
         if (split) {

