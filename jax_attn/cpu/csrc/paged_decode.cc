@@ -33,7 +33,8 @@
 // ctx=1024 Hq=32 Hkv=8 D=128 BS=16, NOTES.md), alternated rounds: NTA over T1 (into L2) took
 // decode-bf16 from 4.7-5.2 to 4.0-4.6 ms; on the token-major cache the address order over each
 // head's own 16 strided rows (16 DRAM pages open at a time) from 4.4-4.8 to 3.9-4.0 (f32
-// 8.5-8.8 to 7.7-8.5). Earlier, on the 2-core Zen 4 dev VM: one thread, f32, the math alone
+// 8.5-8.8 to 7.7-8.5); a next tile over 64 KiB (float32) then into L2 (T1) rather than NTA:
+// decode-f32 7.5-8.3 vs 7.7-8.3, 8 x 8192 f32 14.2-15.5 vs 14.0-18.9. Earlier, on the 2-core Zen 4 dev VM: one thread, f32, the math alone
 // (cache in L2) ~10 ms, from DRAM 25 ms with the prefetches issued in one burst per tile
 // (memory and math additive), 20 ms spread at each query row, 16-18 ms spread at each key
 // chunk (the finer, the better the overlap). Every cache line must be requested (one request
@@ -267,22 +268,34 @@ class TilePrefetcher {
   // `rows` rows of keys from `key` and of values from `value` (nullptr: keys only), rows
   // `row_stride` bytes apart and `row_bytes` long; a row's requests cover every line it
   // touches, in keys and in values, whatever their alignments.
+  // `to_l2`: PREFETCHT1 (into L2) instead of PREFETCHNTA.
   TilePrefetcher(const void* key, const void* value, int64_t row_stride, int64_t rows,
-                 int64_t row_bytes)
+                 int64_t row_bytes, bool to_l2 = false)
       : k_(static_cast<const char*>(key)),
         v_(static_cast<const char*>(value ? value : key)),
         stride_(row_stride),
         row_bytes_(row_bytes),
-        rows_(rows) {
+        rows_(rows),
+        to_l2_(to_l2) {
     if (rows_ > 0) start_row();
   }
   // Lines (of each cache) not yet requested; rows after the current one counted like the first.
   int64_t remaining() const { return rows_ > 0 ? (rows_ - 1) * lines_per_row_ + left_ : 0; }
   // Request the next n lines of each cache.
   inline void issue(int64_t n) {
+    if (to_l2_) {
+      issue_with<_MM_HINT_T1>(n);
+    } else {
+      issue_with<_MM_HINT_NTA>(n);
+    }
+  }
+
+ private:
+  template <int kHint>
+  inline void issue_with(int64_t n) {
     for (; n > 0 && rows_ > 0; --n) {
-      _mm_prefetch(k_line_ + offset_, _MM_HINT_NTA);
-      _mm_prefetch(v_line_ + offset_, _MM_HINT_NTA);
+      _mm_prefetch(k_line_ + offset_, static_cast<_mm_hint>(kHint));
+      _mm_prefetch(v_line_ + offset_, static_cast<_mm_hint>(kHint));
       offset_ += 64;
       if (--left_ == 0) {
         k_ += stride_;
@@ -292,7 +305,6 @@ class TilePrefetcher {
     }
   }
 
- private:
   void start_row() {
     const auto k_mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(k_) & 63);
     const auto v_mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_) & 63);
@@ -308,6 +320,7 @@ class TilePrefetcher {
   const char* v_line_ = nullptr;
   int64_t stride_ = 0, row_bytes_ = 0, rows_ = 0;
   int64_t offset_ = 0, left_ = 0, lines_per_row_ = 0;
+  bool to_l2_ = false;
 };
 
 // Widen one kv head's rows [0, n) of a tile into dst [16, DP] float32 (rows >= n: zeros, so
@@ -915,8 +928,11 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           const TileRows next = next_tile(b, t0);
           const int64_t chunk = next.rows * D;  // elements: this step's h-th of the tile
           if (next.rows > 0) {
+            // A float32 tile's keys and values (128 KiB at Hkv 8, D 128) outgrow L1 beside the
+            // tile being computed: those go to L2 (T1), smaller ones with NTA (measured, the
+            // top of this file).
             pf = TilePrefetcher(kc + next.offset + h * chunk, vc + next.offset + h * chunk, 0, 1,
-                                chunk * elem);
+                                chunk * elem, 2 * Hkv * chunk * elem > 64 * 1024);
           }
         } else if (p.prefetch_tiles > 0) {
           const TileRows keys = split_ahead(b, t0, h, p.prefetch_tiles);
