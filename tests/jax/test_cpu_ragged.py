@@ -42,6 +42,8 @@ BATCHES = {
     # Decodes between 2-token chunks (no run): enough small tiles that one item takes several
     # kv heads (each key's heads read as one run).
     "interleaved": ([1, 2] * 8, [5, 17, 0, 100, 31, 64, 2, 9, 200, 15, 40, 77, 3, 30, 8, 1]),
+    # An output over 8 MiB at Hq 8, D 256 float32 (huge pages asked for), then 4 decodes.
+    "large": ([600, 420, 3, 1, 1, 1, 1], [0, 0, 9, 40, 7, 300, 2]),
 }
 
 
@@ -75,6 +77,7 @@ CASES = [
     Case(batch="decodes", num_heads=16, num_kv_heads=4, cache_dtype="float8_e4m3fn", soft_cap=3.0),
     *(Case(head_size=d) for d in (32, 72, 80, 128, 256)),
     Case(batch="long", head_size=128, num_heads=32, num_kv_heads=8),
+    Case(batch="large", head_size=256, num_heads=8, num_kv_heads=2),
     *(Case(dtype=d) for d in ("bfloat16", "float16")),
     Case(dtype="bfloat16", cache_dtype="bfloat16", batch="chunked"),
     # bf16 x bf16 (both products through vdpbf16ps where the CPU has it): head sizes that are
