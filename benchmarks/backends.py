@@ -230,12 +230,15 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
         kv_cache = layouts.nhd_to_vllm(
             _torch_tensor(data.key_cache), _torch_tensor(data.value_cache)
         ).to(device)
-    if num_pre and spec.has_cached_prefix:
-        # Chunks over a cached prefix read it from the paged cache (`forward_prefix`). forward
-        # takes the chunk's own K/V and writes them into their slots first: the same values,
-        # so the write (a few percent of this peer's time) changes nothing between calls.
+    if num_pre:
+        # A prefill without a cached prefix reads its own contiguous K/V (vLLM's prefill); an
+        # empty kv_cache tells forward to write nothing. Chunks over a cached prefix read it
+        # from the paged cache (`forward_prefix`); forward takes the chunk's own K/V and writes
+        # them into their slots first: the same values, so the write (a few percent of this
+        # peer's time) changes nothing between calls.
+        chunks = spec.has_cached_prefix
         keys, values = (_torch_tensor(x).reshape(x.shape[0], -1).to(device)
-                        for x in data.prefill_kv(new_only=True))  # fmt: skip
+                        for x in data.prefill_kv(new_only=chunks))  # fmt: skip
         md = builder.build(
             data.seq_lens[:num_pre].tolist(),
             data.query_lens[:num_pre].tolist(),
@@ -244,22 +247,8 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
             block_tables=tables[:num_pre],
             block_size=spec.block_size,
         )
-        steps.append((query[:pre_tokens], keys, values, kv_cache, md, output[:pre_tokens]))
-    elif num_pre:
-        # A prefill without a cached prefix reads its own contiguous K/V (vLLM's prefill);
-        # an empty kv_cache tells forward to write nothing.
-        keys, values = (_torch_tensor(x).reshape(x.shape[0], -1).to(device)
-                        for x in data.prefill_kv())  # fmt: skip
-        md = builder.build(
-            data.seq_lens[:num_pre].tolist(),
-            data.query_lens[:num_pre].tolist(),
-            -1,
-            -1,
-            block_tables=tables[:num_pre],
-            block_size=spec.block_size,
-        )
-        empty = torch.empty(0, device=device)
-        steps.append((query[:pre_tokens], keys, values, empty, md, output[:pre_tokens]))
+        cache = kv_cache if chunks else torch.empty(0, device=device)
+        steps.append((query[:pre_tokens], keys, values, cache, md, output[:pre_tokens]))
     if num_pre < spec.num_seqs:
         # Decodes read the paged cache; key=None: their keys are already cached.
         md = builder.build(
