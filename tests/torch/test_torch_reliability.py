@@ -26,6 +26,7 @@ from reliability_cases import (
     section,
     sections,
 )
+from tolerances import assert_close
 from torch_cases import CASES as STEP_CASES
 from torch_cases import run_case
 
@@ -330,7 +331,15 @@ def test_shared_prefix_slots_are_accepted(backend, rng):
                             cache2, both)  # fmt: skip
         cache1 = kv_cache.clone()
         out1 = impl.forward(AttentionLayer(), q1, k1, v1, cache1, alone)
-        assert torch.equal(out2[:8], out1) and torch.equal(out2[8:], out1)
+        if backend == "XFORMERS":
+            # Its CPU path (no xformers kernel) is one dense einsum over the whole step under
+            # the materialized block-diagonal bias: BLAS blocks a 16-key product differently
+            # from an 8-key one (bits differ on the Zen 5 VM), so "as if alone" holds to float32
+            # rounding, not bit for bit. Every other backend attends per sequence.
+            for half in (out2[:8], out2[8:]):
+                assert_close(half.numpy(), out1.numpy(), "float32")
+        else:
+            assert torch.equal(out2[:8], out1) and torch.equal(out2[8:], out1)
         assert cache_hash(cache2) == cache_hash(cache1)
         both.slot_mapping[8:] = both.slot_mapping[8:].roll(1)  # slot 16 at positions 0 and 1
         before = cache_hash(kv_cache)
