@@ -34,14 +34,15 @@
 // decode-bf16 from 4.7-5.2 to 4.0-4.6 ms; on the token-major cache the address order over each
 // head's own 16 strided rows (16 DRAM pages open at a time) from 4.4-4.8 to 3.9-4.0 (f32
 // 8.5-8.8 to 7.7-8.5); a next tile over 64 KiB (float32) then into L2 (T1) rather than NTA:
-// decode-f32 7.5-8.3 vs 7.7-8.3, 8 x 8192 f32 14.2-15.5 vs 14.0-18.9. Earlier, on the 2-core Zen 4 dev VM: one thread, f32, the math alone
-// (cache in L2) ~10 ms, from DRAM 25 ms with the prefetches issued in one burst per tile
-// (memory and math additive), 20 ms spread at each query row, 16-18 ms spread at each key
-// chunk (the finer, the better the overlap). Every cache line must be requested (one request
-// per 128 bytes ran as slowly as none). Tried and no faster there: keys read in place with 4
-// tokens x 4 rows per register block (slower math: loads from L2 instead of L1), distances
-// of 1-16 tiles. On the Zen 5 VM before: whole-block sequential widening and reading f32 keys
-// in place (4 KB-aliased rows thrash L1) were both slower.
+// decode-f32 7.5-8.3 vs 7.7-8.3, 8 x 8192 f32 14.2-15.5 vs 14.0-18.9. Earlier, on the 2-core
+// Zen 4 dev VM: one thread, f32, the math alone (cache in L2) ~10 ms, from DRAM 25 ms with the
+// prefetches issued in one burst per tile (memory and math additive), 20 ms spread at each
+// query row, 16-18 ms spread at each key chunk (the finer, the better the overlap). Every
+// cache line must be requested (one request per 128 bytes ran as slowly as none). Tried and no
+// faster there: keys read in place with 4 tokens x 4 rows per register block (slower math:
+// loads from L2 instead of L1), distances of 1-16 tiles. On the Zen 5 VM before: whole-block
+// sequential widening and reading f32 keys in place (4 KB-aliased rows thrash L1) were both
+// slower.
 //
 // The split layout's tiles: a kv head's keys of one block are [D / x, BS, x], so a tile's
 // key rows are gathered 16 bytes at a time (float32 and the bf16 dot path straight into the

@@ -660,7 +660,9 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
   for (int64_t h = 0; h < nh; ++h) {
     HeadState& hs = heads[h];
     const int64_t kvh = it.kvh + h;
-    const auto row = [&](int64_t r) { return query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D; };
+    const auto row = [&](int64_t r) {
+      return query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D;
+    };
     for (int64_t r = 0; r < Mp; ++r) {
       hs.q_pos[r] = r < M ? static_cast<float>(it.pos0 + r / G) : 0.0f;
       hs.slope[r] = r < M && p.slopes ? p.slopes[kvh * G + r % G] * kLog2e : 0.0f;
@@ -694,7 +696,8 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
     }
 #else
     for (int64_t r = 0; r < Mp; ++r) {
-      for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = r < M ? widen(row(r)[d]) * p.qk_scale : 0.0f;
+      const QT* q = r < M ? row(r) : nullptr;
+      for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = q ? widen(q[d]) * p.qk_scale : 0.0f;
     }
 #endif
     std::memset(hs.O, 0, sizeof(float) * M * Dp);
@@ -725,10 +728,8 @@ void run_item(const Problem& p, const Item& it, const Item* next) {
           widen_row<CT>(kc + off + h * D, hs.Kw + n * Dp, D, Dp);
           hs.kr[n] = hs.Kw + n * Dp;
         }
-        if constexpr (kDot) {
-          // Values in key pairs (packed below, once both rows are known).
-          hs.vr[n] = reinterpret_cast<const float*>(vc + off + h * D);
-        } else if (direct) {
+        if (kDot || direct) {
+          // The cache's own row (bf16 dot: packed into key pairs below, once both are known).
           hs.vr[n] = reinterpret_cast<const float*>(vc + off + h * D);
         } else {
           widen_row<CT>(vc + off + h * D, hs.Vw + n * Dp, D, Dp);
