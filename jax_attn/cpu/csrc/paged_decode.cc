@@ -259,10 +259,10 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
 #if JAX_ATTN_AVX512
 
 
-// Prefetches (non-temporal: each line is read once) rows of keys and of values, a few cache
-// lines at a time, so that the requests are spread over the current tile's math: issued in
-// one burst they fill the core's miss buffers and the math that follows runs with the memory
-// idle (figures: the top of this file).
+// Prefetches rows of keys and of values (non-temporal by default: each line is read once), a
+// few cache lines at a time, so that the requests are spread over the current tile's math:
+// issued in one burst they fill the core's miss buffers and the math that follows runs with
+// the memory idle (figures: the top of this file).
 class TilePrefetcher {
  public:
   TilePrefetcher() = default;
@@ -282,7 +282,12 @@ class TilePrefetcher {
   }
   // Lines (of each cache) not yet requested; rows after the current one counted like the first.
   int64_t remaining() const { return rows_ > 0 ? (rows_ - 1) * lines_per_row_ + left_ : 0; }
-  // Request the next n lines of each cache.
+  // Request the next n lines of each cache. GCC keeps this out of line, and that matters: its
+  // state then goes through memory and each request waits on the one before, about one K + V
+  // pair per 13 cycles, which on the Zen 5 VM paces the requests near one core's share of the
+  // memory. Forced inline (state in registers) the math ran faster from L2 but the decode from
+  // memory slower (f32 8.3-8.4 vs 7.2-8.0 ms, bf16 no gain); forced noinline it changed other
+  // inlining and was no faster (NOTES.md, 2026-11-26 06:37).
   inline void issue(int64_t n) {
     if (to_l2_) {
       issue_with<_MM_HINT_T1>(n);
@@ -923,7 +928,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       const __m512 distance = _mm512_add_ps(
           iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
       for (int64_t h = 0; h < Hkv; ++h) {
-        // Keys of the tile kPrefetchTiles kv-head steps ahead, values of the one twice as far.
+        // Token-major: this head step's share of the next tile; split: the head's block
+        // kPrefetchTiles kv-head steps ahead for keys, twice as far for values.
         TilePrefetcher pf;
         if (p.prefetch_tiles > 0 && !split) {
           const TileRows next = next_tile(b, t0);
