@@ -66,6 +66,8 @@ constexpr int kMaxHeadsPerItem = 16;
 constexpr int64_t kMinDecodeRun = 4;
 // A task's keys and values up to this size stay in the core's L2 for its later items.
 constexpr int64_t kKeysInL2Bytes = 512 * 1024;
+// Rows (tokens x G) up to which a float32 item's last step writes the output itself.
+constexpr int64_t kMaxFusedRows = 256;
 // Lines of the next item's query requested before each q.k register block (8, 16, 32, 64
 // measured: 16 best by a little).
 constexpr int64_t kLinesPerBlock = 16;
@@ -271,14 +273,15 @@ template <int R, int DV>
 JAX_ATTN_HOT void pv_block_bf16(float* __restrict O, int64_t ldo, const uint32_t* __restrict Pp,
                                 int64_t Mp, const uint32_t* __restrict Vp, int64_t ldv,
                                 int64_t np, int64_t r0, int64_t d0,
-                                const float* __restrict alpha) {
+                                const float* __restrict alpha, bool first) {
   __m512 acc[R][DV];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
 #pragma GCC unroll 4
     for (int v = 0; v < DV; ++v) {
-      acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(O + (r0 + i) * ldo + d0 + v * 16), a);
+      acc[i][v] = first ? _mm512_setzero_ps()
+                        : _mm512_mul_ps(_mm512_loadu_ps(O + (r0 + i) * ldo + d0 + v * 16), a);
     }
   }
   for (int64_t n = 0; n < np; ++n) {
@@ -350,14 +353,15 @@ inline void pack_probability_pairs(float* St, int64_t Mp, int64_t nv) {
 template <int R, int DV>
 JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __restrict Pt, int64_t Mp,
                      const float* const* vr, int64_t nv, int64_t r0, int64_t d0,
-                     const float* __restrict alpha) {
+                     const float* __restrict alpha, bool first, float* const* out_rows,
+                     const float* inv) {
   V acc[R][DV];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     const V a = Vec::set1(alpha[r0 + i]);
 #pragma GCC unroll 4
     for (int v = 0; v < DV; ++v) {
-      acc[i][v] = Vec::mul(Vec::load(O + (r0 + i) * ldo + d0 + v * W), a);
+      acc[i][v] = first ? Vec::zero() : Vec::mul(Vec::load(O + (r0 + i) * ldo + d0 + v * W), a);
     }
   }
   for (int64_t n = 0; n < nv; ++n) {
@@ -370,6 +374,15 @@ JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __rest
 #pragma GCC unroll 4
       for (int v = 0; v < DV; ++v) acc[i][v] = Vec::fmadd(p, x[v], acc[i][v]);
     }
+  }
+  if (out_rows != nullptr) {  // the item's last step: normalized rows straight to the output
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const V f = Vec::set1(inv[r0 + i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < DV; ++v) Vec::store(out_rows[r0 + i] + d0 + v * W, Vec::mul(acc[i][v], f));
+    }
+    return;
   }
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
@@ -391,6 +404,9 @@ struct PvArgs {
   int64_t ldv;
   int64_t count;
   const float* alpha;
+  bool first;              // the item's first step: O starts from zeros (not read)
+  float* const* out_rows;  // the item's last step (float32 output): row r's output, else null
+  const float* inv;        // ... and its factor v_scale / row_sum (0: no visible key)
 };
 
 template <int R, int DV, bool kDot>
@@ -398,10 +414,11 @@ JAX_ATTN_HOT void pv_call(const PvArgs& a, int64_t r0, int64_t d0) {
   if constexpr (kDot) {
 #if JAX_ATTN_BF16_DOT
     pv_block_bf16<R, DV>(a.O, a.ldo, reinterpret_cast<const uint32_t*>(a.Pt), a.Mp, a.Vp, a.ldv,
-                         a.count, r0, d0, a.alpha);
+                         a.count, r0, d0, a.alpha, a.first);
 #endif
   } else {
-    pv_block<R, DV>(a.O, a.ldo, a.Pt, a.Mp, a.vr, a.count, r0, d0, a.alpha);
+    pv_block<R, DV>(a.O, a.ldo, a.Pt, a.Mp, a.vr, a.count, r0, d0, a.alpha, a.first,
+                    a.out_rows, a.inv);
   }
 }
 
@@ -730,8 +747,15 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
       for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = q ? widen(q[d]) * p.qk_scale : 0.0f;
     }
 #endif
-    std::memset(hs.O, 0, sizeof(float) * M * Dp);
+    // The first key step writes every row of O without reading it; an item with no key step
+    // still needs zeros there for the output loop.
+    if (it.k_end <= it.k_begin) std::memset(hs.O, 0, sizeof(float) * M * Dp);
   }
+  // Float32 outputs whose rows are whole vectors are written by the last step's p.v blocks.
+  QT* out = static_cast<QT*>(p.out);
+  const bool fused_out = std::is_same_v<QT, float> && !kDot && D == Dp && M <= kMaxFusedRows;
+  float* out_rows[kMaxFusedRows];
+  float inv[kMaxFusedRows];
 
   const CT* kc = static_cast<const CT*>(p.key_cache);
   const CT* vc = static_cast<const CT*>(p.value_cache);
@@ -807,8 +831,26 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
       head_logits<kDot>(p, hs, St, Mp, nv, zero_row, next_query);
       softmax_step(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, hs.row_max, hs.row_sum,
                    hs.alpha);
-      PvArgs pv{hs.O, Dp, St, Mp, hs.vr, reinterpret_cast<const uint32_t*>(hs.Vw), Dp, nv,
-                hs.alpha};
+      const bool last = k0 + kKeys >= it.k_end;
+      if (fused_out && last) {
+        for (int64_t r = 0; r < M; ++r) {
+          inv[r] = hs.row_sum[r] > 0.0f ? p.v_scale / hs.row_sum[r] : 0.0f;
+          out_rows[r] = reinterpret_cast<float*>(out) +
+                        ((it.t0 + r / G) * Hq + (it.kvh + h) * G + r % G) * D;
+        }
+      }
+      PvArgs pv{hs.O,
+                Dp,
+                St,
+                Mp,
+                hs.vr,
+                reinterpret_cast<const uint32_t*>(hs.Vw),
+                Dp,
+                nv,
+                hs.alpha,
+                k0 == it.k_begin,
+                fused_out && last ? out_rows : nullptr,
+                inv};
 #if JAX_ATTN_BF16_DOT
       if constexpr (kDot) {
         pack_probability_pairs(St, Mp, nv);
@@ -821,7 +863,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
 
   next_query.issue(next_query.rows * (next_query.run_bytes / 64 + 1));  // what q.k left
   // Output rows: O / sum * v_scale; rows that saw no key (sum 0) are zeros.
-  QT* out = static_cast<QT*>(p.out);
+  if (fused_out && it.k_end > it.k_begin) return;
   for (int64_t h = 0; h < nh; ++h) {
     const HeadState& hs = heads[h];
     for (int64_t r = 0; r < M; ++r) {
