@@ -44,6 +44,12 @@ BATCHES = {
     "interleaved": ([1, 2] * 8, [5, 17, 0, 100, 31, 64, 2, 9, 200, 15, 40, 77, 3, 30, 8, 1]),
     # An output over 8 MiB at Hq 8, D 256 float32 (huge pages asked for), then 4 decodes.
     "large": ([600, 420, 3, 1, 1, 1, 1], [0, 0, 9, 40, 7, 300, 2]),
+    # Prefill tiles and a run of 10 long decodes: the decodes are staged in groups of about
+    # 4 MiB of K/V (2-3 sequences each at Hkv 4, D 128, float32) behind the prefill tasks.
+    "staged": (
+        [40, 33] + [1] * 10,
+        [0, 5, 700, 650, 900, 20, 1000, 3, 750, 800, 600, 710],
+    ),
 }
 
 
@@ -78,6 +84,16 @@ CASES = [
     *(Case(head_size=d) for d in (32, 72, 80, 128, 256)),
     Case(batch="long", head_size=128, num_heads=32, num_kv_heads=8),
     Case(batch="large", head_size=256, num_heads=8, num_kv_heads=2),
+    Case(batch="staged", head_size=128, num_heads=16, num_kv_heads=4),
+    Case(
+        batch="staged",
+        head_size=128,
+        num_heads=8,
+        num_kv_heads=4,
+        dtype="bfloat16",
+        sliding_window=300,
+        alibi=True,
+    ),
     *(Case(dtype=d) for d in ("bfloat16", "float16")),
     Case(dtype="bfloat16", cache_dtype="bfloat16", batch="chunked"),
     # bf16 x bf16 (both products through vdpbf16ps where the CPU has it): head sizes that are
