@@ -1216,7 +1216,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
     return e;
   }
 
-  advise_huge_pages(out->untyped_data(), out->size_bytes());
+  prefault_output(pool, out->untyped_data(), out->size_bytes());
   // Rows outside the real sequences (padding tokens) are zeros.
   const size_t row_bytes = static_cast<size_t>(Hq * D) * ffi::ByteWidth(qt);
   char* out_bytes = static_cast<char*>(out->untyped_data());
