@@ -223,6 +223,30 @@ struct WarmCursor {
   }
 };
 
+// What one p.v block requests of a WarmCursor, one line per key step: a local copy of the
+// cursor's current unit (kept in registers), written back by done().
+struct WarmLines {
+  const char* at = nullptr;
+  const char* end = nullptr;
+  WarmCursor* cursor;
+  explicit WarmLines(WarmCursor* c) : cursor(c) {
+    if (c != nullptr) {
+      c->refill();
+      at = c->at;
+      end = c->end;
+    }
+  }
+  void request_next() {
+    if (at < end) {
+      __builtin_prefetch(at, 0, 2);  // PREFETCHT1
+      at += 64;
+    }
+  }
+  void done() const {
+    if (cursor != nullptr) cursor->at = at;
+  }
+};
+
 // The inner kernels, inlined; -DJAX_ATTN_PROFILE keeps them apart for `perf`.
 #ifdef JAX_ATTN_PROFILE
 #define JAX_ATTN_HOT __attribute__((noinline))
@@ -325,18 +349,9 @@ JAX_ATTN_HOT void pv_block_bf16(float* __restrict O, int64_t ldo, const uint32_t
                         : _mm512_mul_ps(_mm512_loadu_ps(O + (r0 + i) * ldo + d0 + v * 16), a);
     }
   }
-  const char* wat = nullptr;
-  const char* wend = nullptr;
-  if (warm != nullptr) {
-    warm->refill();
-    wat = warm->at;
-    wend = warm->end;
-  }
+  WarmLines lines(warm);
   for (int64_t n = 0; n < np; ++n) {
-    if (wat < wend) {
-      __builtin_prefetch(wat, 0, 2);  // PREFETCHT1
-      wat += 64;
-    }
+    lines.request_next();
     __m512bh x[DV];
 #pragma GCC unroll 4
     for (int v = 0; v < DV; ++v) {
@@ -354,7 +369,7 @@ JAX_ATTN_HOT void pv_block_bf16(float* __restrict O, int64_t ldo, const uint32_t
 #pragma GCC unroll 4
     for (int v = 0; v < DV; ++v) _mm512_storeu_ps(O + (r0 + i) * ldo + d0 + v * 16, acc[i][v]);
   }
-  if (warm != nullptr) warm->at = wat;
+  lines.done();
 }
 
 // Values 2i and 2i+1 (b: nullptr past the last key, read as zeros) of D bf16 each, interleaved
@@ -417,18 +432,9 @@ JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __rest
       acc[i][v] = first ? Vec::zero() : Vec::mul(Vec::load(O + (r0 + i) * ldo + d0 + v * W), a);
     }
   }
-  const char* wat = nullptr;
-  const char* wend = nullptr;
-  if (warm != nullptr) {
-    warm->refill();
-    wat = warm->at;
-    wend = warm->end;
-  }
+  WarmLines lines(warm);
   for (int64_t n = 0; n < nv; ++n) {
-    if (wat < wend) {
-      __builtin_prefetch(wat, 0, 2);  // PREFETCHT1
-      wat += 64;
-    }
+    lines.request_next();
     V x[DV];
 #pragma GCC unroll 4
     for (int v = 0; v < DV; ++v) x[v] = Vec::load(vr[n] + d0 + v * W);
@@ -439,7 +445,7 @@ JAX_ATTN_HOT void pv_block(float* __restrict O, int64_t ldo, const float* __rest
       for (int v = 0; v < DV; ++v) acc[i][v] = Vec::fmadd(p, x[v], acc[i][v]);
     }
   }
-  if (warm != nullptr) warm->at = wat;
+  lines.done();
   if (out_rows != nullptr) {  // the item's last step: normalized rows straight to the output
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
