@@ -9,40 +9,45 @@
 // Work split: an item is one sequence, or one part of a long sequence (split-K: the parts'
 // online-softmax states are merged in float32 by whichever part finishes last); items go to
 // the caller's `Workers` (XLA's intra-op pool, or torch's). Inside an item the kernel
-// walks the sequence's blocks in table order, each block in tiles of up to 16 tokens, and kv
-// heads in turn: a head's 16 key rows are widened to float32 once into an L1-resident tile
-// (bf16 by a shift, fp8 through the fp16 converter), which then serves all G query rows of its
-// GQA group. Logits of a tile come out as one 16-lane vector per query row (a transpose-and-add
-// tree), so the online softmax (max, exp, sum) runs on whole vectors; values are accumulated
-// for up to 4 query rows at once, read straight from the cache rows (float32, bf16; other
-// caches through a widened tile) and widened in registers, so each value chunk is loaded once
-// per 4 rows. Keys outside the visible range (past seq_len, before the sliding window) are
-// never loaded: tiles cover only the visible range, a tile's unused key rows are zeros in the
-// widened copy and value rows past the tile's tokens are never read, so NaN in unused cache
-// memory cannot reach an output. bf16 queries on a bf16 cache (CPUs with AVX512_BF16) copy
-// the key rows as bf16 and take their dot products with vdpbf16ps: half the tile and half the
-// instructions ($JAX_ATTN_CPU_BF16_DOT=0 widens them instead). bf16 queries on an fp8 cache
-// (AVX512_VBMI too) take the same path: keys to bf16 and values to float32 by table lookups
-// (vpermi2b), 64 codes at a time, every fp8 value being exact in bf16.
+// walks the sequence's blocks in table order, each block in tiles of up to 16 tokens. Logits
+// of a tile come out as one 16-lane vector per query row (a transpose-and-add tree), so the
+// online softmax (max, exp, sum) runs on whole vectors; values are accumulated for 4 query rows
+// x 4 chunks per register block, so each value chunk is loaded (and widened) once per 4 rows.
+// - Float32 and bf16 caches in jax_attn's token-major layout (attend_tile_rows): every kv head
+//   of a tile at once, in address order, 4 tokens at a time: the 16 accumulators of a kv
+//   head's 4 query rows x 4 tokens make one tree; keys and values are read in place and
+//   widened in registers (bf16 queries on a bf16 cache, on CPUs with AVX512_BF16: keys dotted
+//   as bf16 pairs by vdpbf16ps, half the instructions; $JAX_ATTN_CPU_BF16_DOT=0 widens them).
+// - Other caches and vLLM's split layout (attend_tile): kv heads in turn; a head's 16 key rows
+//   go once into an L1-resident tile (widened to float32: fp16 by the converter; bf16 pairs for
+//   the vdpbf16ps path), which serves all G query rows of its GQA group. bf16 queries on an fp8
+//   cache (AVX512_VBMI too) take the vdpbf16ps path: keys to bf16 and values to float32 by
+//   table lookups (vpermi2b), 64 codes at a time, every fp8 value being exact in bf16.
+// Keys outside the visible range (past seq_len, before the sliding window) are never loaded:
+// tiles cover only the visible range, rows of a tile's missing tokens are zeros (a zero row or
+// the widened tile's zeroed rows) and their logits are masked, so NaN in unused cache memory
+// cannot reach an output.
 //
-// Memory: while a tile is computed, later cache lines are prefetched (PREFETCHNTA: each line
-// is read once, soon), the requests spread over the tile's math (TilePrefetcher): on jax_attn's
-// token-major cache the next tile's keys and values in address order, one Hkv-th per kv-head
-// step; on vLLM's split layout a head's whole block, kPrefetchTiles kv-head steps ahead for
-// keys and twice as far for values (decode_item). Measured on the 2-core Zen 5 VM (B=32
-// ctx=1024 Hq=32 Hkv=8 D=128 BS=16, NOTES.md), alternated rounds: NTA over T1 (into L2) took
-// decode-bf16 from 4.7-5.2 to 4.0-4.6 ms; on the token-major cache the address order over each
-// head's own 16 strided rows (16 DRAM pages open at a time) from 4.4-4.8 to 3.9-4.0 (f32
-// 8.5-8.8 to 7.7-8.5); a next tile over 64 KiB (float32) then into L2 (T1) rather than NTA:
-// decode-f32 7.5-8.3 vs 7.7-8.3, 8 x 8192 f32 14.2-15.5 vs 14.0-18.9. Earlier, on the 2-core
-// Zen 4 dev VM: one thread, f32, the math alone (cache in L2) ~10 ms, from DRAM 25 ms with the
-// prefetches issued in one burst per tile (memory and math additive), 20 ms spread at each
-// query row, 16-18 ms spread at each key chunk (the finer, the better the overlap). Every
-// cache line must be requested (one request per 128 bytes ran as slowly as none). Tried and no
-// faster there: keys read in place with 4 tokens x 4 rows per register block (slower math:
-// loads from L2 instead of L1), distances of 1-16 tiles. On the Zen 5 VM before: whole-block
-// sequential widening and reading f32 keys in place (4 KB-aliased rows thrash L1) were both
-// slower.
+// Memory: while a tile is computed, later cache lines are prefetched, the requests spread over
+// the tile's math (TilePrefetcher): on jax_attn's token-major cache the next tile's keys and
+// values in address order (into L2 for float32, whose 128 KiB tile at Hkv 8 outgrows L1 beside
+// the one being computed; PREFETCHNTA for the others: each line is read once, soon); on vLLM's
+// split layout a head's whole block, kPrefetchTiles kv-head steps ahead for keys and twice as
+// far for values (decode_item). Measured on the 2-core Zen 5 VM (B=32 ctx=1024 Hq=32 Hkv=8
+// D=128 BS=16, NOTES.md), alternated rounds:
+// - the token-major walk by kv head (a head's 16 rows Hkv * D elements apart, the same L1 sets)
+//   against every head of 4 tokens at a time in address order (attend_tile_rows): decode-f32
+//   7.1-7.3 ms vs 6.2-6.3, mixed 12.6-13.4 vs 11.5-11.8, 8 x 8192 f32 14.1-14.4 vs 11.1-13.5,
+//   bf16 unchanged (3.4-3.6 vs 3.4-3.6), block size 8 f32 13.1-13.8 vs 7.3-7.5;
+// - by kv head, before: NTA over T1 took decode-bf16 from 4.7-5.2 to 4.0-4.6 ms; the next tile
+//   in address order over each head's own 16 strided rows (16 DRAM pages open at a time) from
+//   4.4-4.8 to 3.9-4.0 (f32 8.5-8.8 to 7.7-8.5); a float32 next tile into L2 (T1) rather than
+//   NTA: decode-f32 7.5-8.3 vs 7.7-8.3, 8 x 8192 f32 14.2-15.5 vs 14.0-18.9.
+// Earlier, on the 2-core Zen 4 dev VM: one thread, f32, the math alone (cache in L2) ~10 ms,
+// from DRAM 25 ms with the prefetches issued in one burst per tile (memory and math additive),
+// 20 ms spread at each query row, 16-18 ms spread at each key chunk (the finer, the better the
+// overlap). Every cache line must be requested (one request per 128 bytes ran as slowly as
+// none).
 //
 // The split layout's tiles: a kv head's keys of one block are [D / x, BS, x], so a tile's
 // key rows are gathered 16 bytes at a time (float32 and the bf16 dot path straight into the
@@ -483,34 +488,13 @@ inline void accumulate_values(const VT* v_rows, int64_t stride, __mmask16 last_m
   }
 }
 
-// Copy one kv head's rows [0, n) of a bf16 tile into dst [16, NC2 * 32] bf16 (rows >= n and
-// elements past head_size: zeros).
-template <int NC>
-inline void copy_tile_bf16(const bf16_t* src, int64_t row_stride, int64_t n, int64_t head_size,
-                           bf16_t* dst) {
-  constexpr int NC2 = (NC + 1) / 2;
-  const int64_t tail = head_size - (NC2 - 1) * 32;
-  const __mmask32 last = tail >= 32 ? static_cast<__mmask32>(0xffffffffu)
-                                    : static_cast<__mmask32>((1u << tail) - 1u);
-  for (int64_t t = 0; t < 16; ++t) {
-    const bf16_t* row = src + t * row_stride;
-#pragma GCC unroll 8
-    for (int c = 0; c < NC2; ++c) {
-      const __mmask32 m = t >= n ? static_cast<__mmask32>(0)
-                          : c == NC2 - 1 ? last
-                                         : static_cast<__mmask32>(0xffffffffu);
-      _mm512_store_si512(dst + (t * NC2 + c) * 32, _mm512_maskz_loadu_epi16(m, row + 32 * c));
-    }
-  }
-}
-
 #if defined(__AVX512BF16__)
 #define JAX_ATTN_DECODE_BF16_DOT 1
 // Logits of one query row against a bf16 key tile: dots[t] = sum over d pairs of q[d] * k[t][d]
 // by vdpbf16ps (bf16 products are exact, accumulated in float32): half the instructions of the
-// float32 dot, on half the tile. q2: the row's unscaled bf16 query, ktile2: [16, NC2 * 32],
-// both zero beyond the head size (copy_tile_bf16). Each chunk after the first also requests
-// `per_step` lines of a later tile (pf).
+// float32 dot, on half the tile. q2: the row's unscaled bf16 query, ktile2: [16, NC2 * 32]
+// (fp8 keys converted by convert_tile_fp8_bf16), both zero beyond the head size. Each chunk
+// after the first also requests `per_step` lines of a later tile (pf).
 template <int NC2>
 inline void dot_keys_bf16(const bf16_t* q2, const bf16_t* ktile2, __m512* dots,
                           TilePrefetcher& pf, int64_t per_step) {
@@ -822,8 +806,187 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
   pf.issue(pf.remaining());
 }
 
+// A token-major tile of a float32 or bf16 cache, every kv head at once, in the cache's address
+// order: tokens in groups of 4, each group's rows (Hkv * D elements per token, contiguous) read
+// head by head, so the tile's keys, then its values, stream through in runs of 4 rows. The
+// per-head walk of attend_tile reads a head's 16 rows Hkv * D elements apart instead: every
+// row on the same L1 sets, and the memory sees 16 short runs per head. (Decode B=32 ctx=1024
+// Hq=32 Hkv=8 D=128 float32 on the 2-core Zen 5 VM, 4 rounds alternated: 5.7-6.3 ms vs
+// 7.4-7.7; NOTES.md.)
+// Per kv head and 4 query rows, the logits of 4 tokens are 16 accumulators summed by one
+// transpose-and-add tree (kDot: bf16 pairs through vdpbf16ps, as dot_keys_bf16; else the keys
+// widened in registers); values are summed for 4 rows x 4 chunks per register block, the
+// accumulators going through memory between token groups. Per output element the float
+// operations come in attend_tile's order.
+// k_rows / v_rows: the tile's first token (kv head 0) in each cache; n <= 16 tokens: rows of
+// tokens >= n are never read (zero_row, D zeros, stands in for them; their logits are masked).
+// q: the scaled float32 query rows [Hq][DP], or under kDot the bf16 rows [Hq][DP2].
+// logits: [Hq][16] scratch; probs: [Hq][16] and then Hq factors.
+template <typename KV, int NC, bool kDot>
+__attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q, RowsState& st,
+                                                const KV* k_rows, const KV* v_rows,
+                                                int64_t row_stride, int64_t n, __m512 distance,
+                                                TilePrefetcher& prefetcher, const KV* zero_row,
+                                                float* logits, float* probs) {
+  constexpr int64_t DP = NC * 16;
+  constexpr int NC2 = (NC + 1) / 2;
+  constexpr int64_t DP2 = NC2 * 32;
+  constexpr int kKeyChunks = kDot ? NC2 : NC;
+  constexpr int kValueBlocks = (NC + 3) / 4;
+  const int64_t D = p.head_size, G = p.group, Hkv = p.num_kv_heads, Hq = p.num_heads;
+  TilePrefetcher pf = prefetcher;  // a local copy: kept in registers
+  const int64_t groups = (n + 3) / 4, row_groups = (G + 3) / 4;
+  const int64_t steps =
+      std::max<int64_t>(1, groups * Hkv * row_groups * (kKeyChunks + 4 * kValueBlocks) + Hq);
+  const int64_t per_step = (pf.remaining() + steps - 1) / steps;
+  const __mmask16 valid = tail_mask(n);
+  const __mmask16 last_mask = tail_mask(D - (NC - 1) * 16);
+  const int64_t tail2 = D - (NC2 - 1) * 32;  // bf16 elements in the last 32-element chunk
+  const __mmask32 last_mask2 = tail2 >= 32 ? static_cast<__mmask32>(0xffffffffu)
+                                           : static_cast<__mmask32>((1u << tail2) - 1u);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+
+  // Logits: lane 4r + i of the tree's sum is query row g0 + r, token t0 + i.
+  for (int64_t t0 = 0; t0 < n; t0 += 4) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const KV* k[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        k[i] = t0 + i < n ? k_rows + (t0 + i) * row_stride + h * D : zero_row;
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int rg = static_cast<int>(std::min<int64_t>(4, G - g0));
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int c = 0; c < kKeyChunks; ++c) {
+          pf.issue(per_step);
+          if constexpr (kDot) {
+#if JAX_ATTN_DECODE_BF16_DOT
+            const __mmask32 m = c == NC2 - 1 ? last_mask2 : static_cast<__mmask32>(0xffffffffu);
+            const bf16_t* qh = static_cast<const bf16_t*>(q) + (h * G + g0) * DP2;
+            __m512i kc[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) kc[i] = _mm512_maskz_loadu_epi16(m, k[i] + 32 * c);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; ++r) {
+              if (r >= rg) break;
+              const __m512bh qc = (__m512bh)_mm512_load_si512(qh + r * DP2 + 32 * c);
+#pragma GCC unroll 4
+              for (int i = 0; i < 4; ++i) {
+                acc[4 * r + i] = _mm512_dpbf16_ps(acc[4 * r + i], qc, (__m512bh)kc[i]);
+              }
+            }
+#endif
+          } else {
+            const __mmask16 m = c == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
+            const float* qh = static_cast<const float*>(q) + (h * G + g0) * DP;
+            __m512 kc[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) kc[i] = load16<KV>(k[i] + 16 * c, m);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; ++r) {
+              if (r >= rg) break;
+              const __m512 qc = _mm512_load_ps(qh + r * DP + 16 * c);
+#pragma GCC unroll 4
+              for (int i = 0; i < 4; ++i) acc[4 * r + i] = _mm512_fmadd_ps(kc[i], qc, acc[4 * r + i]);
+            }
+          }
+        }
+        __m512 sums = transpose_sum16(acc);
+        if constexpr (kDot) sums = _mm512_mul_ps(sums, _mm512_set1_ps(p.qk_scale));
+        float* out = logits + (h * G + g0) * 16 + t0;
+        _mm_store_ps(out, _mm512_extractf32x4_ps(sums, 0));
+        if (rg > 1) _mm_store_ps(out + 16, _mm512_extractf32x4_ps(sums, 1));
+        if (rg > 2) _mm_store_ps(out + 32, _mm512_extractf32x4_ps(sums, 2));
+        if (rg > 3) _mm_store_ps(out + 48, _mm512_extractf32x4_ps(sums, 3));
+      }
+    }
+  }
+
+  // The online softmax of each row over the tile (attend_tile's steps).
+  float* factor = probs + Hq * 16;
+  for (int64_t row = 0; row < Hq; ++row) {
+    pf.issue(per_step);
+    __m512 x = _mm512_load_ps(logits + row * 16);
+    if (p.cap > 0.0f) x = soft_cap16(x, p.cap);
+    if (p.alibi) x = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[row]), distance, x);
+    x = _mm512_mask_mov_ps(neg_inf, valid, x);
+    OnlineSoftmaxRow& state = st.rows[row];
+    factor[row] = state.rescale(_mm512_reduce_max_ps(x));
+    const __m512 pr = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, _mm512_set1_ps(state.max))));
+    state.add_sum(_mm512_reduce_add_ps(pr));
+    _mm512_store_ps(probs + row * 16, pr);
+  }
+
+  // Values: acc[row] = acc[row] * factor[row] (first group) + sum_t probs[row][t] * v[t].
+  for (int64_t t0 = 0; t0 < n; t0 += 4) {
+    const int nt = static_cast<int>(std::min<int64_t>(4, n - t0));
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const KV* v[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        v[i] = t0 + i < n ? v_rows + (t0 + i) * row_stride + h * D : zero_row;
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int rg = static_cast<int>(std::min<int64_t>(4, G - g0));
+        const int64_t row0 = h * G + g0;
+#pragma GCC unroll 4
+        for (int cb = 0; cb < NC; cb += 4) {
+          __m512 o[4][4];
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r) {
+            if (r >= rg) break;
+            const float* a = st.acc.get() + (row0 + r) * DP + 16 * cb;
+            const __m512 f = _mm512_set1_ps(factor[row0 + r]);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+              if (cb + j < NC) {
+                o[r][j] = t0 == 0 ? _mm512_mul_ps(_mm512_load_ps(a + 16 * j), f)
+                                  : _mm512_load_ps(a + 16 * j);
+              }
+            }
+          }
+          for (int i = 0; i < nt; ++i) {
+            pf.issue(per_step);
+            __m512 x[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+              if (cb + j < NC) {
+                const __mmask16 m = cb + j == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
+                x[j] = load16<KV>(v[i] + 16 * (cb + j), m);
+              }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; ++r) {
+              if (r >= rg) break;
+              const __m512 pr = _mm512_set1_ps(probs[(row0 + r) * 16 + t0 + i]);
+#pragma GCC unroll 4
+              for (int j = 0; j < 4; ++j) {
+                if (cb + j < NC) o[r][j] = _mm512_fmadd_ps(pr, x[j], o[r][j]);
+              }
+            }
+          }
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r) {
+            if (r >= rg) break;
+            float* a = st.acc.get() + (row0 + r) * DP + 16 * cb;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+              if (cb + j < NC) _mm512_store_ps(a + 16 * j, o[r][j]);
+            }
+          }
+        }
+      }
+    }
+  }
+  pf.issue(pf.remaining());
+}
+
 // One item on AVX-512. NC = ceil(D / 16) 16-float chunks per row; the last may be partial.
-// kDot: bf16 queries on a bf16 cache, keys dotted in place by vdpbf16ps (dot_keys_bf16).
+// kDot: bf16 queries on a bf16 or fp8 cache, keys dotted by vdpbf16ps (attend_tile_rows for a
+// token-major bf16 cache, else dot_keys_bf16 or split_logits).
 template <typename KV, int NC, bool kDot>
 void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<int32_t>* arrivals) {
   constexpr int64_t DP = NC * 16;
@@ -855,10 +1018,11 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // [16, DP] (with kDot: bf16 [16, DP2]).
   alignas(64) float ktile[kDot ? 16 : 16 * DP];
   alignas(64) bf16_t ktile2[kDot ? 16 * DP2 : 32];
-  // Values are read in place from float32 and bf16 caches; other caches' values are widened
-  // into a float32 tile first (one instantiation of the math for all of them).
-  constexpr bool kValuesInPlace = std::is_same_v<KV, float> || std::is_same_v<KV, bf16_t>;
-  alignas(64) float vtile[kValuesInPlace ? 16 : 16 * DP];
+  // Float32 and bf16 caches in jax_attn's token-major layout take attend_tile_rows (every kv
+  // head of a tile at once, in address order); other token-major caches go kv head by kv head,
+  // keys and values widened into float32 tiles first (one instantiation of the math for all).
+  constexpr bool kRowsTiles = std::is_same_v<KV, float> || std::is_same_v<KV, bf16_t>;
+  alignas(64) float vtile[kRowsTiles ? 16 : 16 * DP];
   // The split layout: values always through a float32 tile (transposed); keys read in place
   // (kKeysDirect: float32, bf16 under kDot) or gathered into knative and widened from there.
   const bool split = p.layout == CacheLayout::kSplit;
@@ -919,6 +1083,10 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
                     std::min<int64_t>(16, BS - tt * 16)};
   };
   const int64_t elem = static_cast<int64_t>(sizeof(KV));
+  // Scratch of attend_tile_rows: D zeros (a stand-in row), logits, probabilities and factors.
+  alignas(64) float zero_row[kRowsTiles ? DP : 1] = {};
+  FloatBuffer tile_logits(kRowsTiles ? static_cast<size_t>(Hq * 16) : 0);
+  FloatBuffer tile_probs(kRowsTiles ? static_cast<size_t>(Hq * 17) : 0);
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
     const int64_t t_end = std::min(it.end, b * BS + BS) - b * BS;
@@ -927,17 +1095,37 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       const int64_t n = std::min<int64_t>(16, t_end - t0);
       const __m512 distance = _mm512_add_ps(
           iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
+      if constexpr (kRowsTiles) {
+        if (!split) {
+          // The next tile's keys and values ([rows, Hkv, D] each, contiguous), requested in
+          // address order over this tile's steps. A float32 tile's (128 KiB at Hkv 8, D 128)
+          // outgrows L1 beside the tile being computed: it goes to L2 (T1), smaller ones with
+          // NTA (measured, the top of this file).
+          TilePrefetcher pf;
+          const TileRows next = next_tile(b, t0);
+          if (p.prefetch_tiles > 0 && next.rows > 0) {
+            const int64_t bytes = next.rows * row_stride * elem;
+            pf = TilePrefetcher(kc + next.offset, vc + next.offset, 0, 1, bytes,
+                                2 * bytes > 64 * 1024);
+          }
+          const int64_t first = block_offset + t0 * row_stride;
+          const void* q_rows = kDot ? static_cast<const void*>(queries.bf16)
+                                    : static_cast<const void*>(queries.f32);
+          attend_tile_rows<KV, NC, kDot>(p, q_rows, st, kc + first, vc + first, row_stride, n,
+                                         distance, pf, reinterpret_cast<const KV*>(zero_row),
+                                         tile_logits.get(), tile_probs.get());
+          continue;
+        }
+      }
       for (int64_t h = 0; h < Hkv; ++h) {
-        // Token-major: this head step's share of the next tile; split: the head's block
-        // kPrefetchTiles kv-head steps ahead for keys, twice as far for values.
+        // Token-major: this head step's share of the next tile (address order over the tile's
+        // head steps); split: the head's block kPrefetchTiles kv-head steps ahead for keys,
+        // twice as far for values.
         TilePrefetcher pf;
         if (p.prefetch_tiles > 0 && !split) {
           const TileRows next = next_tile(b, t0);
           const int64_t chunk = next.rows * D;  // elements: this step's h-th of the tile
           if (next.rows > 0) {
-            // A float32 tile's keys and values (128 KiB at Hkv 8, D 128) outgrow L1 beside the
-            // tile being computed: those go to L2 (T1), smaller ones with NTA (measured, the
-            // top of this file).
             pf = TilePrefetcher(kc + next.offset + h * chunk, vc + next.offset + h * chunk, 0, 1,
                                 chunk * elem, 2 * Hkv * chunk * elem > 64 * 1024);
           }
@@ -984,29 +1172,20 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
                                        distance, pf);
           continue;
         }
-        const int64_t offset = block_offset + t0 * row_stride + h * D;
-        if constexpr (kDot && kFp8) {
+        // Token-major float16 and fp8 caches: the head's rows widened into the tiles.
+        if constexpr (!kRowsTiles) {
+          const int64_t offset = block_offset + t0 * row_stride + h * D;
+          if constexpr (kDot) {  // fp8 under bf16 queries
 #if JAX_ATTN_DECODE_FP8_DOT
-          convert_tile_fp8_bf16<KV, NC>(fp8, kc + offset, row_stride, n, D, ktile2);
-          widen_tile_fp8<KV, NC>(fp8, vc + offset, row_stride, n, D, vtile);
-          attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance,
-                                       pf);
+            convert_tile_fp8_bf16<KV, NC>(fp8, kc + offset, row_stride, n, D, ktile2);
+            widen_tile_fp8<KV, NC>(fp8, vc + offset, row_stride, n, D, vtile);
 #endif
-        } else {
-          if constexpr (kDot) {
-            copy_tile_bf16<NC>(reinterpret_cast<const bf16_t*>(kc + offset), row_stride, n, D,
-                               ktile2);
           } else {
             widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile);
-          }
-          if constexpr (kValuesInPlace) {
-            attend_tile<KV, NC, kDot>(p, queries, st, ktile, ktile2, vc + offset, row_stride, h,
-                                      n, distance, pf);
-          } else {
             widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile);
-            attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance,
-                                         pf);
           }
+          attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance,
+                                       pf);
         }
       }
     }
