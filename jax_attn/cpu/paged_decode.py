@@ -59,9 +59,10 @@ def paged_decode(
     """One new query token per sequence, at position `seq_lens[i] - 1`, over the paged cache.
 
     The native kernel: per sequence (split into parts of whole blocks for long contexts, merged
-    in float32), each block read once for all kv heads, all query heads of a GQA group against
-    one widened copy of the kv head's keys and its values read in place (widened in registers),
-    online softmax in float32. Rows with `seq_lens[i] == 0` give zeros. `scale` defaults to
+    in float32), each block read once for all kv heads: float32 and bf16 caches in address
+    order, 4 tokens of every kv head at a time, keys and values read in place (widened in
+    registers); float16 and fp8 caches kv head by kv head through widened copies. Online
+    softmax in float32. Rows with `seq_lens[i] == 0` give zeros. `scale` defaults to
     `head_size ** -0.5`. `split_tokens` (keys per split-K part; None: chosen from the batch)
     exists for tests.
 
