@@ -440,11 +440,11 @@ inline void transpose_split_values(const KV* src, int64_t block_size, int64_t t0
 
 // acc[r] = acc[r] * factor[r] + sum_t probs[r][t] * v[t] for RG query rows at once, so each
 // value chunk is loaded (and widened) once per RG rows: 4 chunks x RG rows of accumulators in
-// registers. Values: rows [0, n) at v_rows, `stride` elements apart, read in place (the cache's
-// rows) or from a widened tile; only the first lanes of the last chunk (last_mask) are read.
-// Each token's step also requests `per_step` lines of a later tile (pf).
-template <typename VT, int NC, int RG>
-inline void accumulate_values(const VT* v_rows, int64_t stride, __mmask16 last_mask, int64_t n,
+// registers. Values: rows [0, n) of a float32 tile at v_rows, `stride` elements apart; only the
+// first lanes of the last chunk (last_mask) are read. Each token's step also requests
+// `per_step` lines of a later tile (pf).
+template <int NC, int RG>
+inline void accumulate_values(const float* v_rows, int64_t stride, __mmask16 last_mask, int64_t n,
                               const float (*probs)[16], const float* factor, float* const* acc,
                               TilePrefetcher& pf, int64_t per_step) {
 #pragma GCC unroll 4
@@ -466,7 +466,7 @@ inline void accumulate_values(const VT* v_rows, int64_t stride, __mmask16 last_m
       for (int j = 0; j < kMaxCB; ++j) {
         if (cb + j < NC) {
           const __mmask16 m = cb + j == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
-          v[j] = load16<VT>(v_rows + t * stride + 16 * (cb + j), m);
+          v[j] = load16<float>(v_rows + t * stride + 16 * (cb + j), m);
         }
       }
 #pragma GCC unroll 4
@@ -715,14 +715,14 @@ inline void split_logits(const Problem& p, const Queries& q, const void* keys, i
 
 // All G query rows of kv head h against one tile of n tokens: logits, online softmax, values.
 // Keys: the widened tile ktile ([16, DP] float32), or with kDot the bf16 tile ktile2 ([16, DP2]);
-// values: rows [0, n) at v_rows, v_stride elements apart, widened as they are summed (the
-// cache's own rows, or with fp8 caches under kDot a float32 tile). The prefetches of a later
-// tile (pf) are spread evenly over the steps of the math (each key chunk of each query row's
-// logits, each token of the value sums: ~16 FMAs apart); what is left is issued at the end.
-template <typename VT, int NC, bool kDot>
+// values: rows [0, n) of a float32 tile at v_rows, v_stride elements apart. The prefetches of
+// a later tile (pf) are spread evenly over the steps of the math (each key chunk of each query
+// row's logits, each token of the value sums: ~16 FMAs apart); what is left is issued at the
+// end.
+template <int NC, bool kDot>
 __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, RowsState& st,
                                            const float* ktile, const bf16_t* ktile2,
-                                           const VT* v_rows, int64_t v_stride, int64_t h,
+                                           const float* v_rows, int64_t v_stride, int64_t h,
                                            int64_t n, __m512 distance,
                                            TilePrefetcher& prefetcher,
                                            const __m512* pre = nullptr) {
@@ -786,20 +786,20 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
     }
     switch (rg) {
       case 4:
-        accumulate_values<VT, NC, 4>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
-                                       per_step);
+        accumulate_values<NC, 4>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
+                                 per_step);
         break;
       case 3:
-        accumulate_values<VT, NC, 3>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
-                                       per_step);
+        accumulate_values<NC, 3>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
+                                 per_step);
         break;
       case 2:
-        accumulate_values<VT, NC, 2>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
-                                       per_step);
+        accumulate_values<NC, 2>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
+                                 per_step);
         break;
       default:
-        accumulate_values<VT, NC, 1>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
-                                     per_step);
+        accumulate_values<NC, 1>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
+                                 per_step);
         break;
     }
   }
@@ -890,7 +890,9 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
               if (r >= rg) break;
               const __m512 qc = _mm512_load_ps(qh + r * DP + 16 * c);
 #pragma GCC unroll 4
-              for (int i = 0; i < 4; ++i) acc[4 * r + i] = _mm512_fmadd_ps(kc[i], qc, acc[4 * r + i]);
+              for (int i = 0; i < 4; ++i) {
+                acc[4 * r + i] = _mm512_fmadd_ps(kc[i], qc, acc[4 * r + i]);
+              }
             }
           }
         }
@@ -915,7 +917,8 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
     x = _mm512_mask_mov_ps(neg_inf, valid, x);
     OnlineSoftmaxRow& state = st.rows[row];
     factor[row] = state.rescale(_mm512_reduce_max_ps(x));
-    const __m512 pr = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, _mm512_set1_ps(state.max))));
+    const __m512 pr =
+        _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, _mm512_set1_ps(state.max))));
     state.add_sum(_mm512_reduce_add_ps(pr));
     _mm512_store_ps(probs + row * 16, pr);
   }
@@ -1153,8 +1156,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
                                      split_pre + g0, pf, per_step);
             }
             transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, pf, per_step);
-            attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n,
-                                         distance, pf, split_pre);
+            attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
+                                  pf, split_pre);
             continue;
           } else {
             gather_split_keys(kc + head, BS, t0, n, D, knative, D);
@@ -1168,8 +1171,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           }
           TilePrefetcher none;  // these paths leave the prefetches to attend_tile
           transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, none, 0);
-          attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n,
-                                       distance, pf);
+          attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
+                                pf);
           continue;
         }
         // Token-major float16 and fp8 caches: the head's rows widened into the tiles.
@@ -1184,8 +1187,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
             widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile);
             widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile);
           }
-          attend_tile<float, NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance,
-                                       pf);
+          attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance, pf);
         }
       }
     }

@@ -545,6 +545,7 @@ struct Problem {
   float cap;       // soft cap * log2(e), <= 0: none
   int64_t window;  // sliding window, <= 0: none
   bool causal;
+  bool dot;  // bf16 queries on a bf16 cache, both products through vdpbf16ps (needs an even D)
 };
 
 struct Item {
@@ -1108,9 +1109,8 @@ template <typename QT, typename CT>
 std::string run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Item>& items,
                     const std::vector<Task>& tasks, Staging* staging) {
   constexpr bool kBf16 = std::is_same_v<QT, bf16_t> && std::is_same_v<CT, bf16_t>;
-  const bool dot = JAX_ATTN_BF16_DOT && kBf16 && p.D % 2 == 0;
   auto task_fn = [&](int64_t t, WarmCursor* warm) {
-    if (dot) {
+    if (kBf16 && p.dot) {
       run_task<QT, CT, kBf16>(p, items.data() + tasks[t].first, tasks[t].num_items, warm);
     } else {
       run_task<QT, CT, false>(p, items.data() + tasks[t].first, tasks[t].num_items, warm);
@@ -1256,16 +1256,16 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
   p.cap = logits_soft_cap > 0.0f ? logits_soft_cap * kLog2e : 0.0f;
   p.window = sliding_window;
   p.causal = causal != 0;
+  p.dot = JAX_ATTN_BF16_DOT && qt == ffi::DataType::BF16 &&
+          key_cache.element_type() == ffi::DataType::BF16 && D % 2 == 0;
 
   // Tiles: up to tile_tokens tokens of one sequence x the G heads of one kv head. A task is a
   // run of up to kTilesPerTask tiles of the same (sequence, kv head), last tile first: they
   // read the same keys, which the first one leaves in this core's L2 for the others.
   // A sequence whose only tile has at most kSmallRows rows (a decode) instead gets items of
   // heads_per_small kv heads each: as many heads as keep every worker busy.
-  const bool dot_tiles = JAX_ATTN_BF16_DOT && qt == ffi::DataType::BF16 &&
-                         key_cache.element_type() == ffi::DataType::BF16 && D % 2 == 0;
   const int64_t tile_tokens =
-      std::max<int64_t>(1, (dot_tiles ? kTargetRowsDot : kTargetRows) / p.G);
+      std::max<int64_t>(1, (p.dot ? kTargetRowsDot : kTargetRows) / p.G);
   const int64_t workers = num_workers(pool);
   // Maximal runs [s0, s1) of decode sequences long enough for the decode kernel.
   std::vector<std::pair<int64_t, int64_t>> decode_runs;
