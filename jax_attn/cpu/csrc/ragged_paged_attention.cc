@@ -97,6 +97,8 @@ constexpr int64_t kLinesPerBlock = 16;
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kMasked = -1e30f;
 constexpr float kNoKey = -1e29f;
+// PvArgs::visible of a step without a causal limit: more keys than any step has.
+constexpr int64_t kAllVisible = int64_t{1} << 40;
 
 // ---------------------------------------------------------------------------------------------
 // Vector type: AVX-512 (16 floats) when built for it, else GCC vectors of 8 floats (AVX2+FMA
@@ -481,6 +483,10 @@ struct PvArgs {
   const uint32_t* Vp;
   int64_t ldv;
   int64_t count;
+  // Causal steps: row r sees only keys n < visible + r / G (later keys have probability 0,
+  // so each block of rows stops at its last row's limit); else visible is kAllVisible.
+  int64_t visible;
+  int64_t G;
   const float* alpha;
   bool first;              // the item's first step: O starts from zeros (not read)
   float* const* out_rows;  // the item's last step (float32 output): row r's output, else null
@@ -490,13 +496,15 @@ struct PvArgs {
 
 template <int R, int DV, bool kDot>
 JAX_ATTN_HOT void pv_call(const PvArgs& a, int64_t r0, int64_t d0) {
+  // Keys the block's last row sees (bf16 dot: key pairs), at least 0.
+  const int64_t keys = std::max<int64_t>(0, a.visible + (r0 + R - 1) / a.G);
   if constexpr (kDot) {
 #if JAX_ATTN_BF16_DOT
     pv_block_bf16<R, DV>(a.O, a.ldo, reinterpret_cast<const uint32_t*>(a.Pt), a.Mp, a.Vp, a.ldv,
-                         a.count, r0, d0, a.alpha, a.first, a.warm);
+                         std::min(a.count, (keys + 1) / 2), r0, d0, a.alpha, a.first, a.warm);
 #endif
   } else {
-    pv_block<R, DV>(a.O, a.ldo, a.Pt, a.Mp, a.vr, a.count, r0, d0, a.alpha, a.first,
+    pv_block<R, DV>(a.O, a.ldo, a.Pt, a.Mp, a.vr, std::min(a.count, keys), r0, d0, a.alpha, a.first,
                     a.out_rows, a.inv, a.warm);
   }
 }
@@ -644,6 +652,16 @@ struct Scratch {
 };
 thread_local Scratch tls_scratch;
 
+// The vdpbf16ps path's value pairs of one task (run_task), packed once and read by all its
+// items: pair j = keys 2j and 2j + 1 as [Dp] words. A task's causal tiles read key prefixes
+// [0, k_end) of one kv head, last tile first, so the first item packs every pair the others
+// read (each item used to pack the same pairs again).
+struct PackedValues {
+  uint32_t* data = nullptr;  // [capacity][Dp]
+  int64_t pairs = 0;         // pairs [0, pairs) hold both their keys
+};
+thread_local Scratch tls_packed;
+
 // The running state of one kv head's rows in an item, in the thread's scratch.
 struct HeadState {
   float* Qt;       // [D][Mp] scaled queries, transposed (bf16 dot: [D/2][Mp] bf16 pairs)
@@ -683,11 +701,17 @@ struct RowLines {
 };
 
 // S^T = K Q^T for one head: row-vector pairs outer (their Qt slice stays in L1), key blocks
-// inner. Keys nv..nc of the last block are computed from zero rows and never read.
+// inner. Keys nv..nc of the last block are computed from zero rows and never read. visible:
+// as PvArgs::visible; key blocks wholly past a row group's last row are skipped (the softmax
+// masks those logits without reading them).
 template <bool kDot>
 inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, int64_t nv,
-                        const float* zero_row, RowLines& lines) {
+                        int64_t visible, const float* zero_row, RowLines& lines) {
   const int64_t nc1 = round_up(nv, kQkKeys1), nc2 = round_up(nv, kQkKeys2);
+  // Keys to compute for rows [r0, r0 + rows), in blocks of kb keys.
+  const auto keys = [&](int64_t r0, int64_t rows, int64_t nc, int64_t kb) {
+    return std::min(nc, round_up(std::max<int64_t>(0, visible + (r0 + rows - 1) / p.G), kb));
+  };
   int64_t r0 = 0;
   if constexpr (kDot) {
 #if JAX_ATTN_BF16_DOT
@@ -695,13 +719,13 @@ inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, i
     const uint32_t** kp = reinterpret_cast<const uint32_t**>(h.Kw);
     for (int64_t n = nv; n < nc1; ++n) kp[n] = reinterpret_cast<const uint32_t*>(zero_row);
     for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
-      for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
+      for (int64_t n0 = 0; n0 < keys(r0, 2 * W, nc2, kQkKeys2); n0 += kQkKeys2) {
         lines.issue(kLinesPerBlock);
         qk_block_bf16<2, kQkKeys2>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0);
       }
     }
     for (; r0 < Mp; r0 += W) {
-      for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
+      for (int64_t n0 = 0; n0 < keys(r0, W, nc1, kQkKeys1); n0 += kQkKeys1) {
         lines.issue(kLinesPerBlock);
         qk_block_bf16<1, kQkKeys1>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0);
       }
@@ -710,13 +734,13 @@ inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, i
   } else {
     for (int64_t n = nv; n < nc1; ++n) h.kr[n] = zero_row;
     for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
-      for (int64_t n0 = 0; n0 < nc2; n0 += kQkKeys2) {
+      for (int64_t n0 = 0; n0 < keys(r0, 2 * W, nc2, kQkKeys2); n0 += kQkKeys2) {
         lines.issue(kLinesPerBlock);
         qk_block<2, kQkKeys2>(h.Qt, Mp, h.kr, p.D, St, r0, n0);
       }
     }
     for (; r0 < Mp; r0 += W) {
-      for (int64_t n0 = 0; n0 < nc1; n0 += kQkKeys1) {
+      for (int64_t n0 = 0; n0 < keys(r0, W, nc1, kQkKeys1); n0 += kQkKeys1) {
         lines.issue(kLinesPerBlock);
         qk_block<1, kQkKeys1>(h.Qt, Mp, h.kr, p.D, St, r0, n0);
       }
@@ -755,7 +779,7 @@ inline void head_values(const PvArgs& a, int64_t Dp, int64_t M) {
 // prefetch. warm: decode lines the p.v blocks request meanwhile (run_staged), or nullptr.
 template <typename QT, typename CT, bool kDot>
 void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l2,
-              WarmCursor* warm) {
+              WarmCursor* warm, PackedValues* packed) {
   const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq, nh = it.num_kv;
   const int64_t M = it.nt * G;        // real rows per kv head
   const int64_t Mp = round_up(M, W);  // rows padded to whole vectors
@@ -844,6 +868,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
   const int64_t run_bytes = nh * D * static_cast<int64_t>(sizeof(CT));
   // A float32 cache whose rows are whole vectors is read in place (no widened copy).
   const bool direct = std::is_same_v<CT, float> && D == Dp;
+  alignas(64) uint32_t saved_pair[kMaxHeadSize];  // a shared pair put back (Dp <= kMaxHeadSize)
   // The next item's query rows (nt tokens x its kv heads' G rows, each a run of
   // num_kv * G * D elements), requested between this item's q.k register blocks.
   RowLines next_query;
@@ -893,14 +918,38 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
         __builtin_prefetch(vr + b);
       }
     }
+    // The bf16 dot path's value pairs of this step: packed into each head's Vw, or (a task's
+    // shared pairs, nh == 1) taken from `packed`, packing the ones it lacks. A last pair
+    // without its second key is packed over the shared one for this step and put back after.
+    const uint32_t* step_pairs[kMaxHeadsPerItem] = {};
+    uint32_t* partial = nullptr;
 #if JAX_ATTN_BF16_DOT
     if constexpr (kDot) {
-      for (int64_t h = 0; h < nh; ++h) {
-        const bf16_t* const* rows = reinterpret_cast<const bf16_t* const*>(heads[h].vr);
-        uint32_t* Vp = reinterpret_cast<uint32_t*>(heads[h].Vw);
-        for (int64_t i = 0; 2 * i < nv; ++i) {
-          pack_value_pair(rows[2 * i], 2 * i + 1 < nv ? rows[2 * i + 1] : nullptr, D, Dp,
-                          Vp + i * Dp);
+      if (packed != nullptr) {
+        const bf16_t* const* rows = reinterpret_cast<const bf16_t* const*>(heads[0].vr);
+        const int64_t j0 = k0 / 2, full = nv / 2;
+        uint32_t* pairs = packed->data + j0 * Dp;
+        for (int64_t i = std::max<int64_t>(0, packed->pairs - j0); i < full; ++i) {
+          pack_value_pair(rows[2 * i], rows[2 * i + 1], D, Dp, pairs + i * Dp);
+        }
+        packed->pairs = std::max(packed->pairs, j0 + full);
+        if (nv % 2 != 0) {
+          if (j0 + full < packed->pairs) {
+            partial = pairs + full * Dp;
+            std::memcpy(saved_pair, partial, sizeof(uint32_t) * Dp);
+          }
+          pack_value_pair(rows[nv - 1], nullptr, D, Dp, pairs + full * Dp);
+        }
+        step_pairs[0] = pairs;
+      } else {
+        for (int64_t h = 0; h < nh; ++h) {
+          const bf16_t* const* rows = reinterpret_cast<const bf16_t* const*>(heads[h].vr);
+          uint32_t* Vp = reinterpret_cast<uint32_t*>(heads[h].Vw);
+          for (int64_t i = 0; 2 * i < nv; ++i) {
+            pack_value_pair(rows[2 * i], 2 * i + 1 < nv ? rows[2 * i + 1] : nullptr, D, Dp,
+                            Vp + i * Dp);
+          }
+          step_pairs[h] = Vp;
         }
       }
     }
@@ -909,7 +958,8 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
                       (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
     for (int64_t h = 0; h < nh; ++h) {
       HeadState& hs = heads[h];
-      head_logits<kDot>(p, hs, St, Mp, nv, zero_row, next_query);
+      const int64_t visible = p.causal ? it.pos0 - k0 + 1 : kAllVisible;
+      head_logits<kDot>(p, hs, St, Mp, nv, visible, zero_row, next_query);
       softmax_step(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, hs.row_max, hs.row_sum,
                    hs.alpha);
       const bool last = k0 + kKeys >= it.k_end;
@@ -925,9 +975,11 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
                 St,
                 Mp,
                 hs.vr,
-                reinterpret_cast<const uint32_t*>(hs.Vw),
+                step_pairs[h],
                 Dp,
                 nv,
+                visible,
+                G,
                 hs.alpha,
                 k0 == it.k_begin,
                 fused_out && last ? out_rows : nullptr,
@@ -941,6 +993,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
 #endif
       head_values<kDot>(pv, Dp, M);
     }
+    if (partial != nullptr) std::memcpy(partial, saved_pair, sizeof(uint32_t) * Dp);
   }
 
   next_query.issue(next_query.rows * (next_query.run_bytes / 64 + 1));  // what q.k left
@@ -1018,16 +1071,31 @@ bool supported_cache(ffi::DataType t) {
 // the task's earlier items read, skips the next-step K/V prefetch when that span's keys and
 // values fit in kKeysInL2Bytes: they are still in this core's L2. Causal tiles without a window
 // qualify (a task's tiles run last first, so each later tile's keys are a prefix of the first
-// one's); with a window each tile starts lower and keeps its prefetch.
+// one's); with a window each tile starts lower and keeps its prefetch. The same tasks share
+// their bf16 value pairs (PackedValues) when those fit kKeysInL2Bytes too.
 template <typename QT, typename CT, bool kDot>
 void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor* warm) {
   const int64_t kv_bytes_per_key = 2 * p.D * static_cast<int64_t>(sizeof(CT));
+  PackedValues packed;
+  if constexpr (kDot) {
+    bool prefixes = num_items > 1;
+    int64_t max_end = 0;
+    for (int64_t i = 0; i < num_items; ++i) {
+      prefixes = prefixes && items[i].k_begin == 0 && items[i].num_kv == 1;
+      max_end = std::max(max_end, items[i].k_end);
+    }
+    const int64_t words = (max_end / 2 + 1) * p.Dp;
+    if (prefixes && words * 4 <= kKeysInL2Bytes) {
+      packed.data = reinterpret_cast<uint32_t*>(tls_packed.get(static_cast<size_t>(words)));
+    }
+  }
   int64_t lo = 0, hi = 0;
   for (int64_t i = 0; i < num_items; ++i) {
     const Item& it = items[i];
     const bool in_l2 = i > 0 && it.num_kv == 1 && lo <= it.k_begin && it.k_end <= hi &&
                        (hi - lo) * kv_bytes_per_key <= kKeysInL2Bytes;
-    run_item<QT, CT, kDot>(p, it, i + 1 < num_items ? &items[i + 1] : nullptr, in_l2, warm);
+    run_item<QT, CT, kDot>(p, it, i + 1 < num_items ? &items[i + 1] : nullptr, in_l2, warm,
+                           packed.data != nullptr ? &packed : nullptr);
     lo = i == 0 ? it.k_begin : std::min(lo, it.k_begin);
     hi = i == 0 ? it.k_end : std::max(hi, it.k_end);
   }
