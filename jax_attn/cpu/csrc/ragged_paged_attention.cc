@@ -953,6 +953,8 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
         }
       }
     }
+#else
+    static_cast<void>(packed);  // only the vdpbf16ps path shares value pairs
 #endif
     const bool mask = (p.causal && k0 + nv - 1 > it.pos0) ||
                       (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
