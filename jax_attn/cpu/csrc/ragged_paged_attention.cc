@@ -14,12 +14,15 @@
 //   P = exp2(S - running max)        (vectorized over rows: max and sum are vertical)
 //   O[r][:] = alpha_r * O[r][:] + sum_n P^T[n][r] v_n
 // Causal tiles stop at their last query's position, sliding-window tiles start at their first
-// query's window: the upper triangle outside a tile's own diagonal is never computed. Keys and
-// values are widened to float32 (k_scale folded into the query, v_scale into the output) into
-// a small per-thread buffer reused by all the item's rows; a float32 cache is read in place.
+// query's window: the upper triangle outside a tile's own diagonal is never computed, and on
+// the diagonal's step each block of rows stops at its last row's keys. Keys and values are
+// widened to float32 (k_scale folded into the query, v_scale into the output) into a small
+// per-thread buffer reused by all the item's rows; a float32 cache is read in place. Large
+// float32 outputs are written by the last step's p.v blocks with streaming stores.
 // bf16 queries on a bf16 cache run both products through vdpbf16ps where the CPU has it
 // (AVX512_BF16): q.k with the keys straight from the cache, p.v with the probabilities rounded
-// to bf16 and the values interleaved in key pairs (about 1.9x the float32 prefill's speed).
+// to bf16 and the values interleaved in key pairs, packed once per task (about 1.85x the
+// float32 prefill's speed).
 // Vectors: AVX-512 when built for it (-march=native on such a CPU), else 8-float GCC vectors
 // (AVX2 + FMA code on such machines).
 //
