@@ -35,7 +35,8 @@ BATCHES = {
     "prefill": ([1, 3, 17, 33], [0, 0, 0, 0]),
     "chunked": ([3, 17, 8], [16, 496, 8]),  # 19, 513, 16 (block boundary)
     "mixed": ([17, 1, 3, 1, 16, 70], [0, 31, 14, 0, 16, 45]),
-    # 577 new tokens: with G = 1, 10 tiles of 64 rows, two tasks of one (sequence, kv head).
+    # 577 new tokens: at G = 4, 19 tiles of 32 tokens (128 rows), three tasks of one (sequence,
+    # kv head); at G = 1, 5 tiles of 128 tokens.
     "long": ([577, 1, 130], [0, 700, 67]),
     # A run of 12 decodes (4 or more in a row go to the decode kernel), then two short chunks.
     "decodes": ([1] * 12 + [20, 2], [5, 17, 0, 100, 31, 64, 2, 9, 200, 15, 40, 77, 3, 30]),
@@ -73,7 +74,7 @@ CASES = [
     *(Case(block_size=bs) for bs in (1, 8, 32, 128)),
     Case(batch="chunked", block_size=1),
     Case(batch="long", block_size=128, num_heads=4, num_kv_heads=4),
-    # GQA groups 1, 4, 7, 8 (rows per tile 64, 64, 63, 64), MQA.
+    # GQA groups 1, 4, 7, 8 (rows per tile 128, 128, 126, 128), MQA.
     *(Case(num_heads=h, num_kv_heads=kv) for h, kv in [(4, 4), (8, 2), (7, 1), (16, 2), (8, 1)]),
     Case(batch="decodes", num_heads=16, num_kv_heads=4, block_size=8),
     Case(batch="interleaved", num_heads=16, num_kv_heads=8, alibi=True, sliding_window=9),
@@ -106,6 +107,9 @@ CASES = [
     Case(dtype="float32", cache_dtype="float8_e5m2"),
     Case(dtype="float16", cache_dtype="float8_e5m2", batch="decode", block_size=8, alibi=True),
     Case(dtype="float32", cache_dtype="float8_e4m3fn", head_size=80, num_heads=7, num_kv_heads=1),
+    # A task's keys and values copied once and shared by its tiles, widened from a narrower
+    # cache, head size not a whole number of vectors.
+    Case(batch="long", cache_dtype="float16", head_size=72, num_heads=4, num_kv_heads=2),
     Case(alibi=True),
     Case(num_heads=6, num_kv_heads=2, alibi=True),  # non-power-of-two head count
     *(Case(sliding_window=w) for w in (1, 5, 16, 40)),

@@ -2,8 +2,8 @@
 // cached prefix and decode (SPEC section 1, `paged_attention`), tiled flash-attention style.
 //
 //   batch:  |<---- seq 0: prefill (40) ---->|<- seq 1: chunk (9) ->|s2|s3|pad|
-//   tiles (G = 4: 16 tokens x the 4 query heads of one kv head, per kv head):
-//           [0..15] [16..31] [32..39]        [40..48]               [49] [50]
+//   tiles (G = 4: 32 tokens x the 4 query heads of one kv head, per kv head):
+//           [0..31]            [32..39]      [40..48]               [49] [50]
 //
 // A work item is (tile, kv head); decode-sized tiles (at most kSmallRows rows) take several kv
 // heads, so each key's rows of those heads are read as one run. Per kv head, the rows are the
@@ -16,9 +16,11 @@
 // Causal tiles stop at their last query's position, sliding-window tiles start at their first
 // query's window: the upper triangle outside a tile's own diagonal is never computed, and on
 // the diagonal's step each block of rows stops at its last row's keys. Keys and values are
-// widened to float32 (k_scale folded into the query, v_scale into the output) into a small
-// per-thread buffer reused by all the item's rows; a float32 cache is read in place. Large
-// float32 outputs are written by the last step's p.v blocks with streaming stores.
+// widened to float32 (k_scale folded into the query, v_scale into the output). A task whose
+// tiles all read key prefixes copies its kv head's keys and values once, rows a line apart
+// instead of the cache's 4 KiB stride (PackedRows), and all its tiles read that copy; other
+// items widen a step at a time into a small per-thread buffer, or read a float32 cache in
+// place. Large float32 outputs are written by the last step's p.v blocks with streaming stores.
 // bf16 queries on a bf16 cache run both products through vdpbf16ps where the CPU has it
 // (AVX512_BF16): q.k with the keys straight from the cache, p.v with the probabilities rounded
 // to bf16 and the values interleaved in key pairs, packed once per task (about 1.85x the
@@ -67,11 +69,11 @@ namespace {
 // vs 47.8-48.9, mixed 11.0-11.4 vs 11.5-11.6, prefill-bf16 unchanged (half the steps: half
 // the O rescales and per-step setup for the same math).
 constexpr int kKeys = 128;
-constexpr int kTargetRows = 64;   // query rows (tokens x G) per tile
-// ... on the bf16 dot path: its Qt and O take half the float32 bytes per row, and a bigger
-// tile packs each step's value pairs for twice the rows (prefill-bf16, 5 rounds alternated:
-// 26.8-27.8 ms vs 27.9-29.2 at 64 rows; 192 and 256 rows no better than 128).
-constexpr int kTargetRowsDot = 128;
+// Query rows (tokens x G) per tile, 128 against 64 (each key row and value pair loaded for
+// twice the rows, half the per-step setup), alternated rounds: float32 with PackedRows,
+// prefill-8x512 43.7-44.5 ms vs 45.1-47.5 and chunked-prefill 177-179 vs 185-188; the bf16 dot
+// path, prefill-bf16 26.8-27.8 vs 27.9-29.2 (192 and 256 rows no better than 128).
+constexpr int kTargetRows = 128;
 constexpr int kTilesPerTask = 8;  // tiles of one (sequence, kv head) per thread task
 // Tiles of at most kSmallRows rows per kv head (decode, short chunks) are memory-bound: one
 // item takes up to kMaxHeadsPerItem kv heads, so each key's rows are read as one run.
@@ -82,6 +84,8 @@ constexpr int kMaxHeadsPerItem = 16;
 constexpr int64_t kMinDecodeRun = 4;
 // A task's keys and values up to this size stay in the core's L2 for its later items.
 constexpr int64_t kKeysInL2Bytes = 512 * 1024;
+// A float32-path task's copied keys and values (PackedRows) up to this size.
+constexpr int64_t kSharedRowsBytes = 640 * 1024;
 // Rows (tokens x G) up to which a float32 item's last step writes the output itself.
 constexpr int64_t kMaxFusedRows = 256;
 // ... with streaming stores when the whole output has at least this many bytes (and is 64-byte
@@ -682,6 +686,19 @@ struct PackedValues {
   uint32_t* data = nullptr;  // [capacity][Dp]
   int64_t pairs = 0;         // pairs [0, pairs) hold both their keys
 };
+// The float32 path's keys and values of one task, likewise: copied (widened) from the cache
+// once, by the first item, and read by all. Rows are ld = Dp + kRowPad floats apart: in the
+// cache a head's rows lie Hkv * D elements apart (4 KiB for 8 x 128 floats), all on the same
+// L1 sets, so a step's value rows never stay in L1 between its p.v row blocks. prefill-8x512,
+// 3 rounds alternated: 43.5-44.7 ms vs 45.2-46.5 read in place, 44.3-46.1 with rows Dp apart
+// (a C++ model of one step's p.v: 95% of the FMA peak vs 88% in place, 93% Dp apart).
+constexpr int64_t kRowPad = 16;
+struct PackedRows {
+  float* key = nullptr;  // [capacity][ld]
+  float* value = nullptr;
+  int64_t ld = 0;
+  int64_t rows = 0;  // keys [0, rows) are copied
+};
 thread_local Scratch tls_packed;
 
 // The running state of one kv head's rows in an item, in the thread's scratch.
@@ -801,7 +818,7 @@ inline void head_values(const PvArgs& a, int64_t Dp, int64_t M) {
 // prefetch. warm: decode lines the p.v blocks request meanwhile (run_staged), or nullptr.
 template <typename QT, typename CT, bool kDot>
 void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l2,
-              WarmCursor* warm, PackedValues* packed) {
+              WarmCursor* warm, PackedValues* packed, PackedRows* shared) {
   const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq, nh = it.num_kv;
   const int64_t M = it.nt * G;        // real rows per kv head
   const int64_t Mp = round_up(M, W);  // rows padded to whole vectors
@@ -908,6 +925,17 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
       const int64_t pos = k0 + n;
       const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
       const int64_t off = (slot * p.Hkv + it.kvh) * D;
+      if (shared != nullptr) {  // one kv head (run_task): the task's copy, made on first use
+        float* k = shared->key + pos * shared->ld;
+        float* v = shared->value + pos * shared->ld;
+        if (pos >= shared->rows) {
+          widen_row<CT>(kc + off, k, D, Dp);
+          widen_row<CT>(vc + off, v, D, Dp);
+        }
+        heads[0].kr[n] = k;
+        heads[0].vr[n] = v;
+        continue;
+      }
       for (int64_t h = 0; h < nh; ++h) {
         HeadState& hs = heads[h];
         if constexpr (kDot) {
@@ -928,6 +956,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
         }
       }
     }
+    if (shared != nullptr) shared->rows = std::max(shared->rows, k0 + nv);
     // Ask for the next step's key and value runs now; they arrive while this step computes
     // (runs of different keys are Hkv * D apart: the hardware prefetcher does not follow).
     const int64_t next_end = keys_in_l2 ? 0 : std::min<int64_t>(k0 + nv + kKeys, it.k_end);
@@ -1104,17 +1133,25 @@ bool supported_cache(ffi::DataType t) {
 template <typename QT, typename CT, bool kDot>
 void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor* warm) {
   const int64_t kv_bytes_per_key = 2 * p.D * static_cast<int64_t>(sizeof(CT));
+  bool prefixes = num_items > 1;
+  int64_t max_end = 0;
+  for (int64_t i = 0; i < num_items; ++i) {
+    prefixes = prefixes && items[i].k_begin == 0 && items[i].num_kv == 1;
+    max_end = std::max(max_end, items[i].k_end);
+  }
   PackedValues packed;
+  PackedRows shared;
   if constexpr (kDot) {
-    bool prefixes = num_items > 1;
-    int64_t max_end = 0;
-    for (int64_t i = 0; i < num_items; ++i) {
-      prefixes = prefixes && items[i].k_begin == 0 && items[i].num_kv == 1;
-      max_end = std::max(max_end, items[i].k_end);
-    }
     const int64_t words = (max_end / 2 + 1) * p.Dp;
-    if (prefixes && words * 4 <= kKeysInL2Bytes) {
+    if (prefixes && words * static_cast<int64_t>(sizeof(uint32_t)) <= kKeysInL2Bytes) {
       packed.data = reinterpret_cast<uint32_t*>(tls_packed.get(static_cast<size_t>(words)));
+    }
+  } else {
+    shared.ld = p.Dp + kRowPad;
+    const int64_t floats = max_end * shared.ld;
+    if (prefixes && 2 * floats * static_cast<int64_t>(sizeof(float)) <= kSharedRowsBytes) {
+      shared.key = tls_packed.get(static_cast<size_t>(2 * floats));
+      shared.value = shared.key + floats;
     }
   }
   int64_t lo = 0, hi = 0;
@@ -1123,7 +1160,8 @@ void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor
     const bool in_l2 = i > 0 && it.num_kv == 1 && lo <= it.k_begin && it.k_end <= hi &&
                        (hi - lo) * kv_bytes_per_key <= kKeysInL2Bytes;
     run_item<QT, CT, kDot>(p, it, i + 1 < num_items ? &items[i + 1] : nullptr, in_l2, warm,
-                           packed.data != nullptr ? &packed : nullptr);
+                           packed.data != nullptr ? &packed : nullptr,
+                           shared.key != nullptr ? &shared : nullptr);
     lo = i == 0 ? it.k_begin : std::min(lo, it.k_begin);
     hi = i == 0 ? it.k_end : std::max(hi, it.k_end);
   }
@@ -1362,8 +1400,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
   // read the same keys, which the first one leaves in this core's L2 for the others.
   // A sequence whose only tile has at most kSmallRows rows (a decode) instead gets items of
   // heads_per_small kv heads each: as many heads as keep every worker busy.
-  const int64_t tile_tokens =
-      std::max<int64_t>(1, (p.dot ? kTargetRowsDot : kTargetRows) / p.G);
+  const int64_t tile_tokens = std::max<int64_t>(1, kTargetRows / p.G);
   const int64_t workers = num_workers(pool);
   // Maximal runs [s0, s1) of decode sequences long enough for the decode kernel.
   std::vector<std::pair<int64_t, int64_t>> decode_runs;
