@@ -421,22 +421,11 @@ inline void pack_value_pair(const bf16_t* a, const bf16_t* b, int64_t D, int64_t
   }
 }
 
-// Probabilities St[n][r] (float32, keys n < nv) into pairs Pp[i][r] = (P[2i][r], P[2i+1][r])
-// rounded to bf16, in place (row i of the result overwrites row i <= 2i, already read); a
-// missing key 2i+1 = nv counts as probability 0.
-inline void pack_probability_pairs(float* St, int64_t Mp, int64_t nv) {
-  uint32_t* Pp = reinterpret_cast<uint32_t*>(St);
-  for (int64_t i = 0; 2 * i < nv; ++i) {
-    const float* p0 = St + 2 * i * Mp;
-    const float* p1 = 2 * i + 1 < nv ? p0 + Mp : nullptr;
-    for (int64_t r = 0; r < Mp; r += 16) {
-      const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + r)));
-      const __m512i b =
-          p1 ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p1 + r)))
-             : _mm512_setzero_si512();
-      _mm512_storeu_si512(Pp + i * Mp + r, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-    }
-  }
+// Probabilities p0 = P[2i][r..r+16), p1 = P[2i+1][r..] as the words (p0, p1) rounded to bf16.
+inline __m512i probability_pair(__m512 p0, __m512 p1) {
+  const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+  const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
+  return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
 }
 #else
 #define JAX_ATTN_BF16_DOT 0
@@ -601,7 +590,10 @@ struct Task {  // items [first, first + num_items), run in order by one thread
 // row max and row sum are vertical vector ops. alpha[r] gets the factor for the row's
 // accumulator. Template flags drop the soft cap / ALiBi / mask code when a step needs none
 // (interior steps of a causal tile are fully visible).
-template <bool kTransform, bool kMask>
+// kPairs (bf16 dot path): the probabilities leave as pairs Pp[i][r] = (P[2i][r], P[2i+1][r])
+// rounded to bf16 (see pv_block_bf16), in place: row i of Pp overwrites St's row i <= 2i,
+// whose columns were already read; a missing key 2i + 1 = nv counts as probability 0.
+template <bool kTransform, bool kMask, bool kPairs>
 JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t Mp, int64_t M,
                                int64_t nv, int64_t k0, const float* q_pos, const float* slope,
                                float* row_max, float* row_sum, float* alpha) {
@@ -632,10 +624,26 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
     const V ref = Vec::max(new_max, Vec::set1(kNoKey));
     const V a = Vec::exp2(Vec::sub(old_max, ref));
     V sum = Vec::zero();
-    for (int64_t n = 0; n < nv; ++n) {
-      const V e = Vec::exp2(Vec::sub(Vec::load(St + n * Mp + rv), ref));
-      Vec::store(St + n * Mp + rv, e);
-      sum = Vec::add(sum, e);
+    if constexpr (kPairs) {
+#if JAX_ATTN_BF16_DOT
+      uint32_t* Pp = reinterpret_cast<uint32_t*>(St);
+      for (int64_t i = 0; 2 * i < nv; ++i) {
+        const V e0 = Vec::exp2(Vec::sub(Vec::load(St + 2 * i * Mp + rv), ref));
+        sum = Vec::add(sum, e0);
+        V e1 = Vec::zero();
+        if (2 * i + 1 < nv) {
+          e1 = Vec::exp2(Vec::sub(Vec::load(St + (2 * i + 1) * Mp + rv), ref));
+          sum = Vec::add(sum, e1);
+        }
+        _mm512_storeu_si512(Pp + i * Mp + rv, probability_pair(e0, e1));
+      }
+#endif
+    } else {
+      for (int64_t n = 0; n < nv; ++n) {
+        const V e = Vec::exp2(Vec::sub(Vec::load(St + n * Mp + rv), ref));
+        Vec::store(St + n * Mp + rv, e);
+        sum = Vec::add(sum, e);
+      }
     }
     Vec::store(row_max + rv, new_max);
     Vec::store(row_sum + rv, Vec::fmadd(Vec::load(row_sum + rv), a, sum));
@@ -643,20 +651,25 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
   }
 }
 
+template <bool kPairs>
 inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int64_t nv,
                          int64_t k0, bool mask, const float* q_pos, const float* slope,
                          float* row_max, float* row_sum, float* alpha) {
   const bool transform = p.cap > 0.0f || p.slopes != nullptr;
   if (transform) {
     if (mask) {
-      softmax_rows<true, true>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+      softmax_rows<true, true, kPairs>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum,
+                                       alpha);
     } else {
-      softmax_rows<true, false>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+      softmax_rows<true, false, kPairs>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum,
+                                        alpha);
     }
   } else if (mask) {
-    softmax_rows<false, true>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+    softmax_rows<false, true, kPairs>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum,
+                                      alpha);
   } else {
-    softmax_rows<false, false>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum, alpha);
+    softmax_rows<false, false, kPairs>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum,
+                                       alpha);
   }
 }
 
@@ -1013,8 +1026,8 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
       HeadState& hs = heads[h];
       const int64_t visible = p.causal ? it.pos0 - k0 + 1 : kAllVisible;
       head_logits<kDot>(p, hs, St, Mp, nv, visible, zero_row, next_query);
-      softmax_step(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, hs.row_max, hs.row_sum,
-                   hs.alpha);
+      softmax_step<kDot>(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, hs.row_max, hs.row_sum,
+                         hs.alpha);
       const bool last = k0 + kKeys >= it.k_end;
       if (fused_out && last) {
         for (int64_t r = 0; r < M; ++r) {
@@ -1039,12 +1052,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
                 inv,
                 p.stream_out,
                 warm};
-#if JAX_ATTN_BF16_DOT
-      if constexpr (kDot) {
-        pack_probability_pairs(St, Mp, nv);
-        pv.count = (nv + 1) / 2;
-      }
-#endif
+      if constexpr (kDot) pv.count = (nv + 1) / 2;  // the softmax left probability pairs
       head_values<kDot>(pv, Dp, M);
     }
     if (partial != nullptr) std::memcpy(partial, saved_pair, sizeof(uint32_t) * Dp);
