@@ -733,23 +733,43 @@ inline int64_t head_state_floats(int64_t D, int64_t Dp, int64_t M, int64_t Mp) {
   return D * Mp + M * Dp + 2 * kKeys * Dp + 5 * Mp + 2 * kKeys * 2;  // 2 floats per pointer
 }
 
-// The lines of `rows` runs of `run_bytes`, `stride` bytes apart from `base`, requested a few
-// at a time (issue) between register blocks, so the requests trickle out instead of leaving in
-// one burst (prefill-8x512 f32 and bf16 1-3% faster than one burst at the item's start).
-struct RowLines {
+// What the next item reads first, requested a few lines at a time (issue) between register
+// blocks, so the requests trickle out instead of leaving in one burst (prefill-8x512 f32 and
+// bf16 1-3% faster than one burst at the item's start): its query rows (`rows` runs of
+// `run_bytes`, `stride` bytes apart from `base`), then, for the first item of another task,
+// its first step's key and value runs (`keys` keys from `k_begin`, through the block table).
+struct NextLines {
   const char* base = nullptr;
   int64_t stride = 0, run_bytes = 0, rows = 0;
-  int64_t row = 0, offset = 0;
+  const char* key_cache = nullptr;  // the item's kv head in key slot 0 (bytes)
+  const char* value_cache = nullptr;
+  const int32_t* table = nullptr;
+  int64_t block_size = 0, slot_bytes = 0, kv_run_bytes = 0, k_begin = 0, keys = 0;
+  int64_t row = 0, offset = 0;  // runs [0, rows) are query rows, then K, V of each key
+  const char* run = nullptr;    // the current run's first byte
   void issue(int64_t n) {
-    for (; n > 0 && row < rows; --n) {
-      __builtin_prefetch(base + row * stride + offset);
+    for (; n > 0; --n) {
+      if (offset == 0) {
+        if (row < rows) {
+          run = base + row * stride;
+        } else if (row < rows + 2 * keys) {
+          const int64_t pos = k_begin + (row - rows) / 2;
+          const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
+                               pos % block_size;
+          run = ((row - rows) % 2 == 0 ? key_cache : value_cache) + slot * slot_bytes;
+        } else {
+          return;
+        }
+      }
+      __builtin_prefetch(run + offset);
       offset += 64;
-      if (offset >= run_bytes) {
+      if (offset >= (row < rows ? run_bytes : kv_run_bytes)) {
         offset = 0;
         ++row;
       }
     }
   }
+  void issue_all() { issue(std::numeric_limits<int64_t>::max()); }
 };
 
 // S^T = K Q^T for one head: row-vector pairs outer (their Qt slice stays in L1), key blocks
@@ -758,7 +778,7 @@ struct RowLines {
 // masks those logits without reading them).
 template <bool kDot>
 inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, int64_t nv,
-                        int64_t visible, const float* zero_row, RowLines& lines) {
+                        int64_t visible, const float* zero_row, NextLines& lines) {
   const int64_t nc1 = round_up(nv, kQkKeys1), nc2 = round_up(nv, kQkKeys2);
   // Keys to compute for rows [r0, r0 + rows), in blocks of kb keys.
   const auto keys = [&](int64_t r0, int64_t rows, int64_t nc, int64_t kb) {
@@ -826,12 +846,13 @@ inline void head_values(const PvArgs& a, int64_t Dp, int64_t M) {
 // One work item: a tile of tokens x the G query heads of each of the kv heads
 // [kvh, kvh + num_kv), keys [k_begin, k_end) in steps of kKeys.
 // kDot: bf16 x bf16 logits through vdpbf16ps (see qk_block_bf16); needs an even head size.
-// next: the task's next item (its queries are prefetched meanwhile), or nullptr.
+// next: the item this thread runs next (its queries are requested meanwhile), or nullptr;
+// next_task: it starts another task (its first step's keys are requested too).
 // keys_in_l2: an earlier item of the task read all of this item's keys (run_task): no K/V
 // prefetch. warm: decode lines the p.v blocks request meanwhile (run_staged), or nullptr.
 template <typename QT, typename CT, bool kDot>
-void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l2,
-              WarmCursor* warm, PackedValues* packed, PackedRows* shared) {
+void run_item(const Problem& p, const Item& it, const Item* next, bool next_task,
+              bool keys_in_l2, WarmCursor* warm, PackedValues* packed, PackedRows* shared) {
   const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq, nh = it.num_kv;
   const int64_t M = it.nt * G;        // real rows per kv head
   const int64_t Mp = round_up(M, W);  // rows padded to whole vectors
@@ -922,13 +943,24 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
   const bool direct = std::is_same_v<CT, float> && D == Dp;
   alignas(64) uint32_t saved_pair[kMaxHeadSize];  // a shared pair put back (Dp <= kMaxHeadSize)
   // The next item's query rows (nt tokens x its kv heads' G rows, each a run of
-  // num_kv * G * D elements), requested between this item's q.k register blocks.
-  RowLines next_query;
+  // num_kv * G * D elements), and the next task's first keys, requested between this item's
+  // q.k register blocks.
+  NextLines next_query;
   if (next != nullptr) {
     next_query.base = reinterpret_cast<const char*>(query + (next->t0 * Hq + next->kvh * G) * D);
     next_query.stride = Hq * D * static_cast<int64_t>(sizeof(QT));
     next_query.run_bytes = next->num_kv * G * D * static_cast<int64_t>(sizeof(QT));
     next_query.rows = next->nt;
+    if (next_task) {
+      next_query.key_cache = reinterpret_cast<const char*>(kc + next->kvh * D);
+      next_query.value_cache = reinterpret_cast<const char*>(vc + next->kvh * D);
+      next_query.table = p.block_tables + next->seq * p.MB;
+      next_query.block_size = p.BS;
+      next_query.slot_bytes = p.Hkv * D * static_cast<int64_t>(sizeof(CT));
+      next_query.kv_run_bytes = next->num_kv * D * static_cast<int64_t>(sizeof(CT));
+      next_query.k_begin = next->k_begin;
+      next_query.keys = std::clamp<int64_t>(next->k_end - next->k_begin, 0, kKeys);
+    }
   }
   for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kKeys) {
     const int64_t nv = std::min<int64_t>(kKeys, it.k_end - k0);
@@ -1058,7 +1090,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool keys_in_l
     if (partial != nullptr) std::memcpy(partial, saved_pair, sizeof(uint32_t) * Dp);
   }
 
-  next_query.issue(next_query.rows * (next_query.run_bytes / 64 + 1));  // what q.k left
+  next_query.issue_all();  // what q.k left
   // Output rows: O / sum * v_scale; rows that saw no key (sum 0) are zeros.
   if (fused_out && it.k_end > it.k_begin) {
     if (p.stream_out) Vec::stream_fence();  // the streamed rows land before the task reports
@@ -1132,6 +1164,26 @@ bool supported_cache(ffi::DataType t) {
   return supported_query(t) || t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
 }
 
+// A step's tasks, handed out in order (longest first) from one counter. A worker takes its
+// next task as it starts the current one's last item, which then requests the next task's
+// first queries and keys while it computes (NextLines).
+struct TaskQueue {
+  std::atomic<int64_t> next{0};
+  const Item* items = nullptr;
+  const Task* tasks = nullptr;
+  int64_t num_tasks = 0;
+  int64_t take() { return next.fetch_add(1, std::memory_order_relaxed); }
+};
+// One worker's place in a TaskQueue: `taken`, the task it took ahead (-1: none yet).
+struct TaskChain {
+  TaskQueue* queue;
+  int64_t taken = -1;
+  const Item* take_next() {  // the first item of the task taken, or nullptr when none is left
+    taken = queue->take();
+    return taken < queue->num_tasks ? queue->items + queue->tasks[taken].first : nullptr;
+  }
+};
+
 // The items of one task, in order. An item whose keys lie inside [lo, hi), the span of keys
 // the task's earlier items read, skips the next-step K/V prefetch when that span's keys and
 // values fit in kKeysInL2Bytes: they are still in this core's L2. Causal tiles without a window
@@ -1139,7 +1191,8 @@ bool supported_cache(ffi::DataType t) {
 // one's); with a window each tile starts lower and keeps its prefetch. The same tasks share
 // their bf16 value pairs (PackedValues) when those fit kKeysInL2Bytes too.
 template <typename QT, typename CT, bool kDot>
-void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor* warm) {
+void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor* warm,
+              TaskChain* chain) {
   const int64_t kv_bytes_per_key = 2 * p.D * static_cast<int64_t>(sizeof(CT));
   bool prefixes = num_items > 1;
   int64_t max_end = 0;
@@ -1167,7 +1220,9 @@ void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor
     const Item& it = items[i];
     const bool in_l2 = i > 0 && it.num_kv == 1 && lo <= it.k_begin && it.k_end <= hi &&
                        (hi - lo) * kv_bytes_per_key <= kKeysInL2Bytes;
-    run_item<QT, CT, kDot>(p, it, i + 1 < num_items ? &items[i + 1] : nullptr, in_l2, warm,
+    const bool last = i + 1 == num_items;
+    const Item* next = !last ? &items[i + 1] : chain != nullptr ? chain->take_next() : nullptr;
+    run_item<QT, CT, kDot>(p, it, next, last, in_l2, warm,
                            packed.data != nullptr ? &packed : nullptr,
                            shared.key != nullptr ? &shared : nullptr);
     lo = i == 0 ? it.k_begin : std::min(lo, it.k_begin);
@@ -1251,16 +1306,29 @@ template <typename QT, typename CT>
 std::string run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Item>& items,
                     const std::vector<Task>& tasks, Staging* staging) {
   constexpr bool kBf16 = std::is_same_v<QT, bf16_t> && std::is_same_v<CT, bf16_t>;
-  auto task_fn = [&](int64_t t, WarmCursor* warm) {
+  auto task_fn = [&](int64_t t, WarmCursor* warm, TaskChain* chain = nullptr) {
+    const Item* first = items.data() + tasks[t].first;
     if (kBf16 && p.dot) {
-      run_task<QT, CT, kBf16>(p, items.data() + tasks[t].first, tasks[t].num_items, warm);
+      run_task<QT, CT, kBf16>(p, first, tasks[t].num_items, warm, chain);
     } else {
-      run_task<QT, CT, false>(p, items.data() + tasks[t].first, tasks[t].num_items, warm);
+      run_task<QT, CT, false>(p, first, tasks[t].num_items, warm, chain);
     }
   };
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   if (staging != nullptr) return run_staged(pool, *staging, num_tasks, task_fn);
-  parallel_for(pool, num_tasks, num_workers(pool), [&](int64_t t) { task_fn(t, nullptr); });
+  TaskQueue queue;
+  queue.items = items.data();
+  queue.tasks = tasks.data();
+  queue.num_tasks = num_tasks;
+  const int64_t workers = std::min(num_workers(pool), num_tasks);
+  parallel_for(pool, workers, workers, [&](int64_t) {
+    TaskChain chain{&queue};
+    for (int64_t t = queue.take(); t < num_tasks;) {
+      chain.taken = -1;
+      task_fn(t, nullptr, &chain);
+      t = chain.taken >= 0 ? chain.taken : queue.take();
+    }
+  });
   return "";
 }
 
