@@ -281,12 +281,30 @@ struct WarmLines {
 #define JAX_ATTN_HOT inline
 #endif
 
+// Steps without a mask or a logit transform keep each row's largest logit as q.k writes them
+// (step_max, [Mp]), so the softmax does not read the logits twice: keys j < valid of a block
+// (the rest are the zero-row stand-ins past the step's keys) into rows [r0, r0 + RV * W).
+template <int RV, int KB>
+inline void block_max(const V (&acc)[KB][RV], int64_t valid, float* __restrict step_max,
+                      int64_t r0) {
+#pragma GCC unroll 4
+  for (int v = 0; v < RV; ++v) {
+    V m = Vec::load(step_max + r0 + v * W);
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j) {
+      if (j < valid) m = Vec::max(m, acc[j][v]);
+    }
+    Vec::store(step_max + r0 + v * W, m);
+  }
+}
+
 // S^T[n][r] for keys [n0, n0 + KB) and rows [r0, r0 + RV * W):
 // Qt: [D][Mp] (row-contiguous per d), kr[n]: key n's D floats (a cache row, or its widened
 // copy); the d loop streams one Qt line per step and broadcasts one float of each of the KB keys.
 template <int RV, int KB>
 JAX_ATTN_HOT void qk_block(const float* __restrict Qt, int64_t Mp, const float* const* kr,
-                           int64_t D, float* __restrict St, int64_t r0, int64_t n0) {
+                           int64_t D, float* __restrict St, int64_t r0, int64_t n0,
+                           float* __restrict step_max, int64_t nv) {
   V acc[KB][RV];
 #pragma GCC unroll 16
   for (int j = 0; j < KB; ++j) {
@@ -312,6 +330,7 @@ JAX_ATTN_HOT void qk_block(const float* __restrict Qt, int64_t Mp, const float* 
 #pragma GCC unroll 4
     for (int v = 0; v < RV; ++v) Vec::store(St + (n0 + j) * Mp + r0 + v * W, acc[j][v]);
   }
+  if (step_max != nullptr) block_max<RV, KB>(acc, nv - n0, step_max, r0);
 }
 
 #if JAX_ATTN_AVX512 && defined(__AVX512BF16__)
@@ -323,7 +342,8 @@ JAX_ATTN_HOT void qk_block(const float* __restrict Qt, int64_t Mp, const float* 
 template <int RV, int KB>
 JAX_ATTN_HOT void qk_block_bf16(const uint32_t* __restrict Qt2, int64_t Mp,
                                 const uint32_t* const* kp, int64_t D2, float qk_scale,
-                                float* __restrict St, int64_t r0, int64_t n0) {
+                                float* __restrict St, int64_t r0, int64_t n0,
+                                float* __restrict step_max, int64_t nv) {
   __m512 acc[KB][RV];
 #pragma GCC unroll 16
   for (int j = 0; j < KB; ++j) {
@@ -351,9 +371,11 @@ JAX_ATTN_HOT void qk_block_bf16(const uint32_t* __restrict Qt2, int64_t Mp,
   for (int j = 0; j < KB; ++j) {
 #pragma GCC unroll 4
     for (int v = 0; v < RV; ++v) {
-      _mm512_storeu_ps(St + (n0 + j) * Mp + r0 + v * 16, _mm512_mul_ps(acc[j][v], sc));
+      acc[j][v] = _mm512_mul_ps(acc[j][v], sc);
+      _mm512_storeu_ps(St + (n0 + j) * Mp + r0 + v * 16, acc[j][v]);
     }
   }
+  if (step_max != nullptr) block_max<RV, KB>(acc, nv - n0, step_max, r0);
 }
 
 // The p.v side of the same path: O[r][d0 .. d0 + DV*16) = alpha[r] * O[r][..] +
@@ -596,14 +618,16 @@ struct Task {  // items [first, first + num_items), run in order by one thread
 template <bool kTransform, bool kMask, bool kPairs>
 JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t Mp, int64_t M,
                                int64_t nv, int64_t k0, const float* q_pos, const float* slope,
-                               float* row_max, float* row_sum, float* alpha) {
+                               const float* step_max, float* row_max, float* row_sum,
+                               float* alpha) {
   const V masked = Vec::set1(kMasked);
   const V window = Vec::set1(static_cast<float>(p.window));
   for (int64_t rv = 0; rv < M; rv += W) {
     const V pq = Vec::load(q_pos + rv);
     const V sl = Vec::load(slope + rv);
-    V chunk_max = masked;
-    for (int64_t n = 0; n < nv; ++n) {
+    // The step's largest logit per row: kept by q.k (no mask, no transform), else found here.
+    V chunk_max = step_max != nullptr ? Vec::load(step_max + rv) : masked;
+    for (int64_t n = 0; step_max == nullptr && n < nv; ++n) {
       V s = Vec::load(St + n * Mp + rv);
       if (kTransform || kMask) {
         const V pk = Vec::set1(static_cast<float>(k0 + n));
@@ -654,22 +678,17 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
 template <bool kPairs>
 inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int64_t nv,
                          int64_t k0, bool mask, const float* q_pos, const float* slope,
-                         float* row_max, float* row_sum, float* alpha) {
-  const bool transform = p.cap > 0.0f || p.slopes != nullptr;
-  if (transform) {
-    if (mask) {
-      softmax_rows<true, true, kPairs>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum,
-                                       alpha);
-    } else {
-      softmax_rows<true, false, kPairs>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum,
-                                        alpha);
-    }
-  } else if (mask) {
-    softmax_rows<false, true, kPairs>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum,
-                                      alpha);
+                         const float* step_max, float* row_max, float* row_sum, float* alpha) {
+  const auto rows = [&](auto transform, auto masked) {
+    softmax_rows<decltype(transform)::value, decltype(masked)::value, kPairs>(
+        p, St, Mp, M, nv, k0, q_pos, slope, step_max, row_max, row_sum, alpha);
+  };
+  const std::true_type yes;
+  const std::false_type no;
+  if (p.cap > 0.0f || p.slopes != nullptr) {
+    mask ? rows(yes, yes) : rows(yes, no);
   } else {
-    softmax_rows<false, false, kPairs>(p, St, Mp, M, nv, k0, q_pos, slope, row_max, row_sum,
-                                       alpha);
+    mask ? rows(no, yes) : rows(no, no);
   }
 }
 
@@ -725,12 +744,13 @@ struct HeadState {
   float* alpha;
   float* q_pos;
   float* slope;
+  float* step_max;  // the step's largest logit per row (block_max)
   const float** kr;  // [kKeys] key n's row: in Kw, or the cache's own row (f32 cache)
   const float** vr;  // [kKeys] value n's row, likewise (bf16 dot: the cache's bf16 row)
 };
 
 inline int64_t head_state_floats(int64_t D, int64_t Dp, int64_t M, int64_t Mp) {
-  return D * Mp + M * Dp + 2 * kKeys * Dp + 5 * Mp + 2 * kKeys * 2;  // 2 floats per pointer
+  return D * Mp + M * Dp + 2 * kKeys * Dp + 6 * Mp + 2 * kKeys * 2;  // 2 floats per pointer
 }
 
 // What the next item reads first, requested a few lines at a time (issue) between register
@@ -778,8 +798,10 @@ struct NextLines {
 // masks those logits without reading them).
 template <bool kDot>
 inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, int64_t nv,
-                        int64_t visible, const float* zero_row, NextLines& lines) {
+                        int64_t visible, const float* zero_row, NextLines& lines,
+                        float* step_max) {
   const int64_t nc1 = round_up(nv, kQkKeys1), nc2 = round_up(nv, kQkKeys2);
+  if (step_max != nullptr) std::fill(step_max, step_max + Mp, kMasked);
   // Keys to compute for rows [r0, r0 + rows), in blocks of kb keys.
   const auto keys = [&](int64_t r0, int64_t rows, int64_t nc, int64_t kb) {
     return std::min(nc, round_up(std::max<int64_t>(0, visible + (r0 + rows - 1) / p.G), kb));
@@ -793,13 +815,13 @@ inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, i
     for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
       for (int64_t n0 = 0; n0 < keys(r0, 2 * W, nc2, kQkKeys2); n0 += kQkKeys2) {
         lines.issue(kLinesPerBlock);
-        qk_block_bf16<2, kQkKeys2>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0);
+        qk_block_bf16<2, kQkKeys2>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0, step_max, nv);
       }
     }
     for (; r0 < Mp; r0 += W) {
       for (int64_t n0 = 0; n0 < keys(r0, W, nc1, kQkKeys1); n0 += kQkKeys1) {
         lines.issue(kLinesPerBlock);
-        qk_block_bf16<1, kQkKeys1>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0);
+        qk_block_bf16<1, kQkKeys1>(Qt2, Mp, kp, p.D / 2, p.qk_scale, St, r0, n0, step_max, nv);
       }
     }
 #endif
@@ -808,13 +830,13 @@ inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, i
     for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
       for (int64_t n0 = 0; n0 < keys(r0, 2 * W, nc2, kQkKeys2); n0 += kQkKeys2) {
         lines.issue(kLinesPerBlock);
-        qk_block<2, kQkKeys2>(h.Qt, Mp, h.kr, p.D, St, r0, n0);
+        qk_block<2, kQkKeys2>(h.Qt, Mp, h.kr, p.D, St, r0, n0, step_max, nv);
       }
     }
     for (; r0 < Mp; r0 += W) {
       for (int64_t n0 = 0; n0 < keys(r0, W, nc1, kQkKeys1); n0 += kQkKeys1) {
         lines.issue(kLinesPerBlock);
-        qk_block<1, kQkKeys1>(h.Qt, Mp, h.kr, p.D, St, r0, n0);
+        qk_block<1, kQkKeys1>(h.Qt, Mp, h.kr, p.D, St, r0, n0, step_max, nv);
       }
     }
   }
@@ -869,12 +891,13 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
                          hb + D * Mp + M * Dp,
                          hb + D * Mp + M * Dp + kKeys * Dp,
                          hb + D * Mp + M * Dp + 2 * kKeys * Dp,
-                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
     heads[h].row_sum = heads[h].row_max + Mp;
     heads[h].alpha = heads[h].row_sum + Mp;
     heads[h].q_pos = heads[h].alpha + Mp;
     heads[h].slope = heads[h].q_pos + Mp;
-    heads[h].kr = reinterpret_cast<const float**>(heads[h].slope + Mp);
+    heads[h].step_max = heads[h].slope + Mp;
+    heads[h].kr = reinterpret_cast<const float**>(heads[h].step_max + Mp);
     heads[h].vr = heads[h].kr + kKeys;
   }
 
@@ -1052,14 +1075,16 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
 #else
     static_cast<void>(packed);  // only the vdpbf16ps path shares value pairs
 #endif
+    const bool transform = p.cap > 0.0f || p.slopes != nullptr;
     const bool mask = (p.causal && k0 + nv - 1 > it.pos0) ||
                       (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
     for (int64_t h = 0; h < nh; ++h) {
       HeadState& hs = heads[h];
       const int64_t visible = p.causal ? it.pos0 - k0 + 1 : kAllVisible;
-      head_logits<kDot>(p, hs, St, Mp, nv, visible, zero_row, next_query);
-      softmax_step<kDot>(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, hs.row_max, hs.row_sum,
-                         hs.alpha);
+      float* step_max = mask || transform ? nullptr : hs.step_max;
+      head_logits<kDot>(p, hs, St, Mp, nv, visible, zero_row, next_query, step_max);
+      softmax_step<kDot>(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, step_max, hs.row_max,
+                         hs.row_sum, hs.alpha);
       const bool last = k0 + kKeys >= it.k_end;
       if (fused_out && last) {
         for (int64_t r = 0; r < M; ++r) {
