@@ -378,6 +378,19 @@ JAX_ATTN_HOT void qk_block_bf16(const uint32_t* __restrict Qt2, int64_t Mp,
   if (step_max != nullptr) block_max<RV, KB>(acc, nv - n0, step_max, r0);
 }
 
+// 16 floats to bf16 exactly as narrow<bf16_t> (kernel_common.h) rounds each: to nearest even,
+// NaNs kept quiet.
+inline __m256i narrow16_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
 // The p.v side of the same path: O[r][d0 .. d0 + DV*16) = alpha[r] * O[r][..] +
 // sum over key pairs i of P[2i][r] V[2i][d] + P[2i+1][r] V[2i+1][d], with vdpbf16ps.
 // Pp: [np][Mp] pairs (P[2i][r], P[2i+1][r]) rounded to bf16; Vp: [np][Dp] pairs
@@ -387,7 +400,8 @@ template <int R, int DV>
 JAX_ATTN_HOT void pv_block_bf16(float* __restrict O, int64_t ldo, const uint32_t* __restrict Pp,
                                 int64_t Mp, const uint32_t* __restrict Vp, int64_t ldv,
                                 int64_t np, int64_t r0, int64_t d0,
-                                const float* __restrict alpha, bool first, WarmCursor* warm) {
+                                const float* __restrict alpha, bool first,
+                                bf16_t* const* out_rows, const float* inv, WarmCursor* warm) {
   __m512 acc[R][DV];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
@@ -413,12 +427,24 @@ JAX_ATTN_HOT void pv_block_bf16(float* __restrict O, int64_t ldo, const uint32_t
       for (int v = 0; v < DV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pb, x[v]);
     }
   }
+  lines.done();
+  if (out_rows != nullptr) {  // the item's last step: normalized rows straight to the output
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 f = _mm512_set1_ps(inv[r0 + i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < DV; ++v) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows[r0 + i] + d0 + v * 16),
+                            narrow16_bf16(_mm512_mul_ps(acc[i][v], f)));
+      }
+    }
+    return;
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 4
     for (int v = 0; v < DV; ++v) _mm512_storeu_ps(O + (r0 + i) * ldo + d0 + v * 16, acc[i][v]);
   }
-  lines.done();
 }
 
 // Values 2i and 2i+1 (b: nullptr past the last key, read as zeros) of D bf16 each, interleaved
@@ -524,7 +550,9 @@ struct PvArgs {
   int64_t G;
   const float* alpha;
   bool first;              // the item's first step: O starts from zeros (not read)
-  float* const* out_rows;  // the item's last step (float32 output): row r's output, else null
+  // The item's last step (float32 output, or bf16 on the bf16 dot path): row r's output, else
+  // nullptr.
+  void* const* out_rows;
   const float* inv;        // ... and its factor v_scale / row_sum (0: no visible key)
   bool stream;             // ... written with streaming stores (Problem::stream_out)
   WarmCursor* warm;        // decode lines to request meanwhile (run_staged), or nullptr
@@ -537,11 +565,12 @@ JAX_ATTN_HOT void pv_call(const PvArgs& a, int64_t r0, int64_t d0) {
   if constexpr (kDot) {
 #if JAX_ATTN_BF16_DOT
     pv_block_bf16<R, DV>(a.O, a.ldo, reinterpret_cast<const uint32_t*>(a.Pt), a.Mp, a.Vp, a.ldv,
-                         std::min(a.count, (keys + 1) / 2), r0, d0, a.alpha, a.first, a.warm);
+                         std::min(a.count, (keys + 1) / 2), r0, d0, a.alpha, a.first,
+                         reinterpret_cast<bf16_t* const*>(a.out_rows), a.inv, a.warm);
 #endif
   } else {
     pv_block<R, DV>(a.O, a.ldo, a.Pt, a.Mp, a.vr, std::min(a.count, keys), r0, d0, a.alpha, a.first,
-                    a.out_rows, a.inv, a.stream, a.warm);
+                    reinterpret_cast<float* const*>(a.out_rows), a.inv, a.stream, a.warm);
   }
 }
 
@@ -952,10 +981,11 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
     // still needs zeros there for the output loop.
     if (it.k_end <= it.k_begin) std::memset(hs.O, 0, sizeof(float) * M * Dp);
   }
-  // Float32 outputs whose rows are whole vectors are written by the last step's p.v blocks.
+  // Float32 outputs (bf16 on the dot path) whose rows are whole vectors are written by the last
+  // step's p.v blocks.
   QT* out = static_cast<QT*>(p.out);
-  const bool fused_out = std::is_same_v<QT, float> && !kDot && D == Dp && M <= kMaxFusedRows;
-  float* out_rows[kMaxFusedRows];
+  const bool fused_out = (kDot || std::is_same_v<QT, float>) && D == Dp && M <= kMaxFusedRows;
+  QT* out_rows[kMaxFusedRows];
   float inv[kMaxFusedRows];
 
   const CT* kc = static_cast<const CT*>(p.key_cache);
@@ -1089,8 +1119,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
       if (fused_out && last) {
         for (int64_t r = 0; r < M; ++r) {
           inv[r] = hs.row_sum[r] > 0.0f ? p.v_scale / hs.row_sum[r] : 0.0f;
-          out_rows[r] = reinterpret_cast<float*>(out) +
-                        ((it.t0 + r / G) * Hq + (it.kvh + h) * G + r % G) * D;
+          out_rows[r] = out + ((it.t0 + r / G) * Hq + (it.kvh + h) * G + r % G) * D;
         }
       }
       PvArgs pv{hs.O,
@@ -1105,7 +1134,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
                 G,
                 hs.alpha,
                 k0 == it.k_begin,
-                fused_out && last ? out_rows : nullptr,
+                fused_out && last ? reinterpret_cast<void* const*>(out_rows) : nullptr,
                 inv,
                 p.stream_out,
                 warm};
