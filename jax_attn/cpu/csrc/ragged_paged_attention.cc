@@ -23,7 +23,7 @@
 // place. Large float32 outputs are written by the last step's p.v blocks with streaming stores.
 // bf16 queries on a bf16 cache run both products through vdpbf16ps where the CPU has it
 // (AVX512_BF16): q.k with the keys straight from the cache, p.v with the probabilities rounded
-// to bf16 and the values interleaved in key pairs, packed once per task (about 1.85x the
+// to bf16 and the values interleaved in key pairs, packed once per task (about 1.8x the
 // float32 prefill's speed).
 // Vectors: AVX-512 when built for it (-march=native on such a CPU), else 8-float GCC vectors
 // (AVX2 + FMA code on such machines).
@@ -219,6 +219,12 @@ constexpr int kPvVecs = 2;
 static_assert(kKeys % kQkKeys1 == 0 && kKeys % kQkKeys2 == 0, "key step must hold key blocks");
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Keys that row `row` of a causal step sees: n < visible + row / G (PvArgs::visible), at
+// least none. The q.k key-block skip and the p.v stop both use it, so they cannot drift apart.
+inline int64_t keys_seen(int64_t visible, int64_t G, int64_t row) {
+  return std::max<int64_t>(0, visible + row / G);
+}
 
 // Decode data staged during a mixed step's prefill (run_staged): a group's decode blocks, handed
 // out whole to the threads that compute the group's prefill tasks (WarmCursor), whose p.v
@@ -560,8 +566,8 @@ struct PvArgs {
 
 template <int R, int DV, bool kDot>
 JAX_ATTN_HOT void pv_call(const PvArgs& a, int64_t r0, int64_t d0) {
-  // Keys the block's last row sees (bf16 dot: key pairs), at least 0.
-  const int64_t keys = std::max<int64_t>(0, a.visible + (r0 + R - 1) / a.G);
+  // Keys the block's last row sees (bf16 dot: key pairs, below).
+  const int64_t keys = keys_seen(a.visible, a.G, r0 + R - 1);
   if constexpr (kDot) {
 #if JAX_ATTN_BF16_DOT
     pv_block_bf16<R, DV>(a.O, a.ldo, reinterpret_cast<const uint32_t*>(a.Pt), a.Mp, a.Vp, a.ldv,
@@ -833,7 +839,7 @@ inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, i
   if (step_max != nullptr) std::fill(step_max, step_max + Mp, kMasked);
   // Keys to compute for rows [r0, r0 + rows), in blocks of kb keys.
   const auto keys = [&](int64_t r0, int64_t rows, int64_t nc, int64_t kb) {
-    return std::min(nc, round_up(std::max<int64_t>(0, visible + (r0 + rows - 1) / p.G), kb));
+    return std::min(nc, round_up(keys_seen(visible, p.G, r0 + rows - 1), kb));
   };
   int64_t r0 = 0;
   if constexpr (kDot) {
