@@ -90,6 +90,7 @@ def _ms(ms: float) -> str:
 def figure(record: dict):
     """The chart of a record (see the module docstring), as a matplotlib `Figure`."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     workloads = record["workloads"]
     shown = {
@@ -141,6 +142,9 @@ def figure(record: dict):
                 ax_time.axvline(f["median_s"] * 1e3, color=color, ls=line, lw=1.2)
                 lines.append(f"{what} {_ms(f['median_s'] * 1e3)}")
         ax_time.set_xscale("log")
+        # Decades only: on an axis spanning less than two decades matplotlib labels the minor
+        # ticks too, and their labels overlap.
+        ax_time.xaxis.set_minor_formatter(NullFormatter())
         right = max([row["median_s"] * 1e3 for row in ok.values()], default=1.0)
         ax_time.set_xlim(right=right * 4)  # room for the labels
         ax_time.set_xlabel("; ".join(["median ms per call (log)", *lines]), fontsize=8)
