@@ -17,8 +17,8 @@
 // query's window: the upper triangle outside a tile's own diagonal is never computed, and on
 // the diagonal's step each block of rows stops at its last row's keys. Keys and values are
 // widened to float32 (k_scale folded into the query, v_scale into the output). A task whose
-// tiles all read key prefixes copies its kv head's keys and values once, rows a line apart
-// instead of the cache's 4 KiB stride (PackedRows), and all its tiles read that copy; other
+// tiles all read key prefixes copies its kv head's keys and values once, each row padded by a
+// cache line (off the cache's 4 KiB stride: PackedRows), and all its tiles read that copy; other
 // items widen a step at a time into a small per-thread buffer, or read a float32 cache in
 // place. Large float32 outputs are written by the last step's p.v blocks with streaming stores.
 // bf16 queries on a bf16 cache run both products through vdpbf16ps where the CPU has it
@@ -711,16 +711,18 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
 }
 
 template <bool kPairs>
+// transform: the call has a soft cap or ALiBi; mask: the step masks logits.
 inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int64_t nv,
-                         int64_t k0, bool mask, const float* q_pos, const float* slope,
-                         const float* step_max, float* row_max, float* row_sum, float* alpha) {
+                         int64_t k0, bool transform, bool mask, const float* q_pos,
+                         const float* slope, const float* step_max, float* row_max,
+                         float* row_sum, float* alpha) {
   const auto rows = [&](auto transform, auto masked) {
     softmax_rows<decltype(transform)::value, decltype(masked)::value, kPairs>(
         p, St, Mp, M, nv, k0, q_pos, slope, step_max, row_max, row_sum, alpha);
   };
   const std::true_type yes;
   const std::false_type no;
-  if (p.cap > 0.0f || p.slopes != nullptr) {
+  if (transform) {
     mask ? rows(yes, yes) : rows(yes, no);
   } else {
     mask ? rows(no, yes) : rows(no, no);
@@ -1021,6 +1023,8 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
       next_query.keys = std::clamp<int64_t>(next->k_end - next->k_begin, 0, kKeys);
     }
   }
+  // Logits changed after q.k (soft cap, ALiBi): the softmax applies them, and finds the max.
+  const bool transform = p.cap > 0.0f || p.slopes != nullptr;
   for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kKeys) {
     const int64_t nv = std::min<int64_t>(kKeys, it.k_end - k0);
     // Keys k0 .. k0+nv through the block table: key n's slot holds [Hkv, D]; the item's kv
@@ -1111,7 +1115,6 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
 #else
     static_cast<void>(packed);  // only the vdpbf16ps path shares value pairs
 #endif
-    const bool transform = p.cap > 0.0f || p.slopes != nullptr;
     const bool mask = (p.causal && k0 + nv - 1 > it.pos0) ||
                       (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
     for (int64_t h = 0; h < nh; ++h) {
@@ -1119,8 +1122,8 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
       const int64_t visible = p.causal ? it.pos0 - k0 + 1 : kAllVisible;
       float* step_max = mask || transform ? nullptr : hs.step_max;
       head_logits<kDot>(p, hs, St, Mp, nv, visible, zero_row, next_query, step_max);
-      softmax_step<kDot>(p, St, Mp, M, nv, k0, mask, hs.q_pos, hs.slope, step_max, hs.row_max,
-                         hs.row_sum, hs.alpha);
+      softmax_step<kDot>(p, St, Mp, M, nv, k0, transform, mask, hs.q_pos, hs.slope, step_max,
+                         hs.row_max, hs.row_sum, hs.alpha);
       const bool last = k0 + kKeys >= it.k_end;
       if (fused_out && last) {
         for (int64_t r = 0; r < M; ++r) {
