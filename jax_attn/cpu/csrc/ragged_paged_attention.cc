@@ -710,8 +710,8 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
   }
 }
 
-template <bool kPairs>
 // transform: the call has a soft cap or ALiBi; mask: the step masks logits.
+template <bool kPairs>
 inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int64_t nv,
                          int64_t k0, bool transform, bool mask, const float* q_pos,
                          const float* slope, const float* step_max, float* row_max,
