@@ -63,6 +63,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_features.h"
 #include "paged_decode.h"
 
 namespace jax_attn_cpu {
@@ -97,6 +98,7 @@ struct Problem {
   int64_t window;  // <= 0: none
   float cap;       // <= 0: none
   int64_t prefetch_tiles;
+  bool prefetch_l2;  // every prefetch into L2 (cpu_features.h: NTA lines stay in L1 on Intel)
   DType query_type;
   CacheLayout layout;
   int64_t x;  // kSplit: key elements per 16 bytes (the innermost key dimension)
@@ -1109,7 +1111,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           if (p.prefetch_tiles > 0 && next.rows > 0) {
             const int64_t bytes = next.rows * row_stride * elem;
             pf = TilePrefetcher(kc + next.offset, vc + next.offset, 0, 1, bytes,
-                                2 * bytes > 64 * 1024);
+                                p.prefetch_l2 || 2 * bytes > 64 * 1024);
           }
           const int64_t first = block_offset + t0 * row_stride;
           const void* q_rows = kDot ? static_cast<const void*>(queries.bf16)
@@ -1130,7 +1132,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           const int64_t chunk = next.rows * D;  // elements: this step's h-th of the tile
           if (next.rows > 0) {
             pf = TilePrefetcher(kc + next.offset + h * chunk, vc + next.offset + h * chunk, 0, 1,
-                                chunk * elem, 2 * Hkv * chunk * elem > 64 * 1024);
+                                chunk * elem,
+                                p.prefetch_l2 || 2 * Hkv * chunk * elem > 64 * 1024);
           }
         } else if (p.prefetch_tiles > 0) {
           const TileRows keys = split_ahead(b, t0, h, p.prefetch_tiles);
@@ -1138,7 +1141,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           if (keys.rows > 0) {
             pf = TilePrefetcher(kc + keys.offset, values.rows > 0 ? vc + values.offset : nullptr,
                                 row_stride * elem, std::max(keys.rows, values.rows),
-                                D * BS * elem);
+                                D * BS * elem, p.prefetch_l2);
           }
         }
         if (split) {
@@ -1327,6 +1330,7 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
   p.cap = a.logits_soft_cap;
   p.prefetch_tiles = kPrefetchTiles;
   if (const char* env = std::getenv("JAX_ATTN_CPU_PREFETCH")) p.prefetch_tiles = std::atol(env);
+  p.prefetch_l2 = prefetch_to_l2();
   p.query_type = a.query_type;
   p.query = a.query;
   p.out = a.out;
