@@ -27,6 +27,8 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import re
+import sys
 import time
 from collections.abc import Callable
 
@@ -439,16 +441,20 @@ def _prepare_vllm_cpu_attn(data: Data) -> Prepared:
     `torch.ops._C.cpu_attention_with_kv_cache` call it makes, over the whole step (prefills and
     decodes in one call, as vLLM V1 runs a step), with the scheduler metadata that
     `CPUAttentionMetadataBuilder.build` makes (`torch.ops._C.get_scheduler_metadata`), built
-    here, before timing. The ISA is vLLM's own choice (`_get_attn_isa`: "vec16" for block 16,
-    "vec" for block 32 in float32, "amx" for bfloat16 at block 32 where the CPU has AMX), and
-    the cache is written once, here, by vLLM's `cpu_attn_reshape_and_cache` for that ISA (the
+    here, before timing. The ISA is vLLM's own choice, the string its backend passes to the
+    kernels (`_get_attn_isa`: "vec16" for block 16, "vec" for multiples of 32 in float32 or
+    without AMX, "amx" for bfloat16 at multiples of 32 where the CPU has AMX tiles), and the
+    cache is written once, here, by vLLM's `cpu_attn_reshape_and_cache` for that ISA (the
     kernels keep keys in a packed, ISA-specific order inside each block, so no plain copy of
-    our cache would do)."""
+    our cache would do). The AMX tile state is requested first, as vLLM's engine has it. The
+    row records the ISA, the vLLM extension libraries loaded (`vllm_extensions`) and whether
+    the tile state was granted, and its note shows them."""
     import torch
     import vllm
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    amx_tiles = request_amx_tiles()
     spec = data.spec
     if spec.dtype not in _VLLM_CPU_ATTN_DTYPES:
         raise Skip(f"skipped: vLLM's CPU_ATTN takes {'/'.join(_VLLM_CPU_ATTN_DTYPES)} queries")
@@ -461,13 +467,13 @@ def _prepare_vllm_cpu_attn(data: Data) -> Prepared:
         isa = _get_attn_isa(dtype, spec.block_size, spec.head_size, kv_cache_dtype)
     except NotImplementedError as e:
         raise Skip(f"skipped: vLLM 0.32: {e}") from None
-    if kv_cache_dtype != "auto" and isa == "amx":
-        # Measured here (amx_bf16 and amx_int8; neither amx_fp16 nor amx_fp8 in cpuinfo): the
-        # write and the scheduler metadata pass, the attention call dies with SIGILL and takes
-        # the bench with it. bfloat16 caches run on amx; the "vec" kernel takes fp8 (tested).
+    if isa == "amx" and amx_tiles is not True:
+        # Measured here (amx_bf16, amx_int8): without the tile state the write and the scheduler
+        # metadata pass and the attention call dies with SIGILL, taking the bench with it
+        # (bfloat16 and fp8 caches alike; the fp8 skip this peer had until issue 35 was that).
         raise Skip(
-            "skipped: vLLM 0.32 picks its amx kernel for an fp8 cache here, which dies with an "
-            "illegal instruction on a CPU with amx_bf16 and no amx_fp16/amx_fp8 (measured)"
+            "skipped: vLLM 0.32 picks its amx kernel here, but this process has no AMX tile "
+            f"state (torch.cpu._init_amx: {amx_tiles}); the kernel would die with SIGILL"
         )
     if kv_cache_dtype != "auto" and isa == "vec16":
         # What cpu_attn_reshape_and_cache answers (measured): "FP8 KV cache is only supported
@@ -548,14 +554,57 @@ def _prepare_vllm_cpu_attn(data: Data) -> Prepared:
         )  # fmt: skip
         return output
 
+    extensions = vllm_extensions()
+    tiles = {True: "AMX tiles granted", False: "AMX tiles refused", None: "no _init_amx"}
     info = dict(
         torch_threads=torch.get_num_threads(),
         vllm=vllm.__version__,
         isa=isa,
+        extensions=extensions,
+        amx_tiles=amx_tiles,
         kv_split=kv_split,
         call="torch.ops._C.cpu_attention_with_kv_cache",
+        note=f"ISA {isa}; {' '.join(extensions) or 'no vllm._C*'}; {tiles[amx_tiles]}",
     )
     return Prepared(call, _torch_output, info)
+
+
+_VLLM_EXTENSION = re.compile(r"/vllm/(_C\w*?)\.[^/]*so$")
+
+
+def vllm_extensions() -> list[str]:
+    """The vLLM extension libraries loaded in this process (`vllm._C`, `vllm._C_AVX512`,
+    `vllm._C_AVX2`): which of its builds `torch.ops._C` comes from. Read from the process's
+    memory map rather than `sys.modules`: vLLM loads `_C_AVX512` / `_C_AVX2` with `import`, which
+    registers the ops and then fails ("dynamic module does not define module export function",
+    their module name is `_C`), so they never appear there."""
+    found = {name for name in sys.modules if re.fullmatch(r"vllm\._C\w*", name)}
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                match = _VLLM_EXTENSION.search(line.rstrip())
+                if match:
+                    found.add(f"vllm.{match.group(1)}")
+    except OSError:
+        pass
+    return sorted(found)
+
+
+_amx_tiles: list[bool | None] = []  # the answer, once asked
+
+
+def request_amx_tiles() -> bool | None:
+    """Ask Linux for the AMX tile state for this process, as vLLM's CPU engine has it before its
+    kernels run (`torch.cpu._init_amx()`: `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`;
+    without it the first tile instruction dies with SIGILL). True when granted, False when
+    refused (no AMX here), None where this torch has no `_init_amx`. Once per process: the
+    permission is the process's, so it holds for every peer in it from then on."""
+    if not _amx_tiles:
+        import torch
+
+        init = getattr(torch.cpu, "_init_amx", None)
+        _amx_tiles.append(None if init is None else bool(init()))
+    return _amx_tiles[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The `vllm-cpu-attn` peer beyond the bench's own workloads: vLLM 0.32's other ISAs and
 dtypes (block 32 runs "vec", or "amx" for bfloat16 where the CPU has AMX; an fp8 cache,
-which only those ISAs take), each against the JAX xla path on a small mixed step, and what it
-refuses. Runs in the vllm env (tests/benchmarks/conftest.py skips it elsewhere)."""
+which only those ISAs take), each against the JAX xla path on a small mixed step, what it
+refuses, and what it records of vLLM's own configuration (ISA, extension, AMX tile state).
+Runs in the vllm env (tests/benchmarks/conftest.py skips it elsewhere)."""
 
 import numpy as np
 import pytest
@@ -46,10 +47,6 @@ def _jax_xla(data) -> np.ndarray:
 def test_matches_jax_xla(kw, seed):
     spec = _spec(**kw)
     data = make_data(spec, np.random.default_rng(seed))
-    if spec.cache_dtype is not None and _expected_isa(spec) == "amx":
-        with pytest.raises(Skip, match=r"amx kernel for an fp8 cache.*illegal instruction"):
-            backends._prepare_vllm_cpu_attn(data)
-        return
     prepared = backends._prepare_vllm_cpu_attn(data)
     out = prepared.output(prepared.call())
     expected = _jax_xla(data)
@@ -80,3 +77,40 @@ def test_unsupported_head_size_is_skipped():
     spec = _spec(head_size=48, block_size=32)
     with pytest.raises(Skip, match="no kernel for head size 48"):
         backends._prepare_vllm_cpu_attn(make_data(spec, np.random.default_rng(0)))
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_records_its_isa_extension_and_amx_tile_state(dtype, block_size):
+    """vLLM's engine requests the AMX tile state before its kernels run, and so does the peer;
+    the row says which ISA vLLM's backend passes to its kernels and which of vLLM's builds
+    (`_C` with AVX-512 bf16, `_C_AVX512`, `_C_AVX2`) `torch.ops._C` comes from."""
+    import torch
+
+    spec = _spec(dtype=dtype, block_size=block_size)
+    prepared = backends._prepare_vllm_cpu_attn(make_data(spec, np.random.default_rng(3)))
+    info = prepared.info
+    isa = _expected_isa(spec)
+    assert info["isa"] == isa
+    if torch.cpu._is_avx512_supported():
+        build = "vllm._C" if torch.cpu._is_avx512_bf16_supported() else "vllm._C_AVX512"
+    else:
+        build = "vllm._C_AVX2"
+    assert build in info["extensions"], info["extensions"]
+    assert set(info["extensions"]) <= {"vllm._C", "vllm._C_AVX512", "vllm._C_AVX2"}
+    has_init = hasattr(torch.cpu, "_init_amx")
+    expected_tiles = torch.cpu._is_amx_tile_supported() if has_init else None
+    assert info["amx_tiles"] is expected_tiles
+    assert info["note"].startswith(f"ISA {isa}; {' '.join(info['extensions'])}; "), info["note"]
+    if isa == "amx":  # the tile state is what lets the amx kernel run at all (SIGILL without)
+        assert np.isfinite(prepared.output(prepared.call())).all()
+
+
+def test_extensions_are_read_from_the_memory_map():
+    """`_C_AVX512` / `_C_AVX2` never reach sys.modules (their import registers the ops, then
+    fails); the process's memory map shows them."""
+    listed = backends.vllm_extensions()
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    mapped = {name for name in ("_C", "_C_AVX512", "_C_AVX2") if f"/vllm/{name}." in maps}
+    assert {f"vllm.{name}" for name in mapped} <= set(listed) and listed
