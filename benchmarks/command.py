@@ -9,15 +9,50 @@ Registered as the `bench` subcommand of `jax-attn` through the entry-point group
 
 import argparse
 
+# What `--json` and `--check` hold when given without a value.
+DEFAULT_JSON = "<default record path>"
+CHECK_RUN = "<this run>"
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     bench = subparsers.add_parser(
         "bench", help="side-by-side timings with the memory-copy and read floors"
     )
-    bench.add_argument("--workloads", help="comma-separated workload names")
-    bench.add_argument("--reps", type=int, default=None)
-    bench.add_argument("--json", help="write the results to this JSON file")
+    bench.add_argument(
+        "--workloads",
+        help="comma-separated workload names (`decode-bf16-bs128`) or shell-style patterns "
+        "(`'*-bs128'`); a name without its block size (`decode-bf16`) is its block-16 workload",
+    )
+    # dest "reps": the GPU and mesh suites read the same attribute.
+    bench.add_argument(
+        "--rounds",
+        "--reps",
+        dest="reps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N alternated rounds per workload, every peer once per round in a rotated order; "
+        "the record keeps every round (default: each workload's own, cut short past 45 s once "
+        "5 are done)",
+    )
+    bench.add_argument(
+        "--json",
+        nargs="?",
+        const=DEFAULT_JSON,
+        metavar="PATH",
+        help="write the record to PATH; without PATH, to benchmarks/results/"
+        "cpu-ENV-env-KIND.json, named for the environment and the CPU kind "
+        "(e.g. cpu-vllm-env-intel-sapphire-rapids.json)",
+    )
     bench.add_argument("--quick", action="store_true")
+    bench.add_argument(
+        "--check",
+        nargs="?",
+        const=CHECK_RUN,
+        metavar="RECORD",
+        help="judge the targets on the medians and exit 1 naming each one missed; with "
+        "RECORD (a --json file), judge that record instead of running",
+    )
     bench.add_argument(
         "--vllm085-python",
         metavar="PATH",
@@ -46,6 +81,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    cpu_only = [
+        flag
+        for flag, given in (
+            ("--json without a PATH", getattr(args, "json", None) == DEFAULT_JSON),
+            ("--check", getattr(args, "check", None) is not None),
+        )
+        if given
+    ]
+    other = next((f for f in ("gpu", "mesh", "plot") if getattr(args, f, None)), None)
+    if cpu_only and other:
+        print(f"{cpu_only[0]} is for the CPU suite, not with --{other}")
+        return 2
     if getattr(args, "plot", None):
         from benchmarks import plot
 

@@ -33,6 +33,8 @@ import itertools
 import json
 import os
 import platform
+import re
+import sys
 import time
 from collections.abc import Callable
 
@@ -40,7 +42,8 @@ import numpy as np
 
 from benchmarks import backends, report, vllm085
 from benchmarks.backends import BASELINE, PEERS, Prepared, Skip
-from benchmarks.workloads import Spec, make_data, named_workloads
+from benchmarks.command import CHECK_RUN, DEFAULT_JSON
+from benchmarks.workloads import Spec, canonical_name, make_data, named_workloads, select
 
 COPY_BYTES = 512 * 2**20  # the source array; far larger than any cache here
 QUICK_COPY_BYTES = 16 * 2**20
@@ -86,7 +89,13 @@ class Copier:
 
 def _stats(times: list[float]) -> dict:
     q25, median, q75 = np.percentile(times, [25, 50, 75])
-    return dict(median_s=float(median), iqr_s=float(q75 - q25), reps=len(times))
+    return dict(
+        median_s=float(median),
+        iqr_s=float(q75 - q25),
+        min_s=float(np.min(times)),
+        max_s=float(np.max(times)),
+        reps=len(times),
+    )
 
 
 def measure_copy(nbytes: int, reps: int, tick: Callable[[], None]) -> tuple[Copier, dict]:
@@ -430,9 +439,17 @@ def _spec_record(spec: Spec) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Targets (issue 10: the native CPU kernels, `jax-cpu`), judged on the full-size workloads only
+# Targets, judged on the full-size workloads' medians only
+#
+# Each target names the (workload, peer) rows it reads (`needs`). One whose value is None is "not
+# measured": not met, and it fails `--check` only where it was expected here, that is when every
+# row it needs was run (its workload in the run, its peer available in this environment and
+# not skipped on that workload with a reason). A peer of another environment (IPEX, vLLM 0.8.5
+# or 0.32) or a workload left out with --workloads is not a failure; a peer that errored is.
 
 CPU = "jax-cpu"
+VLLM085 = "vllm085-TORCH_SDPA"
+VLLM = "vllm-cpu-attn"
 
 
 def _row(results: dict, workload: str, peer: str) -> dict:
@@ -446,132 +463,164 @@ def _ratio(results: dict, num: tuple[str, str], den: tuple[str, str]) -> float |
     return a / b if a and b else None
 
 
-VLLM085 = "vllm085-TORCH_SDPA"
-VLLM = "vllm-cpu-attn"
-# (workload, least vLLM time / jax-cpu time)
+def _target(what: str, value, goal: str, met, needs) -> dict:
+    return dict(
+        target=what,
+        goal=goal,
+        value=value,
+        met=None if value is None else bool(met(value)),
+        needs=[f"{w}/{p}" for w, p in needs],
+    )
+
+
+def _at_least(what: str, value, least: float, needs) -> dict:
+    return _target(what, value, f">= {least}", lambda v: v >= least, needs)
+
+
+def _time_ratio(results: dict, slower: tuple[str, str], faster: tuple[str, str], least: float):
+    """`slower`'s median time / `faster`'s >= `least`, each a (workload, peer); named
+    "w: a time / b time" for two peers on one workload, "w1 / w2: p time" for one peer on two."""
+    if slower[0] == faster[0]:
+        what = f"{slower[0]}: {slower[1]} time / {faster[1]} time"
+    else:
+        what = f"{slower[0]} / {faster[0]}: {slower[1]} time"
+    value = _ratio(results, slower, faster)
+    return _at_least(what, value, least, (slower, faster))
+
+
+def _field(results: dict, workload: str, field: str, what: str, least: float) -> dict:
+    value = _row(results, workload, CPU).get(field)
+    return _at_least(f"{workload}: {CPU} {what}", value, least, [(workload, CPU)])
+
+
+# Issue 21 (block 16, vLLM's vec16 there): (workload, least vLLM 0.32 time / jax-cpu time).
+VLLM_BS16_TARGETS = (
+    ("decode-f32-bs16", 1.6),
+    ("decode-bf16-bs16", 2.0),
+    ("decode-8x8192-bf16-bs16", 2.0),
+    ("prefill-8x512-bs16", 1.3),
+    ("prefill-bf16-bs16", 1.3),
+    ("chunked-prefill-bs16", 1.3),
+    ("mixed-bs16", 1.5),
+)
+# Issue 35: vLLM 0.32 at its own block size (128, its CPU default) on its own ISA (amx for
+# bfloat16 on a CPU with AMX tiles, vec otherwise): (workload, least vLLM time / jax-cpu time).
 VLLM_TARGETS = (
-    ("decode-f32", 1.6),
-    ("decode-bf16", 2.0),
-    ("decode-8x8192-bf16", 2.0),
-    ("prefill-8x512", 1.3),
-    ("prefill-bf16", 1.3),
-    ("chunked-prefill", 1.3),
-    ("mixed", 1.5),
+    ("decode-f32-bs128", 1.0),
+    ("decode-bf16-bs128", 1.0),
+    ("decode-8x8192-bf16-bs128", 1.0),
+    ("decode-fp8-bs128", 1.0),
+    ("prefill-8x512-bs128", 1.3),
+    ("prefill-bf16-bs128", 2.0),
+    ("chunked-prefill-bs128", 1.3),
+    ("chunked-prefill-bf16-bs128", 1.5),
+    ("mixed-bs128", 1.5),
+    ("mixed-bf16-bs128", 1.5),
+)
+# Issue 35: every decode at >= 90% of the read floor (block 128), and bfloat16 nowhere slower
+# than float32: (float32 workload, its bfloat16 twin).
+READ_FLOOR_DECODES = ("decode-f32", "decode-bf16", "decode-8x8192-bf16", "decode-fp8")
+BF16_TWINS = (
+    ("decode-f32", "decode-bf16"),
+    ("decode-8x8192", "decode-8x8192-bf16"),
+    ("prefill-8x512", "prefill-bf16"),
+    ("chunked-prefill", "chunked-prefill-bf16"),
+    ("mixed", "mixed-bf16"),
 )
 
 
 def check_targets(results: dict) -> list[dict]:
-    # (what, value, goal, least): met when value >= least
-    rows = [
-        (
-            f"decode-f32: {CPU} fraction of copy bandwidth",
-            _row(results, "decode-f32", CPU).get("fraction_of_copy"),
-            ">= 0.60",
-            0.60,
-        ),
-        (
-            f"decode-f32: IPEX time / {CPU} time",
-            _ratio(results, ("decode-f32", "IPEX"), ("decode-f32", CPU)),
-            ">= 1.5",
-            1.5,
-        ),
-        (
-            f"decode-bf16: {CPU} fraction of copy bandwidth",
-            _row(results, "decode-bf16", CPU).get("fraction_of_copy"),
-            ">= 0.50",
-            0.50,
-        ),
-        (
-            f"decode: f32 time / bf16 time ({CPU})",
-            _ratio(results, ("decode-f32", CPU), ("decode-bf16", CPU)),
-            ">= 1.6",
-            1.6,
-        ),
-        (
-            f"decode-bf16: IPEX time / {CPU} time",
-            _ratio(results, ("decode-bf16", "IPEX"), ("decode-bf16", CPU)),
-            ">= 1.5",
-            1.5,
-        ),
-        (
-            f"prefill-8x512: IPEX time / {CPU} time",
-            _ratio(results, ("prefill-8x512", "IPEX"), ("prefill-8x512", CPU)),
-            ">= 1.5",
-            1.5,
-        ),
-        (
-            f"prefill-8x512: {BASELINE} time / {CPU} time",
-            _ratio(results, ("prefill-8x512", BASELINE), ("prefill-8x512", CPU)),
-            ">= 1.0",
-            1.0,
-        ),
-        (
-            f"mixed: IPEX time / {CPU} time",
-            _ratio(results, ("mixed", "IPEX"), ("mixed", CPU)),
-            ">= 4",
-            4.0,
-        ),
-    ]
+    """Every target on `results` (a record's "workloads", by name with the block size)."""
+    r = results
     targets = [
-        dict(target=what, goal=goal, value=value, met=None if value is None else value >= least)
-        for what, value, goal, least in rows
+        # Issue 10: the native kernels (block 16) against the copy floor, IPEX and XLA.
+        _field(r, "decode-f32-bs16", "fraction_of_copy", "fraction of copy bandwidth", 0.60),
+        _time_ratio(r, ("decode-f32-bs16", "IPEX"), ("decode-f32-bs16", CPU), 1.5),
+        _field(r, "decode-bf16-bs16", "fraction_of_copy", "fraction of copy bandwidth", 0.50),
+        _time_ratio(r, ("decode-f32-bs16", CPU), ("decode-bf16-bs16", CPU), 1.6),
+        _time_ratio(r, ("decode-bf16-bs16", "IPEX"), ("decode-bf16-bs16", CPU), 1.5),
+        _time_ratio(r, ("prefill-8x512-bs16", "IPEX"), ("prefill-8x512-bs16", CPU), 1.5),
+        _time_ratio(r, ("prefill-8x512-bs16", BASELINE), ("prefill-8x512-bs16", CPU), 1.0),
+        _time_ratio(r, ("mixed-bs16", "IPEX"), ("mixed-bs16", CPU), 4.0),
     ]
     # Issue 20: the project's TORCH_SDPA decode against vLLM 0.8.5's own (timed in the same run,
-    # in its own environment) and against the native kernels.
-    for workload in ("decode-f32", "decode-bf16"):
-        faster = _ratio(results, (workload, VLLM085), (workload, "TORCH_SDPA"))
+    # in its own environment; block 16, its CPU kernel's only size) and the native kernels.
+    for w in ("decode-f32-bs16", "decode-bf16-bs16"):
+        targets.append(_time_ratio(r, (w, VLLM085), (w, "TORCH_SDPA"), 3.0))
+        slower = _ratio(r, (w, "TORCH_SDPA"), (w, CPU))
         targets.append(
-            dict(
-                target=f"{workload}: {VLLM085} time / TORCH_SDPA time",
-                goal=">= 3",
-                value=faster,
-                met=None if faster is None else faster >= 3.0,
+            _target(
+                f"{w}: TORCH_SDPA time / {CPU} time",
+                slower,
+                "<= 1.25",
+                lambda v: v <= 1.25,
+                [(w, "TORCH_SDPA"), (w, CPU)],
             )
         )
-        slower = _ratio(results, (workload, "TORCH_SDPA"), (workload, CPU))
-        targets.append(
-            dict(
-                target=f"{workload}: TORCH_SDPA time / {CPU} time",
-                goal="<= 1.25",
-                value=slower,
-                met=None if slower is None else slower <= 1.25,
-            )
-        )
-    # Issue 21: vLLM 0.32's CPU_ATTN (the vllm env) as the peer to beat.
-    for workload, least in VLLM_TARGETS:
-        value = _ratio(results, (workload, VLLM), (workload, CPU))
-        targets.append(
-            dict(
-                target=f"{workload}: {VLLM} time / {CPU} time",
-                goal=f">= {least}",
-                value=value,
-                met=None if value is None else value >= least,
-            )
-        )
-    bf16_gain = _ratio(results, ("prefill-8x512", CPU), ("prefill-bf16", CPU))
-    fraction = _row(results, "prefill-8x512", CPU).get("fraction_of_fma_peak")
-    for what, value, least in (
-        (f"prefill: f32 time / bf16 time ({CPU})", bf16_gain, 1.8),
-        (f"prefill-8x512: {CPU} fraction of the FMA peak", fraction, 0.75),
-    ):
-        targets.append(
-            dict(
-                target=what,
-                goal=f">= {least}",
-                value=value,
-                met=None if value is None else value >= least,
-            )
-        )
-    compile_s = _row(results, "decode-f32", CPU).get("compile_s")
+    # Issue 21: vLLM 0.32's CPU_ATTN (the vllm env) at block 16.
+    targets += [_time_ratio(r, (w, VLLM), (w, CPU), least) for w, least in VLLM_BS16_TARGETS]
+    targets += [
+        _time_ratio(r, ("prefill-8x512-bs16", CPU), ("prefill-bf16-bs16", CPU), 1.8),
+        _field(r, "prefill-8x512-bs16", "fraction_of_fma_peak", "fraction of the FMA peak", 0.75),
+    ]
+    compile_s = _row(r, "decode-f32-bs16", CPU).get("compile_s")
     targets.append(
-        dict(
-            target=f"decode-f32: {CPU} compile time (s)",
-            goal="< 2",
-            value=compile_s,
-            met=None if compile_s is None else compile_s < 2,
+        _target(
+            f"decode-f32-bs16: {CPU} compile time (s)",
+            compile_s,
+            "< 2",
+            lambda v: v < 2,
+            [("decode-f32-bs16", CPU)],
         )
     )
+    # Issue 35: block 128, vLLM on its own ISA, IPEX at vLLM 0.8.5's IPEX default block size.
+    targets += [_time_ratio(r, (w, VLLM), (w, CPU), least) for w, least in VLLM_TARGETS]
+    targets += [
+        _field(r, f"{w}-bs128", "fraction_of_read", "fraction of the read floor", 0.90)
+        for w in READ_FLOOR_DECODES
+    ]
+    targets.append(
+        _field(r, "prefill-8x512-bs128", "fraction_of_fma_peak", "fraction of the FMA peak", 0.75)
+    )
+    targets += [
+        _time_ratio(r, (f"{f32}-bs128", CPU), (f"{bf16}-bs128", CPU), 1.0)
+        for f32, bf16 in BF16_TWINS
+    ]
+    targets += [
+        _time_ratio(r, (f"{w}-bs128", "IPEX"), (f"{w}-bs128", CPU), 1.0)
+        for pair in BF16_TWINS
+        for w in pair
+    ]
     return targets
+
+
+def expected_here(target: dict, results: dict, unavailable: dict) -> bool:
+    """Whether every row `target` needs was run (see the section's comment)."""
+    for need in target.get("needs", []):
+        workload, peer = need.rsplit("/", 1)
+        if workload not in results or peer in unavailable:
+            return False
+        row = results[workload].get("backends", {}).get(peer)
+        if row is None or row.get("status") in ("skipped", "unavailable"):
+            return False
+    return True
+
+
+def judge_targets(targets: list[dict], results: dict, unavailable: dict) -> list[dict]:
+    """`targets`, each with its `verdict`: "met", "missed", "not measured" (a row it needs was
+    not run here) or "not measured, expected here" (a failure)."""
+    for t in targets:
+        if t["met"] is not None:
+            t["verdict"] = "met" if t["met"] else "missed"
+        elif expected_here(t, results, unavailable):
+            t["verdict"] = "not measured, expected here"
+        else:
+            t["verdict"] = "not measured"
+    return targets
+
+
+def failed_targets(targets: list[dict]) -> list[dict]:
+    return [t for t in targets if t.get("verdict") in ("missed", "not measured, expected here")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,24 +634,95 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def cpuinfo_fields(text: str) -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo's `text` ("vendor_id", "cpu family",
+    "model", "model name", "flags", ...)."""
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_kind(fields: dict[str, str], machine: str | None = None) -> str:
+    """A short slug for the CPU's kind, for naming records: "intel-sapphire-rapids",
+    "amd-zen4", "amd-zen5", ... From the vendor, AMD's family and the ISA flags rather than the
+    model name: VMs here report generic names ("Intel(R) Xeon(R) Processor", "AMD EPYC") and
+    made-up Intel model numbers, while the flags are what the kernels see. A kind is the
+    oldest generation with those flags: Sapphire and Emerald Rapids (amx_tile, no amx_fp16)
+    are both "intel-sapphire-rapids"."""
+    vendor = fields.get("vendor_id", "")
+    flags = set(fields.get("flags", "").split())
+    if vendor == "GenuineIntel":
+        for flag, kind in (
+            ("amx_fp16", "granite-rapids"),
+            ("amx_tile", "sapphire-rapids"),
+            ("avx512_vnni", "avx512-vnni"),
+            ("avx512f", "avx512"),
+            ("avx2", "avx2"),
+        ):
+            if flag in flags:
+                return f"intel-{kind}"
+        return "intel"
+    if vendor == "AuthenticAMD":
+        family = int(fields.get("cpu family", "0") or 0)
+        if family == 0x1A:
+            return "amd-zen5"
+        if family == 0x19:
+            return "amd-zen4" if "avx512f" in flags else "amd-zen3"
+        if family == 0x17:
+            return "amd-zen2"
+        return f"amd-family{family}"
+    return (machine or platform.machine() or "unknown").lower()
+
+
+def environment_name() -> str:
+    """The environment the bench runs in: "main", "ipex", "vllm", ... from the interpreter's
+    prefix where it is one of the cached environments (`scripts/env.sh`: NAME-<12 hex>), else
+    $JAX_ATTN_ENV, else "local"."""
+    match = re.fullmatch(r"([a-z0-9-]+?)-[0-9a-f]{12}", os.path.basename(sys.prefix))
+    if match:
+        return match.group(1)
+    return os.environ.get("JAX_ATTN_ENV") or "local"
+
+
+def default_record_path(kind: str, env: str | None = None, root: str = ".") -> str:
+    """`benchmarks/results/cpu-ENV-env-KIND.json` under `root` (`root` itself where it has no
+    benchmarks/results): one record per environment and machine kind, side by side."""
+    directory = os.path.join(root, "benchmarks", "results")
+    if not os.path.isdir(directory):
+        directory = root
+    return os.path.join(directory, f"cpu-{env or environment_name()}-env-{kind}.json")
+
+
 def machine_info() -> dict:
-    cpu, flags = platform.processor(), set()
+    cpu, fields = platform.processor(), {}
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and cpu in ("", platform.processor()):
-                    cpu = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
+            fields = cpuinfo_fields(f.read())
     except OSError:
         pass
+    cpu = fields.get("model name") or cpu
+    flags = set(fields.get("flags", "").split())
     info = dict(
         cpu=cpu,
+        kind=cpu_kind(fields),
+        cpu_family=fields.get("cpu family"),
+        cpu_model=fields.get("model"),
         cpu_count=os.cpu_count(),
         cores_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        simd=sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")),
+        simd=sorted(
+            f
+            for f in flags
+            if f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+        ),
         platform=platform.platform(),
         python=platform.python_version(),
+        environment=environment_name(),
         versions={
             d: _version(d)
             for d in (
@@ -636,19 +756,20 @@ def _fmt(value, spec: str, missing: str = "") -> str:
 
 
 def select_workloads(args: argparse.Namespace, specs: dict, console) -> dict | None:
-    """The specs `--workloads a,b` names (all without it); None, after saying why on `console`,
-    for an unknown name or a `--reps` below 1."""
+    """The specs `--workloads a,b` names (all without it; `workloads.select` for the patterns
+    and the names without a block size); None, after saying why on `console`, for a name that
+    matches no workload or a `--rounds` below 1."""
     wanted = getattr(args, "workloads", None)
     if wanted:
         names = [n.strip() for n in wanted.split(",") if n.strip()]
-        unknown = [n for n in names if n not in specs]
+        chosen, unknown = select(names, specs)
         if unknown:
-            console.print(f"[red]unknown workloads {unknown}; known: {sorted(specs)}")
+            console.print(f"[red]unknown workloads {unknown}; known: {list(specs)}")
             return None
-        specs = {n: specs[n] for n in names}
+        specs = chosen
     reps_arg = getattr(args, "reps", None)
     if reps_arg is not None and reps_arg < 1:
-        console.print(f"[red]--reps={reps_arg} must be >= 1")
+        console.print(f"[red]--rounds={reps_arg} must be >= 1")
         return None
     return specs
 
@@ -671,13 +792,16 @@ def mark_unavailable(result: dict, unavailable: dict[str, str]) -> None:
         result["backends"][name] = dict(status="unavailable", note=reason)
 
 
-def write_and_judge(console, record: dict, args: argparse.Namespace, *, baseline: str) -> int:
-    """Write the record to `--json` if asked; print each failed or disagreeing row (against
-    `baseline`): the exit status, 1 if any."""
-    if getattr(args, "json", None):
-        with open(args.json, "w") as f:
+def write_and_judge(
+    console, record: dict, args: argparse.Namespace, *, baseline: str, path: str | None = None
+) -> int:
+    """Write the record to `path` (default: `--json`) if asked; print each failed or disagreeing
+    row (against `baseline`): the exit status, 1 if any."""
+    path = path or getattr(args, "json", None)
+    if path:
+        with open(path, "w") as f:
             json.dump(record, f, indent=1)
-        console.print(f"wrote {args.json}")
+        console.print(f"wrote {path}")
     failures = [
         f"{w}/{p}: {row['note'] or f'output disagrees with {baseline}'}"
         for w, result in record["workloads"].items()
@@ -698,12 +822,64 @@ def print_unavailable_and_targets(console, record: dict, spec: str) -> None:
     """The peers that did not run and why, then each target's value (`spec`) against its goal."""
     for peer, reason in record["unavailable"].items():
         console.print(f"[yellow]not run[/]: {peer}: {reason}")
-    marks = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]not measured[/]"}
+    marks = {
+        "met": "[green]met[/]",
+        "missed": "[red]not met[/]",
+        "not measured": "[yellow]not measured[/]",
+        "not measured, expected here": "[red]not measured, expected here[/]",
+    }
+    verdicts = {True: "met", False: "missed", None: "not measured"}
     for target in record["targets"]:
+        verdict = target.get("verdict") or verdicts[target["met"]]
         console.print(
             f"target {target['target']}: {_fmt(target['value'], spec, '-')} "
-            f"(goal {target['goal']}) {marks[target['met']]}"
+            f"(goal {target['goal']}) {marks[verdict]}"
         )
+
+
+def print_check(console, record: dict) -> int:
+    """`--check`: each target missed, or not measured where it was expected here, by name; 1
+    if any, else 0."""
+    failed = failed_targets(record["targets"])
+    judged = len(record["targets"])
+    if not failed:
+        met = sum(t["met"] is True for t in record["targets"])
+        console.print(
+            f"--check: none of {judged} targets missed ({met} met, {judged - met} not measured: "
+            "their peers do not run here, or their workloads were not run)"
+        )
+        return 0
+    console.print(f"[red]--check: {len(failed)} of {judged} targets missed:")
+    for t in failed:
+        value = "not measured" if t["value"] is None else f"{t['value']:.3g}"
+        console.print(f"[red]MISSED[/] {t['target']}: {value} (goal {t['goal']})")
+    return 1
+
+
+def check_record(console, path: str) -> int:
+    """`--check RECORD`: the targets judged on a recorded run's medians, nothing run. Workloads
+    named before the block size was in the names are read as their block size's (`decode-f32`
+    at block 16 is `decode-f32-bs16`)."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        workloads = record["workloads"]
+        results = {
+            canonical_name(name, result.get("spec", {}).get("block_size", 16)): result
+            for name, result in workloads.items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        console.print(f"[red]--check {path}: not a bench record ({type(e).__name__}: {e})")
+        return 2
+    if record.get("quick"):
+        console.print(f"[red]--check {path}: a --quick record (targets are for full sizes)")
+        return 2
+    unavailable = record.get("unavailable", {})
+    targets = judge_targets(check_targets(results), results, unavailable)
+    record = dict(record, unavailable=unavailable, targets=targets)
+    console.print(f"{path}: {record.get('date', '?')}, {record.get('machine', {}).get('cpu')}")
+    print_unavailable_and_targets(console, record, ".2f")
+    return print_check(console, record)
 
 
 def results_table(title: str, columns: list[str]):
@@ -718,17 +894,22 @@ def results_table(title: str, columns: list[str]):
 
 
 def render(console, record: dict) -> None:
-    copy = record["copy"]
+    copy, machine = record["copy"], record["machine"]
+    kind = f", {machine['kind']}" if machine.get("kind") else ""
     table = results_table(
-        f"jax-attn bench ({record['date']}, {record['machine']['cpu']}, "
-        f"{record['machine']['cores_usable']} cores): copy floor {copy['gb_s']:.1f} GB/s "
-        f"({copy['method']})",
-        ["workload", "peer", "median ms", "IQR ms", "GB/s", "of copy", "of read", "x jax",
+        f"jax-attn bench ({record['date']}, {machine['cpu']}{kind}, "
+        f"{machine['cores_usable']} cores): copy floor {copy['gb_s']:.1f} GB/s "
+        f"({copy['method']}); medians over the rounds, spread min-max",
+        ["workload", "peer", "median ms", "min-max ms", "GB/s", "of copy", "of read", "x jax",
          "max err", "note"],
     )  # fmt: skip
     for name, result in record["workloads"].items():
         spec = result["spec"]
-        label = f"[bold]{name}[/]\n[dim]{spec['description']}\n{result['bytes'] / 1e6:.3g} MB"
+        rounds = max((r.get("reps", 0) for r in result["backends"].values()), default=0)
+        label = (
+            f"[bold]{name}[/]\n[dim]{spec['description']}\n{result['bytes'] / 1e6:.3g} MB, "
+            f"{rounds} rounds"
+        )
         shown = [
             (p, row) for p, row in result["backends"].items() if row["status"] != "unavailable"
         ]
@@ -741,7 +922,7 @@ def render(console, record: dict) -> None:
                 err = _fmt(row.get("max_abs_err_vs_jax"), ".1e", "-")
                 cells = [
                     f"{row['median_s'] * 1e3:.1f}",
-                    f"{row['iqr_s'] * 1e3:.1f}",
+                    report.spread_ms(row),
                     f"{row['gb_s']:.2f}",
                     f"{row['fraction_of_copy']:.0%}",
                     _fmt(row.get("fraction_of_read"), ".0%", "-"),
@@ -758,13 +939,14 @@ def render(console, record: dict) -> None:
             of_read = "" if not read else f"[dim]{floor['gb_s'] / read['gb_s']:.0%}"
             table.add_row(
                 "", f"[dim]{what}", f"[dim]{floor['median_s'] * 1e3:.1f}",
-                f"[dim]{floor['iqr_s'] * 1e3:.1f}", f"[dim]{floor['gb_s']:.2f}",
+                f"[dim]{report.spread_ms(floor)}", f"[dim]{floor['gb_s']:.2f}",
                 f"[dim]{floor['gb_s'] / copy['gb_s']:.0%}", of_read, "", "", f"[dim]{note}",
                 end_section=i == len(floors) - 1,
             )  # fmt: skip
     console.print(table)
     console.print(
-        "[dim]x jax: median time / jax-xla median time (> 1: jax-xla is faster). "
+        "[dim]median and min-max: of the timed calls, one per round. "
+        "x jax: median time / jax-xla median time (> 1: jax-xla is faster). "
         "GB/s: bytes moved (K/V read once + queries + outputs) / median time. "
         "of copy / of read: GB/s as a fraction of the copy floor's / the read floor's (a native "
         "streaming read of the whole K/V cache on the kernels' workers, the lower bound for "
@@ -776,12 +958,21 @@ def render(console, record: dict) -> None:
     print_unavailable_and_targets(console, record, ".2f")
 
 
+def record_path(args: argparse.Namespace, machine: dict) -> str | None:
+    """Where `--json` writes: its PATH, or the default per environment and machine kind."""
+    path = getattr(args, "json", None)
+    return default_record_path(machine["kind"]) if path == DEFAULT_JSON else path
+
+
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
     if not console.is_terminal:  # a log file or a pipe: room for the whole table
         console = Console(width=max(console.width, 150))
+    check = getattr(args, "check", None)
+    if check is not None and check != CHECK_RUN:
+        return check_record(console, check)
     quick = bool(getattr(args, "quick", False))
     specs = named_workloads(quick)
     specs = select_workloads(args, specs, console)
@@ -828,9 +1019,17 @@ def _run(args: argparse.Namespace, console, quick: bool, specs: dict, reps_arg) 
             add_fma_fractions(result, record["fma_peak"])
             record["workloads"][spec.name] = result
         copier.close()
-    record["targets"] = [] if quick else check_targets(record["workloads"])
+    targets = [] if quick else check_targets(record["workloads"])
+    record["targets"] = judge_targets(targets, record["workloads"], unavailable)
     record["reference_limits"] = dict(
         max_flops=backends.REFERENCE_MAX_FLOPS, max_bytes=backends.REFERENCE_MAX_BYTES
     )
     render(console, record)
-    return write_and_judge(console, record, args, baseline="jax-xla")
+    path = record_path(args, record["machine"])
+    status = write_and_judge(console, record, args, baseline="jax-xla", path=path)
+    if getattr(args, "check", None) is None:
+        return status
+    if quick:
+        console.print("[yellow]--check: a --quick run has no targets (they are for full sizes)")
+        return status
+    return max(status, print_check(console, record))

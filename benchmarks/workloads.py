@@ -12,6 +12,8 @@ sequences in random order, as a long-running engine's block manager would.
 """
 
 import dataclasses
+import fnmatch
+import re
 
 import ml_dtypes
 import numpy as np
@@ -35,7 +37,7 @@ class Spec:
     head_size: int = 128
     block_size: int = 16
     dtype: str = "float32"  # query and output; the cache too unless `cache_dtype` says
-    reps: int = 15  # timed repetitions per backend (interleaved), unless --reps says otherwise
+    reps: int = 15  # timed rounds (every peer once per round), unless --rounds says otherwise
     cache_dtype: str | None = None  # e.g. "float8_e4m3fn": an fp8 cache with the scales below
     k_scale: float = 1.0  # a cached key reads as fp8 value * k_scale (vLLM's convention)
     v_scale: float = 1.0
@@ -126,18 +128,42 @@ def _mixed(name, prefills, prefill_len, decodes, ctx, **kw) -> Spec:
     return Spec(name, query_lens, seq_lens, **kw)
 
 
-def named_workloads(quick: bool = False) -> dict[str, Spec]:
-    """The suite, by name. `quick` keeps the names and shrinks every size (a smoke run).
+# Every workload runs at these block sizes, the block size in its name (`decode-bf16-bs128`):
+# 16, where most paged kernels started, and 128, vLLM's CPU default (its engine refuses block
+# sizes that are not multiples of 32, and vLLM 0.32's CPU attention picks its instruction set
+# from the block size: vec16 at 16, vec or amx at multiples of 32). The decodes also run at
+# 32, the smallest block vLLM's CPU engine takes.
+BLOCK_SIZES = (16, 128)
+EXTRA_BLOCK_SIZES = {"decode-f32": (32,), "decode-bf16": (32,)}
+_BLOCK_SUFFIX = re.compile(r"-bs(\d+)$")
 
-    decode-fp8 reads an e4m3 cache (a quarter of decode-f32's bytes) with bf16 queries;
-    decode-8x8192 is the long-context decode: 8 sequences at 8192 keys (537 MB of K/V), and
-    decode-8x8192-bf16 the same in bfloat16; prefill-bf16 is prefill-8x512 in bfloat16;
-    chunked-prefill is 8 chunks of 256 new tokens, each over a 2048-token cached prefix.
-    """
+
+def workload_name(base: str, block_size: int) -> str:
+    """`decode-bf16`, 128 -> `decode-bf16-bs128`."""
+    return f"{base}-bs{block_size}"
+
+
+def split_name(name: str) -> tuple[str, int | None]:
+    """`decode-bf16-bs128` -> (`decode-bf16`, 128); a name without the suffix (the names before
+    the block size was in them, all at block 16) -> (name, None)."""
+    match = _BLOCK_SUFFIX.search(name)
+    if match is None:
+        return name, None
+    return name[: match.start()], int(match.group(1))
+
+
+def canonical_name(name: str, block_size: int = 16) -> str:
+    """A workload's name with its block size: the older names without one (`decode-bf16`) were
+    every one of them at block 16, so they stand for `-bs16` (or `block_size`, where a record's
+    spec says otherwise)."""
+    return name if split_name(name)[1] is not None else workload_name(name, block_size)
+
+
+def _base_workloads(quick: bool) -> list[Spec]:
     fp8 = dict(cache_dtype="float8_e4m3fn", k_scale=0.8, v_scale=1.3)
     if quick:
         small = dict(num_heads=8, num_kv_heads=2, head_size=64, reps=3)
-        specs = [
+        return [
             _decode("decode-f32", 4, 64, "float32", **small),
             _decode("decode-bf16", 4, 64, "bfloat16", **small),
             _decode("decode-fp8", 4, 64, "bfloat16", **fp8, **small),
@@ -146,21 +172,57 @@ def named_workloads(quick: bool = False) -> dict[str, Spec]:
             _prefill("prefill-8x512", 2, 32, **small),
             _prefill("prefill-bf16", 2, 32, dtype="bfloat16", **small),
             _chunked("chunked-prefill", 2, 16, 48, **small),
+            _chunked("chunked-prefill-bf16", 2, 16, 48, dtype="bfloat16", **small),
             _mixed("mixed", 2, 16, 3, 40, **small),
+            _mixed("mixed-bf16", 2, 16, 3, 40, dtype="bfloat16", **small),
         ]
-    else:
-        specs = [
-            _decode("decode-f32", 32, 1024, "float32", reps=15),
-            _decode("decode-bf16", 32, 1024, "bfloat16", reps=15),
-            _decode("decode-fp8", 32, 1024, "bfloat16", reps=15, **fp8),
-            _decode("decode-8x8192", 8, 8192, "float32", reps=11),
-            _decode("decode-8x8192-bf16", 8, 8192, "bfloat16", reps=11),
-            _prefill("prefill-8x512", 8, 512, reps=9),
-            _prefill("prefill-bf16", 8, 512, dtype="bfloat16", reps=9),
-            _chunked("chunked-prefill", 8, 256, 2048, reps=9),
-            _mixed("mixed", 4, 256, 28, 1024, reps=11),
+    return [
+        _decode("decode-f32", 32, 1024, "float32", reps=15),
+        _decode("decode-bf16", 32, 1024, "bfloat16", reps=15),
+        _decode("decode-fp8", 32, 1024, "bfloat16", reps=15, **fp8),
+        _decode("decode-8x8192", 8, 8192, "float32", reps=11),
+        _decode("decode-8x8192-bf16", 8, 8192, "bfloat16", reps=11),
+        _prefill("prefill-8x512", 8, 512, reps=9),
+        _prefill("prefill-bf16", 8, 512, dtype="bfloat16", reps=9),
+        _chunked("chunked-prefill", 8, 256, 2048, reps=9),
+        _chunked("chunked-prefill-bf16", 8, 256, 2048, dtype="bfloat16", reps=9),
+        _mixed("mixed", 4, 256, 28, 1024, reps=11),
+        _mixed("mixed-bf16", 4, 256, 28, 1024, dtype="bfloat16", reps=11),
+    ]
+
+
+def named_workloads(quick: bool = False) -> dict[str, Spec]:
+    """The suite, by name: every workload at each of `BLOCK_SIZES` (and `EXTRA_BLOCK_SIZES`),
+    one after the other (`decode-bf16-bs16`, `decode-bf16-bs32`, `decode-bf16-bs128`, ...).
+    `quick` keeps the names and shrinks every size (a smoke run).
+
+    decode-fp8 reads an e4m3 cache (a quarter of decode-f32's bytes) with bf16 queries;
+    decode-8x8192 is the long-context decode: 8 sequences at 8192 keys (537 MB of K/V), and
+    decode-8x8192-bf16 the same in bfloat16; prefill-bf16 is prefill-8x512 in bfloat16;
+    chunked-prefill is 8 chunks of 256 new tokens, each over a 2048-token cached prefix;
+    chunked-prefill-bf16 and mixed-bf16 are those steps in bfloat16.
+    """
+    specs = {}
+    for base in _base_workloads(quick):
+        for block_size in sorted(BLOCK_SIZES + EXTRA_BLOCK_SIZES.get(base.name, ())):
+            name = workload_name(base.name, block_size)
+            specs[name] = dataclasses.replace(base, name=name, block_size=block_size)
+    return specs
+
+
+def select(patterns: list[str], specs: dict[str, Spec]) -> tuple[dict[str, Spec], list[str]]:
+    """(the specs `patterns` name, in the suite's order; the patterns that name none). A pattern
+    is a workload's name, a shell-style pattern (`'*-bs128'`, `'decode-bf16-*'`), or a name from
+    before the block size was in the names (`decode-bf16`: its block-16 workload)."""
+    chosen, unknown = set(), []
+    for pattern in patterns:
+        hits = fnmatch.filter(specs, pattern) or [
+            n for n in (canonical_name(pattern),) if n in specs
         ]
-    return {s.name: s for s in specs}
+        if not hits:
+            unknown.append(pattern)
+        chosen.update(hits)
+    return {n: s for n, s in specs.items() if n in chosen}, unknown
 
 
 @dataclasses.dataclass(frozen=True)

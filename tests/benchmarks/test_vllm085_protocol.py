@@ -83,7 +83,7 @@ def test_a_peer_crashing_mid_rounds_is_an_error_and_the_others_are_timed():
             raise vllm085.WorkerCrashed("the vllm085 worker exited (exit status 139)")
         return 0.001
 
-    spec = named_workloads(quick=True)["decode-f32"]
+    spec = named_workloads(quick=True)["decode-f32-bs16"]
     shape = (spec.num_tokens, spec.num_heads * spec.head_size)
 
     def peer(name, timed=None):

@@ -52,7 +52,9 @@ def oracle(data) -> np.ndarray:
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("name", ["decode-f32", "decode-bf16", "prefill-8x512", "mixed"])
+@pytest.mark.parametrize(
+    "name", ["decode-f32-bs16", "decode-bf16-bs16", "prefill-8x512-bs16", "mixed-bs16"]
+)
 def test_vllm_forward_in_the_worker_matches_the_oracle(worker, name):
     from benchmarks import vllm085
     from benchmarks.workloads import make_data, named_workloads
@@ -85,13 +87,13 @@ def test_what_vllm_cannot_run_here_is_skipped_with_the_reason(worker):
     from benchmarks.workloads import make_data, named_workloads
 
     specs = named_workloads(quick=True)
-    fp8 = make_data(specs["decode-fp8"], np.random.default_rng(1))
+    fp8 = make_data(specs["decode-fp8-bs16"], np.random.default_rng(1))
     fp8_why = r"FP8 KV cache requires intel_extension_for_pytorch.*IPEX is not in the vllm085 env"
     with pytest.raises(Skip, match=fp8_why):
         vllm085.prepare(fp8, worker)
-    block8 = dataclasses.replace(specs["decode-f32"], block_size=8)
+    block8 = dataclasses.replace(specs["decode-f32-bs16"], block_size=8)
     with pytest.raises(Skip, match=r"block size 16 only .*this workload: 8.*need IPEX"):
         vllm085.prepare(make_data(block8, np.random.default_rng(1)), worker)
     # The worker still serves after the skips.
-    data = make_data(specs["decode-f32"], np.random.default_rng(2))
+    data = make_data(specs["decode-f32-bs16"], np.random.default_rng(2))
     assert vllm085.prepare(data, worker).timed() > 0
