@@ -180,10 +180,12 @@ def _native_kernels() -> str:
         torch_ops = native.unavailable_reason()
     except ImportError as e:
         torch_ops = f"does not import ({e})"
-    return "; ".join(
+    text = "; ".join(
         f"{label}: " + ("built" if reason is None else reason)
         for label, reason in (("XLA", xla), ("torch ops", torch_ops))
     )
+    isa = cpu.isa() if xla is None else None
+    return text + (f" ({isa})" if isa else "")
 
 
 def _xformers_ops() -> str:

@@ -13,14 +13,17 @@ kernels, `-fsanitize=address,undefined`), `JAX_ATTN_CPU_PREFETCH=0` turns the de
 prefetches off (on vLLM's split layout, N sets their distance in kv-head tiles for keys,
 values twice as far; jax_attn's own cache prefetches the next tile),
 `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen bf16 and fp8 keys (under bf16 queries) to
-float32 instead of dotting them with vdpbf16ps (both read per call: for A/B timing).
+float32 instead of dotting them with vdpbf16ps (both read per call: for A/B timing),
+`JAX_ATTN_CPU_AMX=0` keeps the ragged kernel's bf16 products off the AMX tiles (read once per
+process). `isa()` names what the kernels run here: the bf16 products' instruction set (AMX
+tiles where the CPU has them and Linux grants the tile state) and the prefetch level.
 `python -m jax_attn.cpu.build` builds eagerly. `fma_peak.measure()` times the vector FMA peak
 on the kernels' workers (what `jax-attn bench` reports compute against), `read_floor.Reader`
 reads arrays once with vector loads on them (the bench's read floor).
 """
 
 from jax_attn.cpu import fma_peak, read_floor
-from jax_attn.cpu._build import unavailable_reason
+from jax_attn.cpu._build import isa, unavailable_reason
 from jax_attn.cpu._shapes import shape_problem
 from jax_attn.cpu.paged_decode import paged_decode
 from jax_attn.cpu.ragged_paged_attention import ragged_paged_attention
@@ -34,6 +37,7 @@ def available() -> bool:
 __all__ = [
     "available",
     "fma_peak",
+    "isa",
     "paged_decode",
     "ragged_paged_attention",
     "read_floor",

@@ -266,6 +266,18 @@ def registered(name: str) -> bool:
     return unavailable_reason() is None and name in _state["registered"]
 
 
+def isa() -> str | None:
+    """What the built kernels run on this CPU (csrc/isa.cc), e.g. "bf16 products: amx-bf16;
+    prefetch: L2"; None when the kernels are not available."""
+    if unavailable_reason() is not None:
+        return None
+    fn = getattr(_state["lib"], "jax_attn_cpu_isa", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
 def library_path() -> Path | None:
     return _state.get("path") if unavailable_reason() is None else None
 

@@ -284,3 +284,114 @@ def test_grad_names_the_differentiable_path(rng):
     md, query, kc, vc, _, _ = _run(Case(), rng)
     with pytest.raises(TypeError, match="varlen_attention"):
         jax.grad(lambda q: _call(q, kc, vc, md).sum())(query)
+
+
+# ---------------------------------------------------------------------------------------------
+# The AMX path (bf16 queries on a bf16 or fp8 cache, on CPUs with AMX tiles): every feature and
+# the head sizes and block sizes that pad or split its tiles, against the float64 oracle.
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_tile" in flags and "amx_bf16" in flags
+
+
+AMX = cpu.isa() is not None and "amx-bf16" in cpu.isa()
+amx_only = pytest.mark.skipif(
+    not AMX, reason=f"the CPU or the kernels run no AMX tiles here ({cpu.isa()})"
+)
+
+AMX_CASES = [
+    *(Case(batch=b, dtype="bfloat16", cache_dtype="bfloat16") for b in BATCHES),
+    # GQA groups 1, 4, 7, MQA; block sizes that split 16-key tiles across blocks.
+    *(
+        Case(batch="long", dtype="bfloat16", num_heads=h, num_kv_heads=kv, block_size=bs)
+        for h, kv, bs in [(4, 4, 128), (8, 2, 16), (7, 1, 8), (8, 1, 1), (16, 2, 32)]
+    ),
+    # Head sizes padded to 32 (80, 96 whole, 112, 120, 72) and the largest, 256.
+    *(
+        Case(batch="chunked", dtype="bfloat16", head_size=d, num_heads=8, num_kv_heads=2)
+        for d in (64, 80, 96, 112, 120, 72, 256)
+    ),
+    Case(batch="long", dtype="bfloat16", head_size=128, num_heads=8, num_kv_heads=2),
+    Case(batch="mixed", dtype="bfloat16", alibi=True),
+    Case(batch="long", dtype="bfloat16", alibi=True, sliding_window=70, soft_cap=4.0),
+    *(Case(batch="chunked", dtype="bfloat16", sliding_window=w) for w in (1, 5, 40)),
+    Case(batch="interleaved", dtype="bfloat16", num_heads=16, num_kv_heads=8, soft_cap=3.0),
+    Case(batch="long", dtype="bfloat16", causal=False, block_size=32),
+    Case(batch="chunked", dtype="bfloat16", causal=False, alibi=True, sliding_window=20),
+    # fp8 caches (scales from the case) widened to bf16 for the tiles.
+    Case(batch="long", dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=80),
+    Case(batch="mixed", dtype="bfloat16", cache_dtype="float8_e5m2", alibi=True, block_size=8),
+    Case(batch="chunked", dtype="bfloat16", cache_dtype="float8_e4m3fn", soft_cap=2.0),
+]
+
+
+def test_isa_names_amx_where_the_cpu_has_it():
+    """`cpu.isa()` reports AMX exactly where /proc/cpuinfo has the tiles, in the native build
+    (-march=native) unless turned off."""
+    import os
+
+    assert cpu.isa() is not None and cpu.isa().startswith("bf16 products: ")
+    native = "-march" not in os.environ.get("JAX_ATTN_CPU_EXTRA_FLAGS", "")
+    if native and os.environ.get("JAX_ATTN_CPU_AMX", "") != "0":
+        assert AMX == _cpu_has_amx()
+    if not native:
+        assert not AMX
+
+
+@amx_only
+@pytest.mark.parametrize("case", AMX_CASES, ids=str)
+def test_cpu_ragged_amx_matches_float64(case: Case, rng):
+    md, query, kc, vc, kwargs, expected = _run(case, rng)
+    kc_before, vc_before = np.asarray(kc).copy(), np.asarray(vc).copy()
+    out = _call(query, kc, vc, md, **kwargs)
+    assert_native_output(out, query, expected, case, (kc, vc), (kc_before, vc_before))
+
+
+@amx_only
+@pytest.mark.parametrize("scale", [-0.2, 0.0])
+def test_cpu_ragged_amx_non_positive_scale(scale, rng):
+    """A scale <= 0 cannot be folded into the row max: the logits are scaled before it."""
+    case = Case(batch="long", dtype="bfloat16", alibi=True, num_heads=4, num_kv_heads=1)
+    md, query, kc, vc, kwargs, _ = _run(case, rng)
+    out = _call(query, kc, vc, md, scale=scale, **kwargs)
+    with jax.enable_x64(True):
+        expected = jax_attn.reference.paged_attention(query, kc, vc, md, scale=scale, **kwargs)
+    assert_close(out, expected, case.dtype)
+
+
+def test_cpu_ragged_bf16_without_amx_matches_float64(tmp_path):
+    """JAX_ATTN_CPU_AMX=0 (read once per process): the vdpbf16ps path, in a fresh process, on a
+    case the AMX path would take here."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        import test_cpu_ragged as t
+        from jax_attn import cpu
+        assert "amx" not in cpu.isa(), cpu.isa()
+        for case in (t.Case(batch="long", dtype="bfloat16", alibi=True),
+                     t.Case(batch="chunked", dtype="bfloat16", head_size=80, sliding_window=5)):
+            md, query, kc, vc, kwargs, expected = t._run(case, np.random.default_rng(7))
+            out = t._call(query, kc, vc, md, **kwargs)
+            t.assert_native_output(out, query, expected, case, (kc, vc), (kc, vc))
+        print("ok")
+        """
+    )
+    import os
+
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, JAX_ATTN_CPU_AMX="0")
+    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -59,6 +59,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "attention_common.h"
 #include "paged_decode.h"
 
@@ -129,6 +130,7 @@ struct Vec {
   static void stream_fence() { _mm_sfence(); }
   static T set1(float x) { return _mm512_set1_ps(x); }
   static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T fmsub(T a, T b, T c) { return _mm512_fmsub_ps(a, b, c); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
@@ -179,6 +181,7 @@ struct Vec {
   static void stream_fence() {}
   static T set1(float x) { return T{} + x; }
   static T fmadd(T a, T b, T c) { return a * b + c; }
+  static T fmsub(T a, T b, T c) { return a * b - c; }
   static T mul(T a, T b) { return a * b; }
   static T add(T a, T b) { return a + b; }
   static T sub(T a, T b) { return a - b; }
@@ -625,6 +628,7 @@ struct Problem {
   int64_t window;  // sliding window, <= 0: none
   bool causal;
   bool dot;  // bf16 queries on a bf16 cache, both products through vdpbf16ps (needs an even D)
+  bool amx;  // bf16 queries on a bf16 or fp8 cache, both products on AMX tiles (run_item_amx)
   bool stream_out;  // fused float32 output rows streamed (kStreamOutputBytes)
 };
 
@@ -650,13 +654,17 @@ struct Task {  // items [first, first + num_items), run in order by one thread
 // kPairs (bf16 dot path): the probabilities leave as pairs Pp[i][r] = (P[2i][r], P[2i+1][r])
 // rounded to bf16 (see pv_block_bf16), in place: row i of Pp overwrites St's row i <= 2i,
 // whose columns were already read; a missing key 2i + 1 = nv counts as probability 0.
-template <bool kTransform, bool kMask, bool kPairs>
+// kScaled (AMX path): St holds unscaled logits and p.qk_scale (> 0) is applied here: in the
+// first pass where a mask or transform rewrites the logits anyway, else folded into the row max
+// and the exponent (exp2(s * scale - max): one FMA, no pass that writes St).
+template <bool kTransform, bool kMask, bool kPairs, bool kScaled = false>
 JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t Mp, int64_t M,
                                int64_t nv, int64_t k0, const float* q_pos, const float* slope,
                                const float* step_max, float* row_max, float* row_sum,
                                float* alpha) {
   const V masked = Vec::set1(kMasked);
   const V window = Vec::set1(static_cast<float>(p.window));
+  const V scale = Vec::set1(p.qk_scale);
   for (int64_t rv = 0; rv < M; rv += W) {
     const V pq = Vec::load(q_pos + rv);
     const V sl = Vec::load(slope + rv);
@@ -665,6 +673,7 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
     for (int64_t n = 0; step_max == nullptr && n < nv; ++n) {
       V s = Vec::load(St + n * Mp + rv);
       if (kTransform || kMask) {
+        if (kScaled) s = Vec::mul(s, scale);
         const V pk = Vec::set1(static_cast<float>(k0 + n));
         if (kTransform) {
           if (p.cap > 0.0f) s = Vec::soft_cap(s, p.cap);
@@ -678,6 +687,8 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
       }
       chunk_max = Vec::max(chunk_max, s);
     }
+    // Unscaled logits (kScaled without a rewrite): the max of s * scale is the max * scale.
+    if (kScaled && !(kTransform || kMask)) chunk_max = Vec::mul(chunk_max, scale);
     const V old_max = Vec::load(row_max + rv);
     const V new_max = Vec::max(old_max, chunk_max);
     const V ref = Vec::max(new_max, Vec::set1(kNoKey));
@@ -686,12 +697,17 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
     if constexpr (kPairs) {
 #if JAX_ATTN_BF16_DOT
       uint32_t* Pp = reinterpret_cast<uint32_t*>(St);
+      // A logit of the step minus the reference: s - ref, or s * scale - ref when unscaled.
+      const auto shifted = [&](V s) {
+        if constexpr (kScaled && !(kTransform || kMask)) return Vec::fmsub(s, scale, ref);
+        return Vec::sub(s, ref);
+      };
       for (int64_t i = 0; 2 * i < nv; ++i) {
-        const V e0 = Vec::exp2(Vec::sub(Vec::load(St + 2 * i * Mp + rv), ref));
+        const V e0 = Vec::exp2(shifted(Vec::load(St + 2 * i * Mp + rv)));
         sum = Vec::add(sum, e0);
         V e1 = Vec::zero();
         if (2 * i + 1 < nv) {
-          e1 = Vec::exp2(Vec::sub(Vec::load(St + (2 * i + 1) * Mp + rv), ref));
+          e1 = Vec::exp2(shifted(Vec::load(St + (2 * i + 1) * Mp + rv)));
           sum = Vec::add(sum, e1);
         }
         _mm512_storeu_si512(Pp + i * Mp + rv, probability_pair(e0, e1));
@@ -711,13 +727,13 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
 }
 
 // transform: the call has a soft cap or ALiBi; mask: the step masks logits.
-template <bool kPairs>
+template <bool kPairs, bool kScaled = false>
 inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int64_t nv,
                          int64_t k0, bool transform, bool mask, const float* q_pos,
                          const float* slope, const float* step_max, float* row_max,
                          float* row_sum, float* alpha) {
   const auto rows = [&](auto transform, auto masked) {
-    softmax_rows<decltype(transform)::value, decltype(masked)::value, kPairs>(
+    softmax_rows<decltype(transform)::value, decltype(masked)::value, kPairs, kScaled>(
         p, St, Mp, M, nv, k0, q_pos, slope, step_max, row_max, row_sum, alpha);
   };
   const std::true_type yes;
@@ -902,6 +918,46 @@ inline void head_values(const PvArgs& a, int64_t Dp, int64_t M) {
   }
 }
 
+// Query rows [0, M) of one kv head (row(r): a pointer to its D elements) transposed into Qt:
+// scaled float32 Qt[d][r] ([D][Mp]), or under kDot unscaled bf16 pairs Qt2[i][r] = (q[r][2i],
+// q[r][2i + 1]) ([D / 2][Mp]); rows [M, Mp) are zeros. Read row-major (d fastest), 16 rows x
+// 16 columns at a time through registers.
+template <typename QT, bool kDot, typename RowFn>
+inline void transpose_queries(RowFn row, int64_t M, int64_t Mp, int64_t D, float scale,
+                              float* Qt) {
+#if JAX_ATTN_AVX512
+  const int64_t cols = kDot ? D / 2 : D;  // 32-bit columns: floats, or bf16 pairs
+  const __m512 qk_scale = _mm512_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < Mp; r0 += 16) {
+    const QT* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = r0 + i < M ? row(r0 + i) : nullptr;
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const __mmask16 m = tail_mask(cols - c0);
+      __m512 x[16];
+      for (int i = 0; i < 16; ++i) {
+        if (rows[i] == nullptr) {
+          x[i] = _mm512_setzero_ps();
+        } else if constexpr (kDot) {
+          x[i] = _mm512_castsi512_ps(
+              _mm512_maskz_loadu_epi32(m, reinterpret_cast<const uint32_t*>(rows[i]) + c0));
+        } else {
+          x[i] = _mm512_mul_ps(load16<QT>(rows[i] + c0, m), qk_scale);
+        }
+      }
+      transpose16x16(x);
+      for (int64_t j = 0; j < std::min<int64_t>(16, cols - c0); ++j) {
+        _mm512_storeu_ps(Qt + (c0 + j) * Mp + r0, x[j]);
+      }
+    }
+  }
+#else
+  for (int64_t r = 0; r < Mp; ++r) {
+    const QT* q = r < M ? row(r) : nullptr;
+    for (int64_t d = 0; d < D; ++d) Qt[d * Mp + r] = q ? widen(q[d]) * scale : 0.0f;
+  }
+#endif
+}
+
 // One work item: a tile of tokens x the G query heads of each of the kv heads
 // [kvh, kvh + num_kv), keys [k_begin, k_end) in steps of kKeys.
 // kDot: bf16 x bf16 logits through vdpbf16ps (see qk_block_bf16); needs an even head size.
@@ -954,37 +1010,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
       hs.row_max[r] = kMasked;
       hs.row_sum[r] = 0.0f;
     }
-#if JAX_ATTN_AVX512
-    const int64_t cols = kDot ? D / 2 : D;  // 32-bit columns: floats, or bf16 pairs
-    const __m512 qk_scale = _mm512_set1_ps(p.qk_scale);
-    for (int64_t r0 = 0; r0 < Mp; r0 += 16) {
-      const QT* rows[16];
-      for (int i = 0; i < 16; ++i) rows[i] = r0 + i < M ? row(r0 + i) : nullptr;
-      for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-        const __mmask16 m = tail_mask(cols - c0);
-        __m512 x[16];
-        for (int i = 0; i < 16; ++i) {
-          if (rows[i] == nullptr) {
-            x[i] = _mm512_setzero_ps();
-          } else if constexpr (kDot) {
-            x[i] = _mm512_castsi512_ps(
-                _mm512_maskz_loadu_epi32(m, reinterpret_cast<const uint32_t*>(rows[i]) + c0));
-          } else {
-            x[i] = _mm512_mul_ps(load16<QT>(rows[i] + c0, m), qk_scale);
-          }
-        }
-        transpose16x16(x);
-        for (int64_t j = 0; j < std::min<int64_t>(16, cols - c0); ++j) {
-          _mm512_storeu_ps(hs.Qt + (c0 + j) * Mp + r0, x[j]);
-        }
-      }
-    }
-#else
-    for (int64_t r = 0; r < Mp; ++r) {
-      const QT* q = r < M ? row(r) : nullptr;
-      for (int64_t d = 0; d < D; ++d) hs.Qt[d * Mp + r] = q ? widen(q[d]) * p.qk_scale : 0.0f;
-    }
-#endif
+    transpose_queries<QT, kDot>(row, M, Mp, D, p.qk_scale, hs.Qt);
     // The first key step writes every row of O without reading it; an item with no key step
     // still needs zeros there for the output loop.
     if (it.k_end <= it.k_begin) std::memset(hs.O, 0, sizeof(float) * M * Dp);
@@ -1293,6 +1319,248 @@ void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor
   }
 }
 
+#if JAX_ATTN_AMX && JAX_ATTN_BF16_DOT
+// ---------------------------------------------------------------------------------------------
+// The AMX path (bf16 queries on a bf16 or fp8 cache, where the CPU has AMX-BF16 and Linux grants
+// the tiles): both products on tiles (amx_tiles.h), the softmax and the masks the vdpbf16ps
+// path's own (softmax_step with probability pairs). Per item, one kv head at a time, keys in
+// steps of kKeys:
+//   keys   -> Kp [nv][Dk] bf16 (packed; fp8 widened; zeros past D and past the step's keys)
+//   values -> VT [Dp][32-key chunks] bf16 (transposed)
+//   S^T = Kp Qt2 (tiles), * qk_scale, row max -> softmax -> Pp pairs in place
+//   O^T = alpha O^T + VT Pp (tiles)
+// and the output rows from O^T, transposed, at the end. A task whose tiles all read key
+// prefixes of one kv head packs its keys and values once (AmxPacked), for all its items.
+// ---------------------------------------------------------------------------------------------
+
+// A task's packed keys and values: keys [0, rows) of one kv head, keys ldk bf16 apart, values
+// transposed with keys ldv apart (a multiple of 32 plus 32: off a 4 KiB row stride).
+struct AmxPacked {
+  bf16_t* keys = nullptr;
+  bf16_t* values = nullptr;
+  int64_t ldk = 0, ldv = 0;
+  int64_t rows = 0;
+};
+thread_local Scratch tls_amx;
+
+// Packs keys and values [k0, k0 + nv) of kv head kvh of sequence item.seq: keys into
+// keys[j][Dk] for j in [0, round_up(nv, 16)), values into VT[d][j] for j in [0, round_up(nv, 32))
+// (rows and columns past nv zeros).
+template <typename CT>
+void amx_pack(const Problem& p, const int32_t* table, int64_t kvh, int64_t k0, int64_t nv,
+              bf16_t* keys, int64_t ldk, bf16_t* values, int64_t ldv) {
+  const CT* kc = static_cast<const CT*>(p.key_cache);
+  const CT* vc = static_cast<const CT*>(p.value_cache);
+  const int64_t chunks = (nv + 31) / 32;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const CT* krows[32];
+    const CT* vrows[32];
+    for (int64_t j = 0; j < 32; ++j) {
+      const int64_t pos = k0 + 32 * c + j;
+      if (32 * c + j < nv) {
+        const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
+        krows[j] = kc + (slot * p.Hkv + kvh) * p.D;
+        vrows[j] = vc + (slot * p.Hkv + kvh) * p.D;
+      } else {
+        krows[j] = vrows[j] = nullptr;
+      }
+    }
+    pack_key_rows<CT>(krows, std::min<int64_t>(32, round_up(nv, 16) - 32 * c), p.D, ldk,
+                      keys + 32 * c * ldk);
+    pack_value_columns<CT>(vrows, p.D, p.Dp, values + 32 * c, ldv);
+  }
+}
+
+// O^T[d][r] *= alpha[r] for dims [d0, d0 + 16 DT) and rows [r0, r0 + 16 RT): the running
+// output's rescale, on the block the tiles load next (it is in L1 for them).
+template <int DT, int RT>
+inline void amx_rescale(float* OT, int64_t Mp, const float* alpha, int64_t d0, int64_t r0) {
+  __m512 a[RT];
+  for (int v = 0; v < RT; ++v) a[v] = _mm512_loadu_ps(alpha + r0 + 16 * v);
+  for (int64_t d = d0; d < d0 + 16 * DT; ++d) {
+    for (int v = 0; v < RT; ++v) {
+      float* o = OT + d * Mp + r0 + 16 * v;
+      _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), a[v]));
+    }
+  }
+}
+
+template <typename CT>
+void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
+  const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq;
+  const int64_t Dk = round_up(D, 32);
+  const int64_t M = it.nt * G, Mp = round_up(M, W);
+  // Scratch (floats): Qt2 [Dk / 2][Mp], O^T [Dp][Mp], St [kKeys][Mp], 5 row vectors [Mp], and
+  // without a task's packing the step's keys [kKeys][Dk] and values [Dp][kKeys + 32] in bf16.
+  const int64_t ldv_step = kKeys + 32;
+  const int64_t floats = Dk / 2 * Mp + Dp * Mp + kKeys * Mp + 5 * Mp +
+                         (packed ? 0 : kKeys * Dk / 2 + Dp * ldv_step / 2);
+  float* base = tls_scratch.get(static_cast<size_t>(floats));
+  uint32_t* Qt2 = reinterpret_cast<uint32_t*>(base);
+  float* OT = base + Dk / 2 * Mp;
+  float* St = OT + Dp * Mp;
+  float* row_max = St + kKeys * Mp;
+  float* row_sum = row_max + Mp;
+  float* alpha = row_sum + Mp;
+  float* q_pos = alpha + Mp;
+  float* slope = q_pos + Mp;
+  bf16_t* step_keys = reinterpret_cast<bf16_t*>(slope + Mp);
+  bf16_t* step_values = step_keys + kKeys * Dk;
+
+  const bf16_t* query = static_cast<const bf16_t*>(p.query);
+  bf16_t* out = static_cast<bf16_t*>(p.out);
+  const int32_t* table = p.block_tables + it.seq * p.MB;
+  const bool transform = p.cap > 0.0f || p.slopes != nullptr;
+  const bool mask_any = p.causal || p.window > 0;
+  const bool scaled = p.qk_scale > 0.0f;  // the softmax applies the scale (kScaled)
+  const __m512 scale = _mm512_set1_ps(p.qk_scale);
+  TileScope tiles;
+  for (int64_t kvh = it.kvh; kvh < it.kvh + it.num_kv; ++kvh) {
+    const auto row = [&](int64_t r) { return query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D; };
+    transpose_queries<bf16_t, true>(row, M, Mp, D, 0.0f, reinterpret_cast<float*>(Qt2));
+    std::memset(Qt2 + D / 2 * Mp, 0, sizeof(uint32_t) * (Dk - D) / 2 * Mp);  // pairs past D
+    for (int64_t r = 0; r < Mp; ++r) {
+      q_pos[r] = r < M ? static_cast<float>(it.pos0 + r / G) : 0.0f;
+      slope[r] = r < M && p.slopes ? p.slopes[kvh * G + r % G] * kLog2e : 0.0f;
+      row_max[r] = kMasked;
+      row_sum[r] = 0.0f;
+    }
+    for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kKeys) {
+      const int64_t nv = std::min<int64_t>(kKeys, it.k_end - k0);
+      const bf16_t* keys;
+      const bf16_t* values;
+      int64_t ldv;
+      if (packed != nullptr) {  // one kv head, keys from 0 (run_task_amx): pack what is missing
+        if (k0 + nv > packed->rows) {
+          const int64_t from = packed->rows / 32 * 32;
+          amx_pack<CT>(p, table, kvh, from, k0 + nv - from, packed->keys + from * packed->ldk,
+                       packed->ldk, packed->values + from, packed->ldv);
+          packed->rows = k0 + nv;
+        }
+        keys = packed->keys + k0 * packed->ldk;
+        values = packed->values + k0;
+        ldv = packed->ldv;
+      } else {
+        amx_pack<CT>(p, table, kvh, k0, nv, step_keys, Dk, step_values, ldv_step);
+        keys = step_keys;
+        values = step_values;
+        ldv = ldv_step;
+      }
+      const int64_t ldk = packed != nullptr ? packed->ldk : Dk;
+      const bool mask = mask_any && ((p.causal && k0 + nv - 1 > it.pos0) ||
+                                     (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window));
+      const int64_t visible = p.causal ? it.pos0 - k0 + 1 : kAllVisible;
+      const bool first = k0 == it.k_begin;
+      const int64_t nc = round_up(nv, 16), pairs = (nv + 1) / 2;
+      // Blocks of 32 rows, each through q.k, softmax and p.v while its logits ([kKeys][32]
+      // floats) and its O^T columns stay in L1. A block's keys stop at its last row's (the
+      // softmax masks the key blocks q.k skips, without reading them).
+      for (int64_t r0 = 0; r0 < Mp; r0 += 32) {
+        const int rt = Mp - r0 >= 32 ? 2 : 1;
+        const int64_t seen = std::min(nv, keys_seen(visible, G, r0 + 16 * rt - 1));
+        const int64_t nk = std::min(nc, round_up(seen, 16));
+        for (int64_t n0 = 0; n0 < nk; n0 += 32) {
+          const int kt = nk - n0 >= 32 ? 2 : 1;
+          if (kt == 2 && rt == 2) {
+            amx_logits<2, 2>(keys, ldk, Qt2, Mp, Dk / 32, St, n0, r0);
+          } else if (kt == 2) {
+            amx_logits<2, 1>(keys, ldk, Qt2, Mp, Dk / 32, St, n0, r0);
+          } else if (rt == 2) {
+            amx_logits<1, 2>(keys, ldk, Qt2, Mp, Dk / 32, St, n0, r0);
+          } else {
+            amx_logits<1, 1>(keys, ldk, Qt2, Mp, Dk / 32, St, n0, r0);
+          }
+        }
+        if (scaled) {
+          softmax_step<true, true>(p, St + r0, Mp, std::min<int64_t>(32, M - r0), nv, k0,
+                                   transform, mask, q_pos + r0, slope + r0, nullptr,
+                                   row_max + r0, row_sum + r0, alpha + r0);
+        } else {  // qk_scale <= 0: scaled here (max(s * scale) is not max(s) * scale)
+          for (int64_t n = 0; n < nk; ++n) {
+            for (int v = 0; v < rt; ++v) {
+              float* x = St + n * Mp + r0 + 16 * v;
+              _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_loadu_ps(x), scale));
+            }
+          }
+          softmax_step<true>(p, St + r0, Mp, std::min<int64_t>(32, M - r0), nv, k0, transform,
+                             mask, q_pos + r0, slope + r0, nullptr, row_max + r0,
+                             row_sum + r0, alpha + r0);
+        }
+        // Pairs past the step's last key, up to the end of its 32-key chunk, hold stale
+        // logits: zeros (the chunk's values there are zeros or finite, never read as such).
+        for (int64_t i = pairs; i < round_up(pairs, 16); ++i) {
+          std::memset(St + i * Mp + r0, 0, sizeof(float) * 16 * rt);
+        }
+        const uint32_t* Pp = reinterpret_cast<const uint32_t*>(St);
+        const int64_t chunks = (seen + 31) / 32;
+        for (int64_t d0 = 0; d0 < Dp; d0 += 32) {
+          const int dt = Dp - d0 >= 32 ? 2 : 1;
+          if (dt == 2 && rt == 2) {
+            if (!first) amx_rescale<2, 2>(OT, Mp, alpha, d0, r0);
+            amx_values<2, 2>(values, ldv, Pp, Mp, chunks, OT, d0, r0, first);
+          } else if (dt == 2) {
+            if (!first) amx_rescale<2, 1>(OT, Mp, alpha, d0, r0);
+            amx_values<2, 1>(values, ldv, Pp, Mp, chunks, OT, d0, r0, first);
+          } else if (rt == 2) {
+            if (!first) amx_rescale<1, 2>(OT, Mp, alpha, d0, r0);
+            amx_values<1, 2>(values, ldv, Pp, Mp, chunks, OT, d0, r0, first);
+          } else {
+            if (!first) amx_rescale<1, 1>(OT, Mp, alpha, d0, r0);
+            amx_values<1, 1>(values, ldv, Pp, Mp, chunks, OT, d0, r0, first);
+          }
+        }
+      }
+    }
+    // Output rows: O^T transposed 16 x 16 at a time, * v_scale / row_sum (0: no visible key).
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+      alignas(64) float f[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t r = r0 + i;
+        f[i] = r < M && it.k_end > it.k_begin && row_sum[r] > 0.0f ? p.v_scale / row_sum[r] : 0.0f;
+      }
+      for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i) {
+          x[i] = it.k_end > it.k_begin ? _mm512_loadu_ps(OT + (d0 + i) * Mp + r0)
+                                       : _mm512_setzero_ps();
+        }
+        transpose16x16(x);  // x[j]: row r0 + j, dims [d0, d0 + 16)
+        const __mmask16 m = tail_mask(D - d0);
+        for (int64_t j = 0; j < std::min<int64_t>(16, M - r0); ++j) {
+          const int64_t r = r0 + j;
+          bf16_t* o = out + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D + d0;
+          _mm256_mask_storeu_epi16(o, m, narrow16_bf16(_mm512_mul_ps(x[j], _mm512_set1_ps(f[j]))));
+        }
+      }
+    }
+  }
+}
+
+// run_task's AMX counterpart: items in order; a task of key-prefix tiles of one kv head shares
+// its packed keys and values (AmxPacked) when they fit kKeysInL2Bytes twice over.
+template <typename CT>
+void run_task_amx(const Problem& p, const Item* items, int64_t num_items) {
+  bool prefixes = num_items > 1;
+  int64_t max_end = 0;
+  for (int64_t i = 0; i < num_items; ++i) {
+    prefixes = prefixes && items[i].k_begin == 0 && items[i].num_kv == 1;
+    max_end = std::max(max_end, items[i].k_end);
+  }
+  AmxPacked packed;
+  packed.ldk = round_up(p.D, 32);
+  packed.ldv = round_up(max_end, 32) + 32;
+  const int64_t key_rows = round_up(max_end, 32);
+  const int64_t bytes = 2 * (key_rows * packed.ldk + p.Dp * packed.ldv);
+  if (prefixes && bytes <= 2 * kKeysInL2Bytes) {
+    packed.keys = reinterpret_cast<bf16_t*>(tls_amx.get(static_cast<size_t>(bytes / 4 + 16)));
+    packed.values = packed.keys + key_rows * packed.ldk;
+  }
+  for (int64_t i = 0; i < num_items; ++i) {
+    run_item_amx<CT>(p, items[i], packed.keys != nullptr ? &packed : nullptr);
+  }
+}
+#endif  // JAX_ATTN_AMX && JAX_ATTN_BF16_DOT
+
 // A mixed step's decode run, staged. Memory-bound decodes and compute-bound prefill tiles in
 // one step: the decode run's sequences form groups of about kStageBytes of K and V, and the
 // prefill tasks are dealt round-robin to the groups. The workers walk one list, [group 0's
@@ -1371,6 +1639,12 @@ std::string run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<I
   constexpr bool kBf16 = std::is_same_v<QT, bf16_t> && std::is_same_v<CT, bf16_t>;
   auto task_fn = [&](int64_t t, WarmCursor* warm, TaskChain* chain = nullptr) {
     const Item* first = items.data() + tasks[t].first;
+#if JAX_ATTN_AMX && JAX_ATTN_BF16_DOT
+    if constexpr (std::is_same_v<QT, bf16_t> && !std::is_same_v<CT, float> &&
+                  !std::is_same_v<CT, f16_t>) {
+      if (p.amx) return run_task_amx<CT>(p, first, tasks[t].num_items);
+    }
+#endif
     if (kBf16 && p.dot) {
       run_task<QT, CT, kBf16>(p, first, tasks[t].num_items, warm, chain);
     } else {
@@ -1531,6 +1805,11 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
   p.causal = causal != 0;
   p.dot = JAX_ATTN_BF16_DOT && qt == ffi::DataType::BF16 &&
           key_cache.element_type() == ffi::DataType::BF16 && D % 2 == 0;
+  const ffi::DataType ct = key_cache.element_type();
+  p.amx = JAX_ATTN_AMX && JAX_ATTN_BF16_DOT && qt == ffi::DataType::BF16 &&
+          (ct == ffi::DataType::BF16 || ct == ffi::DataType::F8E4M3FN ||
+           ct == ffi::DataType::F8E5M2) &&
+          D % 2 == 0 && amx_available();
   p.stream_out = JAX_ATTN_AVX512 && out->size_bytes() >= static_cast<size_t>(kStreamOutputBytes) &&
                  reinterpret_cast<uintptr_t>(p.out) % 64 == 0;
 

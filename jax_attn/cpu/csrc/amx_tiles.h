@@ -1,0 +1,225 @@
+// The AMX inner products of the ragged kernel (ragged_paged_attention.cc): Intel's tile
+// registers (AMX-TILE) and bf16 tile dot products (AMX-BF16, TDPBF16PS: a 16 x 32 bf16 tile
+// times a 32 x 16 one into 16 x 16 float32, each product exact, sums in float32). The tiling,
+// the online softmax and the scheduling stay in the kernel; this header holds what is
+// AMX-specific: the tile state request, the tile configuration, the operand layouts the tiles
+// read and the two block products.
+//
+// Operands of one kv head and key step (row r = token x query head of the GQA group, n = key):
+//   S^T[n][r] = sum_d K[n][d] Q[r][d]      A = keys   [16 n][32 d] bf16, rows Dk apart
+//                                           B = Qt2    [16 d-pairs][16 r] (q[r][2i], q[r][2i+1])
+//   O^T[d][r] += sum_n V[n][d] P[n][r]     A = values transposed, VT [16 d][32 n] bf16
+//                                           B = Pp     [16 n-pairs][16 r] (p[2i][r], p[2i+1][r])
+// Qt2 and Pp are exactly the layouts of the vdpbf16ps path (the softmax writes Pp), so the
+// logits come out key-major (S^T, as the softmax reads them) and the output transposed (O^T:
+// a row's rescale by its alpha is a vector multiply per d). Head sizes that are not a multiple
+// of 32 are padded with zeros to Dk = round_up(D, 32) in every operand (never read from the
+// cache: the padding is written, not loaded).
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernel_common.h"
+
+#if JAX_ATTN_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__) && defined(__x86_64__)
+#define JAX_ATTN_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define JAX_ATTN_AMX 0
+#endif
+
+namespace jax_attn_cpu {
+
+#if JAX_ATTN_AMX
+
+// Whether this process may run tile instructions: the CPU has AMX-TILE and AMX-BF16 (CPUID
+// leaf 7: EDX bits 24 and 22), Linux granted the tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; without it the first tile instruction raises
+// SIGILL), and $JAX_ATTN_CPU_AMX is not "0". Asked once per process; the grant is
+// process-wide, so every thread (XLA's pool, torch's) may then use the tiles.
+inline bool amx_available() {
+  static const bool ok = [] {
+    const char* env = std::getenv("JAX_ATTN_CPU_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    if ((d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kXtiledata = 18;         // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Eight tiles of 16 rows x 64 bytes (palette 1), loaded on construction and released on
+// destruction (the tile state returns to its initial, cheap-to-switch form). One per item:
+// other code on the thread (oneDNN, another library) may configure the tiles differently.
+class TileScope {
+ public:
+  TileScope() {
+    alignas(64) uint8_t cfg[64] = {};
+    cfg[0] = 1;  // palette
+    for (int t = 0; t < 8; ++t) {
+      cfg[16 + 2 * t] = 64;  // colsb[t] (little-endian uint16)
+      cfg[48 + t] = 16;      // rows[t]
+    }
+    _tile_loadconfig(cfg);
+  }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// S^T[n0 .. n0 + 16 KT)[r0 .. r0 + 16 RT) = K Q^T over `chunks` chunks of 32 dims, written
+// to St (row stride Mp floats) unscaled. K: [>= n0 + 16 KT][Dk] bf16, rows ldk elements apart;
+// Qt2: [chunks * 16][Mp] bf16 pairs. Tiles: C 0-3 (key tile k, row tile r: 2k + r), A 4-5,
+// B 6-7.
+template <int KT, int RT>
+inline void amx_logits(const bf16_t* K, int64_t ldk, const uint32_t* Qt2, int64_t Mp,
+                       int64_t chunks, float* St, int64_t n0, int64_t r0) {
+  static_assert(KT >= 1 && KT <= 2 && RT >= 1 && RT <= 2, "at most 2 x 2 C tiles");
+  const int64_t kb = ldk * 2, qb = Mp * 4;
+  _tile_zero(0);
+  if constexpr (RT > 1) _tile_zero(1);
+  if constexpr (KT > 1) _tile_zero(2);
+  if constexpr (KT > 1 && RT > 1) _tile_zero(3);
+  const bf16_t* k = K + n0 * ldk;
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, k + 32 * c, kb);
+    if constexpr (KT > 1) _tile_loadd(5, k + 16 * ldk + 32 * c, kb);
+    const uint32_t* q = Qt2 + 16 * c * Mp + r0;
+    _tile_loadd(6, q, qb);
+    if constexpr (RT > 1) _tile_loadd(7, q + 16, qb);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (RT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (KT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (KT > 1 && RT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  float* s = St + n0 * Mp + r0;
+  _tile_stored(0, s, qb);
+  if constexpr (RT > 1) _tile_stored(1, s + 16, qb);
+  if constexpr (KT > 1) _tile_stored(2, s + 16 * Mp, qb);
+  if constexpr (KT > 1 && RT > 1) _tile_stored(3, s + 16 * Mp + 16, qb);
+}
+
+// O^T[d0 .. d0 + 16 DT)[r0 .. r0 + 16 RT) (+)= VT Pp over `chunks` chunks of 32 keys, in place
+// in OT (row stride Mp floats); `first`: the block starts from zeros (OT is not read). VT:
+// [Dp][ldv] bf16 (keys contiguous per dim); Pp: [chunks * 16][Mp] probability pairs. Tiles:
+// C 0-3 (dim tile i, row tile r: 2i + r), A 4-5, B 6-7.
+template <int DT, int RT>
+inline void amx_values(const bf16_t* VT, int64_t ldv, const uint32_t* Pp, int64_t Mp,
+                       int64_t chunks, float* OT, int64_t d0, int64_t r0, bool first) {
+  static_assert(DT >= 1 && DT <= 2 && RT >= 1 && RT <= 2, "at most 2 x 2 C tiles");
+  const int64_t vb = ldv * 2, ob = Mp * 4;
+  float* o = OT + d0 * Mp + r0;
+  if (first) {
+    _tile_zero(0);
+    if constexpr (RT > 1) _tile_zero(1);
+    if constexpr (DT > 1) _tile_zero(2);
+    if constexpr (DT > 1 && RT > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, o, ob);
+    if constexpr (RT > 1) _tile_loadd(1, o + 16, ob);
+    if constexpr (DT > 1) _tile_loadd(2, o + 16 * Mp, ob);
+    if constexpr (DT > 1 && RT > 1) _tile_loadd(3, o + 16 * Mp + 16, ob);
+  }
+  const bf16_t* v = VT + d0 * ldv;
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, v + 32 * c, vb);
+    if constexpr (DT > 1) _tile_loadd(5, v + 16 * ldv + 32 * c, vb);
+    const uint32_t* pp = Pp + 16 * c * Mp + r0;
+    _tile_loadd(6, pp, ob);
+    if constexpr (RT > 1) _tile_loadd(7, pp + 16, ob);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (RT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (DT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (DT > 1 && RT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, o, ob);
+  if constexpr (RT > 1) _tile_stored(1, o + 16, ob);
+  if constexpr (DT > 1) _tile_stored(2, o + 16 * Mp, ob);
+  if constexpr (DT > 1 && RT > 1) _tile_stored(3, o + 16 * Mp + 16, ob);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operand layouts (AVX-512): cache rows into the tiles' bf16 forms. fp8 codes are exact in
+// bf16 (e4m3fn and e5m2 alike, NaN kept NaN), so an fp8 cache runs the same products.
+// ---------------------------------------------------------------------------------------------
+
+// 32 cache elements (lanes outside m: zeros) as bf16 bit patterns.
+template <typename CT>
+inline __m512i load32_bf16(const CT* src, __mmask32 m) {
+  if constexpr (std::is_same_v<CT, bf16_t>) {
+    return _mm512_maskz_loadu_epi16(m, src);
+  } else {
+    const __m512 lo = load16<CT>(src, static_cast<__mmask16>(m));
+    const __m512 hi = load16<CT>(src + 16, static_cast<__mmask16>(m >> 16));
+    const __m256i a = (__m256i)_mm512_cvtneps_pbh(lo);  // exact: every code is a bf16
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(hi);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  }
+}
+
+inline __mmask32 mask32(int64_t n) {  // lanes [0, n) of 32
+  return n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
+}
+
+// Key rows into the A layout of amx_logits: dst[j][0, Dk) = row j's D elements, zeros past D;
+// rows[j] == nullptr gives a zero row (a key past the step's last).
+template <typename CT>
+inline void pack_key_rows(const CT* const* rows, int64_t n, int64_t D, int64_t Dk,
+                          bf16_t* __restrict dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t d = 0; d < Dk; d += 32) {
+      const __m512i x =
+          rows[j] != nullptr ? load32_bf16<CT>(rows[j] + d, mask32(D - d)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + j * Dk + d, x);
+    }
+  }
+}
+
+// Value rows [0, 32) (rows[j] == nullptr: zeros) into the A layout of amx_values, transposed:
+// dst[d][j] for d in [0, Dp) (zeros past D), rows ldv elements apart. Per 32 dims: the rows as
+// 16 x 16 blocks of dim pairs, transposed (keys 0-15 and 16-31 apart), then each pair's even
+// and odd dims gathered into rows 2i and 2i + 1.
+template <typename CT>
+inline void pack_value_columns(const CT* const* rows, int64_t D, int64_t Dp,
+                               bf16_t* __restrict dst, int64_t ldv) {
+  alignas(64) static const uint16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20,
+                                                 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
+                                                 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+  alignas(64) static const uint16_t kOdd[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                                23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                                45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i even = _mm512_load_si512(kEven), odd = _mm512_load_si512(kOdd);
+  for (int64_t d = 0; d < Dp; d += 32) {
+    const __mmask32 m = mask32(D - d);
+    __m512 lo[16], hi[16];  // keys 0-15, 16-31: lane i = dims (2i, 2i + 1) of [d, d + 32)
+    for (int j = 0; j < 16; ++j) {
+      lo[j] = _mm512_castsi512_ps(rows[j] ? load32_bf16<CT>(rows[j] + d, m)
+                                          : _mm512_setzero_si512());
+      hi[j] = _mm512_castsi512_ps(rows[16 + j] ? load32_bf16<CT>(rows[16 + j] + d, m)
+                                               : _mm512_setzero_si512());
+    }
+    transpose16x16(lo);  // lo[i] lane j: dims (2i, 2i + 1) of key j
+    transpose16x16(hi);
+    for (int i = 0; i < 16 && d + 2 * i < Dp; ++i) {
+      const __m512i a = _mm512_castps_si512(lo[i]), b = _mm512_castps_si512(hi[i]);
+      _mm512_storeu_si512(dst + (d + 2 * i) * ldv, _mm512_permutex2var_epi16(a, even, b));
+      _mm512_storeu_si512(dst + (d + 2 * i + 1) * ldv, _mm512_permutex2var_epi16(a, odd, b));
+    }
+  }
+}
+
+#else
+
+inline bool amx_available() { return false; }
+
+#endif  // JAX_ATTN_AMX
+
+}  // namespace jax_attn_cpu
