@@ -1537,7 +1537,9 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
 }
 
 // run_task's AMX counterpart: items in order; a task of key-prefix tiles of one kv head shares
-// its packed keys and values (AmxPacked) when they fit kKeysInL2Bytes twice over.
+// its packed keys and values (AmxPacked), whatever their size: past the L2 they come from L3,
+// which still beats packing them again for every item (chunked-prefill-bf16 at 2304 keys,
+// 1.2 MB packed: NOTES.md).
 template <typename CT>
 void run_task_amx(const Problem& p, const Item* items, int64_t num_items) {
   bool prefixes = num_items > 1;
@@ -1551,7 +1553,7 @@ void run_task_amx(const Problem& p, const Item* items, int64_t num_items) {
   packed.ldv = round_up(max_end, 32) + 32;
   const int64_t key_rows = round_up(max_end, 32);
   const int64_t bytes = 2 * (key_rows * packed.ldk + p.Dp * packed.ldv);
-  if (prefixes && bytes <= 2 * kKeysInL2Bytes) {
+  if (prefixes) {
     packed.keys = reinterpret_cast<bf16_t*>(tls_amx.get(static_cast<size_t>(bytes / 4 + 16)));
     packed.values = packed.keys + key_rows * packed.ldk;
   }
