@@ -38,8 +38,9 @@ def read_floors(result: dict) -> list[tuple[str, dict, str]]:
 
 
 def compute_lines(record: dict) -> list[str]:
-    """The FMA peak measured in the run, and the GFLOP/s of each peer on every workload with
-    prefill tokens (the compute-bound steps) as a fraction of it."""
+    """The FMA peak measured in the run (and the AMX peak, or why it was not), and the GFLOP/s
+    of each peer on every workload with prefill tokens (the compute-bound steps) as a fraction
+    of it (and of the AMX peak on the bf16 ones)."""
     peak = record.get("fma_peak")
     if not peak:
         return []
@@ -50,11 +51,25 @@ def compute_lines(record: dict) -> list[str]:
         f"{peak['threads']} x one thread's {peak['one_thread_gflop_s']:.0f} "
         f"({peak['all_threads_gflop_s']:.0f} measured on {peak['threads']} threads together)."
     ]
+    amx = record.get("amx_peak")
+    if amx and amx["status"] == "ok":
+        lines.append(
+            f"AMX peak (same run, {amx['method']}): {amx['gflop_s']:.0f} GFLOP/s bf16 = "
+            f"{amx['threads']} x one thread's {amx['one_thread_gflop_s']:.0f} "
+            f"({amx['all_threads_gflop_s']:.0f} measured on {amx['threads']} threads together)."
+        )
+    elif amx:
+        lines.append(f"AMX peak: {amx['note']}.")
     for name, result in record["workloads"].items():
         if not result["spec"].get("num_prefills"):
             continue
         cells = [
-            f"{peer} {row['gflop_s']:.0f} ({row['fraction_of_fma_peak']:.0%})"
+            f"{peer} {row['gflop_s']:.0f} ({row['fraction_of_fma_peak']:.0%}"
+            + (
+                f", {row['fraction_of_amx_peak']:.0%} of AMX)"
+                if row.get("fraction_of_amx_peak") is not None
+                else ")"
+            )
             for peer, row in result["backends"].items()
             if row["status"] == "ok" and row.get("fraction_of_fma_peak") is not None
         ]

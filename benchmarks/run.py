@@ -17,7 +17,9 @@ Method (details and the latest table in `benchmarks/README.md`):
    untimed call's times are kept in the record as `after_other_s`).
 3. The FMA peak: a tight loop of vector FMAs on the native kernels' workers
    (`jax_attn.cpu.fma_peak`), on one thread (the peak is that times the workers) and on all
-   together; each peer's GFLOP/s is also reported as a fraction of the peak.
+   together; each peer's GFLOP/s is also reported as a fraction of the peak. Beside it the AMX
+   peak (`jax_attn.cpu.amx_peak`: bf16 tile dot products, where the CPU and Linux let the tiles
+   run), which the bf16 prefill is also reported against.
 4. Per peer: median time, bytes moved (`Spec.bytes_moved`: K/V read once, queries and
    outputs), GB/s, fraction of the copy bandwidth, and `x_jax` = time / JAX xla time (> 1: the
    JAX xla path is faster).
@@ -152,12 +154,52 @@ def measure_fma_peak(quick: bool) -> dict:
     )
 
 
+def measure_amx_peak(quick: bool) -> dict:
+    """The bf16 AMX tile peak of the native kernels' workers (`jax_attn.cpu.amx_peak`), as
+    `measure_fma_peak` measures the FMA peak: what the bf16 prefill, whose products run on the
+    tiles, is reported against. A record with status "unavailable" and the reason where the
+    tiles do not run here (no AMX-BF16 in the CPU or the build, no tile state from Linux)."""
+    if importlib.util.find_spec("jax") is None:
+        return dict(status="unavailable", note="JAX is not installed")
+    from jax_attn import cpu
+
+    reason = cpu.amx_peak.unavailable_reason()
+    if reason is not None:
+        return dict(status="unavailable", note=f"not available: {reason}")
+    seconds = 0.005 if quick else 0.05
+    try:
+        one = cpu.amx_peak.measure(threads=1, seconds=seconds)
+        every = cpu.amx_peak.measure(seconds=seconds)
+    except RuntimeError as e:  # the tiles should run here: a failure, judged as one
+        return dict(status="error", note=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    return dict(
+        status="ok",
+        gflop_s=every.workers * one.gflop_s,
+        threads=every.workers,
+        one_thread_gflop_s=one.gflop_s,
+        all_threads_gflop_s=every.gflop_s,
+        method=f"TDPBF16PS loop, {every.products_per_iteration} accumulator tiles, best of 5",
+    )
+
+
 def add_fma_fractions(result: dict, fma_peak: dict) -> None:
     """Each timed row's GFLOP/s as a fraction of the run's FMA peak (None without one)."""
     peak = fma_peak.get("gflop_s") if fma_peak.get("status") == "ok" else None
     for row in result["backends"].values():
         if row.get("status") == "ok":
             row["fraction_of_fma_peak"] = None if peak is None else row["gflop_s"] / peak
+
+
+def add_amx_fractions(result: dict, amx_peak: dict) -> None:
+    """On a bf16 workload with prefill tokens (the products the kernels run on AMX tiles), each
+    timed row's GFLOP/s as a fraction of the run's AMX peak (None where the tiles do not run)."""
+    spec = result["spec"]
+    if spec.get("dtype") != "bfloat16" or not spec.get("num_prefills"):
+        return
+    peak = amx_peak.get("gflop_s") if amx_peak.get("status") == "ok" else None
+    for row in result["backends"].values():
+        if row.get("status") == "ok":
+            row["fraction_of_amx_peak"] = None if peak is None else row["gflop_s"] / peak
 
 
 class ReadFloor:
@@ -446,6 +488,8 @@ def _spec_record(spec: Spec) -> dict:
 # row it needs was run (its workload in the run, its peer available in this environment and
 # not skipped on that workload with a reason). A peer of another environment (IPEX, vLLM 0.8.5
 # or 0.32) or a workload left out with --workloads is not a failure; a peer that errored is.
+# A target that the machine itself cannot measure says why (`not_here`: the AMX peak's where
+# the tiles do not run) and is never expected here.
 
 CPU = "jax-cpu"
 VLLM085 = "vllm085-TORCH_SDPA"
@@ -463,18 +507,23 @@ def _ratio(results: dict, num: tuple[str, str], den: tuple[str, str]) -> float |
     return a / b if a and b else None
 
 
-def _target(what: str, value, goal: str, met, needs) -> dict:
-    return dict(
+def _target(what: str, value, goal: str, met, needs, not_here: str | None = None) -> dict:
+    """`not_here`: why the target cannot be measured on this machine whatever rows ran (the AMX
+    peak where the tiles do not run): then a missing value is never expected here."""
+    target = dict(
         target=what,
         goal=goal,
         value=value,
         met=None if value is None else bool(met(value)),
         needs=[f"{w}/{p}" for w, p in needs],
     )
+    if not_here is not None:
+        target["not_here"] = not_here
+    return target
 
 
-def _at_least(what: str, value, least: float, needs) -> dict:
-    return _target(what, value, f">= {least}", lambda v: v >= least, needs)
+def _at_least(what: str, value, least: float, needs, not_here: str | None = None) -> dict:
+    return _target(what, value, f">= {least}", lambda v: v >= least, needs, not_here)
 
 
 def _time_ratio(results: dict, slower: tuple[str, str], faster: tuple[str, str], least: float):
@@ -488,9 +537,22 @@ def _time_ratio(results: dict, slower: tuple[str, str], faster: tuple[str, str],
     return _at_least(what, value, least, (slower, faster))
 
 
-def _field(results: dict, workload: str, field: str, what: str, least: float) -> dict:
+def _field(
+    results: dict, workload: str, field: str, what: str, least: float, not_here: str | None = None
+) -> dict:
     value = _row(results, workload, CPU).get(field)
-    return _at_least(f"{workload}: {CPU} {what}", value, least, [(workload, CPU)])
+    return _at_least(f"{workload}: {CPU} {what}", value, least, [(workload, CPU)], not_here)
+
+
+def amx_not_here(amx_peak: dict | None) -> str | None:
+    """Why the AMX peak targets are not judged here: the run's AMX peak record says the tiles
+    do not run (or the record has none: an older run). None where they run, or where the probe
+    failed on a machine that has them (then a missing value fails `--check`)."""
+    if not amx_peak:
+        return "the run measured no AMX peak"
+    if amx_peak.get("status") == "unavailable":
+        return f"AMX peak {amx_peak.get('note', 'not available')}"
+    return None
 
 
 # Issue 21 (block 16, vLLM's vec16 there): (workload, least vLLM 0.32 time / jax-cpu time).
@@ -529,8 +591,9 @@ BF16_TWINS = (
 )
 
 
-def check_targets(results: dict) -> list[dict]:
-    """Every target on `results` (a record's "workloads", by name with the block size)."""
+def check_targets(results: dict, amx_peak: dict | None = None) -> list[dict]:
+    """Every target on `results` (a record's "workloads", by name with the block size);
+    `amx_peak` the run's AMX peak record (its targets are judged only where the tiles ran)."""
     r = results
     targets = [
         # Issue 10: the native kernels (block 16) against the copy floor, IPEX and XLA.
@@ -582,6 +645,17 @@ def check_targets(results: dict) -> list[dict]:
     targets.append(
         _field(r, "prefill-8x512-bs128", "fraction_of_fma_peak", "fraction of the FMA peak", 0.75)
     )
+    # Issue 35: the bf16 prefill's products on the AMX tiles, where they run.
+    targets.append(
+        _field(
+            r,
+            "prefill-bf16-bs128",
+            "fraction_of_amx_peak",
+            "fraction of the AMX peak",
+            0.25,
+            not_here=amx_not_here(amx_peak),
+        )
+    )
     targets += [
         _time_ratio(r, (f"{f32}-bs128", CPU), (f"{bf16}-bs128", CPU), 1.0)
         for f32, bf16 in BF16_TWINS
@@ -595,7 +669,10 @@ def check_targets(results: dict) -> list[dict]:
 
 
 def expected_here(target: dict, results: dict, unavailable: dict) -> bool:
-    """Whether every row `target` needs was run (see the section's comment)."""
+    """Whether every row `target` needs was run, and the machine can measure it (see the
+    section's comment)."""
+    if target.get("not_here"):
+        return False
     for need in target.get("needs", []):
         workload, peer = need.rsplit("/", 1)
         if workload not in results or peer in unavailable:
@@ -831,9 +908,12 @@ def print_unavailable_and_targets(console, record: dict, spec: str) -> None:
     verdicts = {True: "met", False: "missed", None: "not measured"}
     for target in record["targets"]:
         verdict = target.get("verdict") or verdicts[target["met"]]
+        why = (
+            f" ({target['not_here']})" if verdict == "not measured" and "not_here" in target else ""
+        )
         console.print(
             f"target {target['target']}: {_fmt(target['value'], spec, '-')} "
-            f"(goal {target['goal']}) {marks[verdict]}"
+            f"(goal {target['goal']}) {marks[verdict]}{why}"
         )
 
 
@@ -875,7 +955,7 @@ def check_record(console, path: str) -> int:
         console.print(f"[red]--check {path}: a --quick record (targets are for full sizes)")
         return 2
     unavailable = record.get("unavailable", {})
-    targets = judge_targets(check_targets(results), results, unavailable)
+    targets = judge_targets(check_targets(results, record.get("amx_peak")), results, unavailable)
     record = dict(record, unavailable=unavailable, targets=targets)
     console.print(f"{path}: {record.get('date', '?')}, {record.get('machine', {}).get('cpu')}")
     print_unavailable_and_targets(console, record, ".2f")
@@ -1010,6 +1090,8 @@ def _run(args: argparse.Namespace, console, quick: bool, specs: dict, reps_arg) 
         )
         progress.update(task, description="FMA peak")
         record["fma_peak"] = measure_fma_peak(quick)
+        progress.update(task, description="AMX peak")
+        record["amx_peak"] = measure_amx_peak(quick)
         for spec in specs.values():
             reps = reps_arg or spec.reps
             budget = None if reps_arg or quick else WORKLOAD_BUDGET_S
@@ -1017,9 +1099,10 @@ def _run(args: argparse.Namespace, console, quick: bool, specs: dict, reps_arg) 
             result = run_workload(spec, peers, copier, reps, budget, rng, progress, settle)
             mark_unavailable(result, unavailable)
             add_fma_fractions(result, record["fma_peak"])
+            add_amx_fractions(result, record["amx_peak"])
             record["workloads"][spec.name] = result
         copier.close()
-    targets = [] if quick else check_targets(record["workloads"])
+    targets = [] if quick else check_targets(record["workloads"], record["amx_peak"])
     record["targets"] = judge_targets(targets, record["workloads"], unavailable)
     record["reference_limits"] = dict(
         max_flops=backends.REFERENCE_MAX_FLOPS, max_bytes=backends.REFERENCE_MAX_BYTES

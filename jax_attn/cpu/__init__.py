@@ -18,11 +18,12 @@ float32 instead of dotting them with vdpbf16ps (both read per call: for A/B timi
 process). `isa()` names what the kernels run here: the bf16 products' instruction set (AMX
 tiles where the CPU has them and Linux grants the tile state) and the prefetch level.
 `python -m jax_attn.cpu.build` builds eagerly. `fma_peak.measure()` times the vector FMA peak
-on the kernels' workers (what `jax-attn bench` reports compute against), `read_floor.Reader`
-reads arrays once with vector loads on them (the bench's read floor).
+on the kernels' workers (what `jax-attn bench` reports compute against), `amx_peak.measure()`
+the AMX tiles' bf16 peak beside it (where they run: `amx_peak.unavailable_reason()`),
+`read_floor.Reader` reads arrays once with vector loads on them (the bench's read floor).
 """
 
-from jax_attn.cpu import fma_peak, read_floor
+from jax_attn.cpu import amx_peak, fma_peak, read_floor
 from jax_attn.cpu._build import isa, unavailable_reason
 from jax_attn.cpu._shapes import shape_problem
 from jax_attn.cpu.paged_decode import paged_decode
@@ -35,6 +36,7 @@ def available() -> bool:
 
 
 __all__ = [
+    "amx_peak",
     "available",
     "fma_peak",
     "isa",

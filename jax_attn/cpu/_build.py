@@ -59,6 +59,7 @@ HANDLERS = (
     "jax_attn_cpu_paged_decode",
     "jax_attn_cpu_ragged_paged_attention",
     "jax_attn_cpu_fma_peak",
+    "jax_attn_cpu_amx_peak",
     "jax_attn_cpu_read_floor",
 )
 
@@ -276,6 +277,14 @@ def isa() -> str | None:
         return None
     fn.restype = ctypes.c_char_p
     return fn().decode()
+
+
+def c_function(name: str):
+    """The built library's exported C function `name` (a ctypes function), or None when the
+    kernels are not available or the library has no such symbol."""
+    if unavailable_reason() is not None:
+        return None
+    return getattr(_state["lib"], name, None)
 
 
 def library_path() -> Path | None:

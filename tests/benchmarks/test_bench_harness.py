@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("rich")
 
-from benchmarks import command, run
+from benchmarks import command, report, run
 from benchmarks.backends import Peer
 from benchmarks.prepared import Prepared
 from benchmarks.workloads import (
@@ -169,8 +169,9 @@ def _row(median_s, **extra):
     return dict(status="ok", note="", median_s=median_s, **extra)
 
 
-def _record(tmp_path, workloads, unavailable=None, quick=False):
+def _record(tmp_path, workloads, unavailable=None, quick=False, **fields):
     record = dict(
+        **fields,
         date="2026-12-01T00:00:00+00:00",
         quick=quick,
         machine=dict(cpu="Test CPU", kind="intel-sapphire-rapids"),
@@ -241,6 +242,88 @@ def test_not_measured_fails_check_only_where_the_peer_was_expected(
     out = capsys.readouterr().out
     missed = "MISSED mixed-bf16-bs128: vllm-cpu-attn time / jax-cpu time: not measured"
     assert (missed in out) is fails, out
+
+
+AMX_OK = dict(status="ok", gflop_s=6000.0, threads=2, one_thread_gflop_s=3000.0)
+NO_AMX = dict(status="unavailable", note="not available: this CPU has no AMX-TILE / AMX-BF16")
+AMX_TARGET = "prefill-bf16-bs128: jax-cpu fraction of the AMX peak"
+
+
+@pytest.mark.parametrize(
+    "amx_peak, fraction, fails, verdict",
+    [
+        (AMX_OK, 0.10, True, "not met"),  # the tiles ran, the prefill too slow
+        (AMX_OK, 0.30, False, "met"),
+        (NO_AMX, None, False, "not measured"),  # no tiles here: never expected
+        (None, None, False, "not measured"),  # a record from before the AMX peak
+        (dict(status="error", note="RuntimeError: boom"), None, True, "expected here"),
+    ],
+    ids=["missed", "met", "no-amx", "old-record", "probe-failed"],
+)
+def test_amx_peak_target_is_judged_only_where_the_tiles_run(
+    tmp_path, capsys, amx_peak, fraction, fails, verdict
+):
+    extra = {} if fraction is None else dict(fraction_of_amx_peak=fraction)
+    fields = {} if amx_peak is None else dict(amx_peak=amx_peak)
+    path = _record(
+        tmp_path,
+        {"prefill-bf16-bs128": {run.CPU: _row(0.010, **extra)}},
+        unavailable={"IPEX": "another env", run.VLLM: "another env"},
+        **fields,
+    )
+    assert _check(path) == (1 if fails else 0)
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"target {AMX_TARGET}:"))
+    assert "(goal >= 0.25)" in line and verdict in line, line
+    assert (f"MISSED {AMX_TARGET}" in out) is fails, out
+    if amx_peak is NO_AMX:
+        assert "this CPU has no AMX-TILE" in line  # the reason it was not judged
+
+
+def test_amx_fractions_only_on_bf16_prefill_rows():
+    def result(dtype, query_lens):
+        spec = dict(dtype=dtype, num_prefills=sum(q > 1 for q in query_lens))
+        rows = {run.CPU: _row(0.01, gflop_s=1500.0), "IPEX": dict(status="unavailable")}
+        return dict(spec=spec, backends=rows)
+
+    bf16_prefill, f32_prefill = result("bfloat16", [512, 1]), result("float32", [512])
+    bf16_decode = result("bfloat16", [1, 1])
+    for r in (bf16_prefill, f32_prefill, bf16_decode):
+        run.add_amx_fractions(r, AMX_OK)
+    assert bf16_prefill["backends"][run.CPU]["fraction_of_amx_peak"] == 0.25
+    assert "fraction_of_amx_peak" not in bf16_prefill["backends"]["IPEX"]
+    assert "fraction_of_amx_peak" not in f32_prefill["backends"][run.CPU]
+    assert "fraction_of_amx_peak" not in bf16_decode["backends"][run.CPU]
+    run.add_amx_fractions(bf16_prefill, NO_AMX)
+    assert bf16_prefill["backends"][run.CPU]["fraction_of_amx_peak"] is None
+
+
+def test_the_amx_peak_shows_beside_the_fma_peak():
+    fma = dict(status="ok", method="m", gflop_s=200.0, threads=2, one_thread_gflop_s=100.0,
+               all_threads_gflop_s=190.0)  # fmt: skip
+    workloads = {
+        "prefill-bf16-bs128": dict(
+            spec=dict(num_prefills=8),
+            backends={
+                run.CPU: _row(
+                    0.01, gflop_s=1500.0, fraction_of_fma_peak=7.5, fraction_of_amx_peak=0.25
+                )
+            },
+        )
+    }
+    amx = dict(AMX_OK, method="TDPBF16PS loop", all_threads_gflop_s=5900.0)
+    lines = report.compute_lines(dict(fma_peak=fma, amx_peak=amx, workloads=workloads))
+    assert lines[0].startswith("FMA peak (same run")
+    assert lines[1] == (
+        "AMX peak (same run, TDPBF16PS loop): 6000 GFLOP/s bf16 = 2 x one thread's 3000 "
+        "(5900 measured on 2 threads together)."
+    )
+    assert (
+        lines[2]
+        == "prefill-bf16-bs128, GFLOP/s (of the FMA peak): jax-cpu 1500 (750%, 25% of AMX)."
+    )
+    lines = report.compute_lines(dict(fma_peak=fma, amx_peak=NO_AMX, workloads={}))
+    assert lines[1] == "AMX peak: not available: this CPU has no AMX-TILE / AMX-BF16."
 
 
 def test_check_reads_old_names_as_block_16(tmp_path, capsys):
