@@ -69,10 +69,10 @@ double run_tiles(int64_t iterations, uint16_t a, uint16_t b) {
     for (int k = 0; k < 32; ++k) A[r][k] = a, B[r][k] = b;
   }
   TileScope tiles;
-  _tile_loadd(4, A, 64);
-  _tile_loadd(5, A, 64);
-  _tile_loadd(6, B, 64);
-  _tile_loadd(7, B, 64);
+  JAX_ATTN_TILE_LOAD(4, A, 64);
+  JAX_ATTN_TILE_LOAD(5, A, 64);
+  JAX_ATTN_TILE_LOAD(6, B, 64);
+  JAX_ATTN_TILE_LOAD(7, B, 64);
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);

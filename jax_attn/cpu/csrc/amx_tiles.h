@@ -56,19 +56,34 @@ inline bool amx_available() {
   return ok;
 }
 
+// GCC 12's <amxtileintrin.h> tells the compiler that LDTILECFG reads 8 bytes and that
+// TILELOADD reads no memory at all, so stores to a tile's source may be dropped as dead or moved
+// past the load (seen: a tile configuration built on the stack, half of it never stored, and a
+// #GP). These two say what the instructions read; every tile load here goes through them.
+#define JAX_ATTN_TILE_LOAD(tile, base, stride)                                            \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"((const void*)(base)),         \
+                   "r"(static_cast<long>(stride))                                          \
+                   : "memory")
+struct alignas(64) TileConfig {
+  uint8_t bytes[64];
+};
+inline void load_tile_config(const TileConfig& cfg) {
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
 // Eight tiles of 16 rows x 64 bytes (palette 1), loaded on construction and released on
 // destruction (the tile state returns to its initial, cheap-to-switch form). One per item:
 // other code on the thread (oneDNN, another library) may configure the tiles differently.
 class TileScope {
  public:
   TileScope() {
-    alignas(64) uint8_t cfg[64] = {};
-    cfg[0] = 1;  // palette
+    TileConfig cfg = {};
+    cfg.bytes[0] = 1;  // palette
     for (int t = 0; t < 8; ++t) {
-      cfg[16 + 2 * t] = 64;  // colsb[t] (little-endian uint16)
-      cfg[48 + t] = 16;      // rows[t]
+      cfg.bytes[16 + 2 * t] = 64;  // colsb[t] (little-endian uint16)
+      cfg.bytes[48 + t] = 16;      // rows[t]
     }
-    _tile_loadconfig(cfg);
+    load_tile_config(cfg);
   }
   ~TileScope() { _tile_release(); }
   TileScope(const TileScope&) = delete;
@@ -90,11 +105,11 @@ inline void amx_logits(const bf16_t* K, int64_t ldk, const uint32_t* Qt2, int64_
   if constexpr (KT > 1 && RT > 1) _tile_zero(3);
   const bf16_t* k = K + n0 * ldk;
   for (int64_t c = 0; c < chunks; ++c) {
-    _tile_loadd(4, k + 32 * c, kb);
-    if constexpr (KT > 1) _tile_loadd(5, k + 16 * ldk + 32 * c, kb);
+    JAX_ATTN_TILE_LOAD(4, k + 32 * c, kb);
+    if constexpr (KT > 1) JAX_ATTN_TILE_LOAD(5, k + 16 * ldk + 32 * c, kb);
     const uint32_t* q = Qt2 + 16 * c * Mp + r0;
-    _tile_loadd(6, q, qb);
-    if constexpr (RT > 1) _tile_loadd(7, q + 16, qb);
+    JAX_ATTN_TILE_LOAD(6, q, qb);
+    if constexpr (RT > 1) JAX_ATTN_TILE_LOAD(7, q + 16, qb);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (RT > 1) _tile_dpbf16ps(1, 4, 7);
     if constexpr (KT > 1) _tile_dpbf16ps(2, 5, 6);
@@ -123,18 +138,18 @@ inline void amx_values(const bf16_t* VT, int64_t ldv, const uint32_t* Pp, int64_
     if constexpr (DT > 1) _tile_zero(2);
     if constexpr (DT > 1 && RT > 1) _tile_zero(3);
   } else {
-    _tile_loadd(0, o, ob);
-    if constexpr (RT > 1) _tile_loadd(1, o + 16, ob);
-    if constexpr (DT > 1) _tile_loadd(2, o + 16 * Mp, ob);
-    if constexpr (DT > 1 && RT > 1) _tile_loadd(3, o + 16 * Mp + 16, ob);
+    JAX_ATTN_TILE_LOAD(0, o, ob);
+    if constexpr (RT > 1) JAX_ATTN_TILE_LOAD(1, o + 16, ob);
+    if constexpr (DT > 1) JAX_ATTN_TILE_LOAD(2, o + 16 * Mp, ob);
+    if constexpr (DT > 1 && RT > 1) JAX_ATTN_TILE_LOAD(3, o + 16 * Mp + 16, ob);
   }
   const bf16_t* v = VT + d0 * ldv;
   for (int64_t c = 0; c < chunks; ++c) {
-    _tile_loadd(4, v + 32 * c, vb);
-    if constexpr (DT > 1) _tile_loadd(5, v + 16 * ldv + 32 * c, vb);
+    JAX_ATTN_TILE_LOAD(4, v + 32 * c, vb);
+    if constexpr (DT > 1) JAX_ATTN_TILE_LOAD(5, v + 16 * ldv + 32 * c, vb);
     const uint32_t* pp = Pp + 16 * c * Mp + r0;
-    _tile_loadd(6, pp, ob);
-    if constexpr (RT > 1) _tile_loadd(7, pp + 16, ob);
+    JAX_ATTN_TILE_LOAD(6, pp, ob);
+    if constexpr (RT > 1) JAX_ATTN_TILE_LOAD(7, pp + 16, ob);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (RT > 1) _tile_dpbf16ps(1, 4, 7);
     if constexpr (DT > 1) _tile_dpbf16ps(2, 5, 6);
