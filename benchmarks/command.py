@@ -9,9 +9,7 @@ Registered as the `bench` subcommand of `jax-attn` through the entry-point group
 
 import argparse
 
-# What `--json` and `--check` hold when given without a value.
-DEFAULT_JSON = "<default record path>"
-CHECK_RUN = "<this run>"
+from benchmarks.sentinels import CHECK_RUN, DEFAULT_JSON
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

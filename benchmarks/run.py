@@ -44,7 +44,7 @@ import numpy as np
 
 from benchmarks import backends, report, vllm085
 from benchmarks.backends import BASELINE, PEERS, Prepared, Skip
-from benchmarks.command import CHECK_RUN, DEFAULT_JSON
+from benchmarks.sentinels import CHECK_RUN, DEFAULT_JSON
 from benchmarks.workloads import Spec, canonical_name, make_data, named_workloads, select
 
 COPY_BYTES = 512 * 2**20  # the source array; far larger than any cache here
