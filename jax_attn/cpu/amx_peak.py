@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_attn.cpu import _build, _ffi
+from jax_attn.cpu import _build, _ffi, _peak
 
 TARGET = "jax_attn_cpu_amx_peak"
 # Every A element 1, every B element 2^-20: a product adds 32 * 2^-20 = 2^-15 to each C
@@ -90,12 +90,7 @@ def run(iterations: int, threads: int = 0, items: int = 0) -> Run:
     each, handed out one at a time to `threads` workers (0: as the kernels run). Raises
     RuntimeError naming why where the tiles cannot run."""
     _ffi.require_native()
-    if not 0 <= iterations <= MAX_ITERATIONS:
-        raise ValueError(f"{iterations=} must be in [0, {MAX_ITERATIONS}]")
-    if threads < 0:
-        raise ValueError(f"{threads=} must be >= 0 (0: the kernels' worker count)")
-    if items < 0:
-        raise ValueError(f"{items=} must be >= 0 (0: 8 per worker)")
+    _peak.check_run_args(iterations, threads, items, MAX_ITERATIONS)
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"AMX peak: {reason}")
@@ -110,10 +105,4 @@ def run(iterations: int, threads: int = 0, items: int = 0) -> Run:
 def measure(threads: int = 0, seconds: float = 0.05, repeats: int = 5) -> Run:
     """The fastest of `repeats` calls on `threads` workers (0: as the kernels run), each sized
     to take about `seconds` (a peak: machine noise only ever slows a call down)."""
-    iterations = 1 << 8
-    probe = run(iterations, threads)
-    while probe.seconds < seconds / 4 and iterations < MAX_ITERATIONS:
-        iterations = min(MAX_ITERATIONS, iterations * 4)
-        probe = run(iterations, threads)
-    iterations = int(min(MAX_ITERATIONS, max(iterations, iterations * seconds / probe.seconds)))
-    return min((run(iterations, threads) for _ in range(repeats)), key=lambda r: r.seconds)
+    return _peak.fastest(run, 1 << 8, MAX_ITERATIONS, threads, seconds, repeats)

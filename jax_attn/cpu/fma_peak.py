@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_attn.cpu import _ffi
+from jax_attn.cpu import _ffi, _peak
 
 TARGET = "jax_attn_cpu_fma_peak"
 # The chains run x = x * 1 + 2^-20: exact while x < 2^4, i.e. for up to 2^24 iterations.
@@ -61,12 +61,7 @@ def run(iterations: int, threads: int = 0, items: int = 0) -> Run:
     """One call: `items` work items (0: 8 per worker) of `iterations` steps each, handed out
     one at a time to `threads` workers (0: as the kernels run)."""
     _ffi.require_native()
-    if not 0 <= iterations <= MAX_ITERATIONS:
-        raise ValueError(f"{iterations=} must be in [0, {MAX_ITERATIONS}]")
-    if threads < 0:
-        raise ValueError(f"{threads=} must be >= 0 (0: the kernels' worker count)")
-    if items < 0:
-        raise ValueError(f"{items=} must be >= 0 (0: 8 per worker)")
+    _peak.check_run_args(iterations, threads, items, MAX_ITERATIONS)
     compiled = _compiled(iterations, items, threads)
     start = time.perf_counter()
     out = np.asarray(jax.block_until_ready(compiled()))
@@ -78,10 +73,4 @@ def run(iterations: int, threads: int = 0, items: int = 0) -> Run:
 def measure(threads: int = 0, seconds: float = 0.05, repeats: int = 5) -> Run:
     """The fastest of `repeats` calls on `threads` workers (0: as the kernels run), each sized
     to take about `seconds` (a peak: machine noise only ever slows a call down)."""
-    iterations = 1 << 10
-    probe = run(iterations, threads)
-    while probe.seconds < seconds / 4 and iterations < MAX_ITERATIONS:
-        iterations = min(MAX_ITERATIONS, iterations * 4)
-        probe = run(iterations, threads)
-    iterations = int(min(MAX_ITERATIONS, max(iterations, iterations * seconds / probe.seconds)))
-    return min((run(iterations, threads) for _ in range(repeats)), key=lambda r: r.seconds)
+    return _peak.fastest(run, 1 << 10, MAX_ITERATIONS, threads, seconds, repeats)
