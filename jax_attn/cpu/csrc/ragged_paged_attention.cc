@@ -57,6 +57,7 @@
 #include <new>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -1277,6 +1278,18 @@ struct TaskChain {
   }
 };
 
+// Whether a task's items (more than one) all read key prefixes [0, k_end) of one kv head, so
+// that what the first packs or copies serves them all; and the largest k_end.
+inline std::pair<bool, int64_t> key_prefixes(const Item* items, int64_t num_items) {
+  bool prefixes = num_items > 1;
+  int64_t max_end = 0;
+  for (int64_t i = 0; i < num_items; ++i) {
+    prefixes = prefixes && items[i].k_begin == 0 && items[i].num_kv == 1;
+    max_end = std::max(max_end, items[i].k_end);
+  }
+  return {prefixes, max_end};
+}
+
 // The items of one task, in order. An item whose keys lie inside [lo, hi), the span of keys
 // the task's earlier items read, skips the next-step K/V prefetch when that span's keys and
 // values fit in kKeysInL2Bytes: they are still in this core's L2. Causal tiles without a window
@@ -1287,12 +1300,7 @@ template <typename QT, typename CT, bool kDot>
 void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor* warm,
               TaskChain* chain) {
   const int64_t kv_bytes_per_key = 2 * p.D * static_cast<int64_t>(sizeof(CT));
-  bool prefixes = num_items > 1;
-  int64_t max_end = 0;
-  for (int64_t i = 0; i < num_items; ++i) {
-    prefixes = prefixes && items[i].k_begin == 0 && items[i].num_kv == 1;
-    max_end = std::max(max_end, items[i].k_end);
-  }
+  const auto [prefixes, max_end] = key_prefixes(items, num_items);
   PackedValues packed;
   PackedRows shared;
   if constexpr (kDot) {
@@ -1561,12 +1569,7 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
 // 1.2 MB packed: NOTES.md).
 template <typename CT>
 void run_task_amx(const Problem& p, const Item* items, int64_t num_items) {
-  bool prefixes = num_items > 1;
-  int64_t max_end = 0;
-  for (int64_t i = 0; i < num_items; ++i) {
-    prefixes = prefixes && items[i].k_begin == 0 && items[i].num_kv == 1;
-    max_end = std::max(max_end, items[i].k_end);
-  }
+  const auto [prefixes, max_end] = key_prefixes(items, num_items);
   AmxPacked packed;
   packed.ldk = round_up(p.D, 32);
   packed.ldv = round_up(max_end, 32) + 32;
