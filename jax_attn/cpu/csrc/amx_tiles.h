@@ -3,7 +3,7 @@
 // times a 32 x 16 one into 16 x 16 float32, each product exact, sums in float32). The tiling,
 // the online softmax and the scheduling stay in the kernel; this header holds what is
 // AMX-specific: the tile state request, the tile configuration, the operand layouts the tiles
-// read and the two block products.
+// read and the block product both products run on.
 //
 // Operands of one kv head and key step (row r = token x query head of the GQA group, n = key):
 //   S^T[n][r] = sum_d K[n][d] Q[r][d]      A = keys   [16 n][32 d] bf16, rows Dk apart
@@ -90,75 +90,57 @@ class TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
-// S^T[n0 .. n0 + 16 KT)[r0 .. r0 + 16 RT) = K Q^T over `chunks` chunks of 32 dims, written
-// to St (row stride Mp floats) unscaled. K: [>= n0 + 16 KT][Dk] bf16, rows ldk elements apart;
-// Qt2: [chunks * 16][Mp] bf16 pairs. Tiles: C 0-3 (key tile k, row tile r: 2k + r), A 4-5,
-// B 6-7.
-template <int KT, int RT>
-inline void amx_logits(const bf16_t* K, int64_t ldk, const uint32_t* Qt2, int64_t Mp,
-                       int64_t chunks, float* St, int64_t n0, int64_t r0) {
-  static_assert(KT >= 1 && KT <= 2 && RT >= 1 && RT <= 2, "at most 2 x 2 C tiles");
-  const int64_t kb = ldk * 2, qb = Mp * 4;
-  _tile_zero(0);
-  if constexpr (RT > 1) _tile_zero(1);
-  if constexpr (KT > 1) _tile_zero(2);
-  if constexpr (KT > 1 && RT > 1) _tile_zero(3);
-  const bf16_t* k = K + n0 * ldk;
-  for (int64_t c = 0; c < chunks; ++c) {
-    JAX_ATTN_TILE_LOAD(4, k + 32 * c, kb);
-    if constexpr (KT > 1) JAX_ATTN_TILE_LOAD(5, k + 16 * ldk + 32 * c, kb);
-    const uint32_t* q = Qt2 + 16 * c * Mp + r0;
-    JAX_ATTN_TILE_LOAD(6, q, qb);
-    if constexpr (RT > 1) JAX_ATTN_TILE_LOAD(7, q + 16, qb);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (RT > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (KT > 1) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (KT > 1 && RT > 1) _tile_dpbf16ps(3, 5, 7);
+// Both products are one block product: C[16 MT][16 NT] (+)= A B over `chunks` chunks of 32
+// bf16 (the K dimension: dims for q.k, keys for p.v). A: [16 MT][32 chunks] bf16 rows lda
+// elements apart (chunk c at column 32 c); B: [16 chunks][16 NT] bf16 pairs, rows ldb words
+// apart; C: float32 rows ldc apart, read first unless `zero` (the block starts from zeros).
+//   q.k: A = keys (n0: K + n0 ldk), B = Qt2 + r0, C = S^T + n0 Mp + r0, zero
+//   p.v: A = VT + d0 ldv, B = Pp + r0, C = O^T + d0 Mp + r0, zero on the item's first step
+// Tiles: C 0-3 (A tile i, B tile j: 2i + j), A 4-5, B 6-7.
+template <int MT, int NT>
+inline void amx_block(const bf16_t* A, int64_t lda, const uint32_t* B, int64_t ldb,
+                      int64_t chunks, float* C, int64_t ldc, bool zero) {
+  static_assert(MT >= 1 && MT <= 2 && NT >= 1 && NT <= 2, "at most 2 x 2 C tiles");
+  const int64_t ab = lda * 2, bb = ldb * 4, cb = ldc * 4;
+  if (zero) {
+    _tile_zero(0);
+    if constexpr (NT > 1) _tile_zero(1);
+    if constexpr (MT > 1) _tile_zero(2);
+    if constexpr (MT > 1 && NT > 1) _tile_zero(3);
+  } else {
+    JAX_ATTN_TILE_LOAD(0, C, cb);
+    if constexpr (NT > 1) JAX_ATTN_TILE_LOAD(1, C + 16, cb);
+    if constexpr (MT > 1) JAX_ATTN_TILE_LOAD(2, C + 16 * ldc, cb);
+    if constexpr (MT > 1 && NT > 1) JAX_ATTN_TILE_LOAD(3, C + 16 * ldc + 16, cb);
   }
-  float* s = St + n0 * Mp + r0;
-  _tile_stored(0, s, qb);
-  if constexpr (RT > 1) _tile_stored(1, s + 16, qb);
-  if constexpr (KT > 1) _tile_stored(2, s + 16 * Mp, qb);
-  if constexpr (KT > 1 && RT > 1) _tile_stored(3, s + 16 * Mp + 16, qb);
+  for (int64_t c = 0; c < chunks; ++c) {
+    JAX_ATTN_TILE_LOAD(4, A + 32 * c, ab);
+    if constexpr (MT > 1) JAX_ATTN_TILE_LOAD(5, A + 16 * lda + 32 * c, ab);
+    const uint32_t* b = B + 16 * c * ldb;
+    JAX_ATTN_TILE_LOAD(6, b, bb);
+    if constexpr (NT > 1) JAX_ATTN_TILE_LOAD(7, b + 16, bb);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MT > 1 && NT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, C, cb);
+  if constexpr (NT > 1) _tile_stored(1, C + 16, cb);
+  if constexpr (MT > 1) _tile_stored(2, C + 16 * ldc, cb);
+  if constexpr (MT > 1 && NT > 1) _tile_stored(3, C + 16 * ldc + 16, cb);
 }
 
-// O^T[d0 .. d0 + 16 DT)[r0 .. r0 + 16 RT) (+)= VT Pp over `chunks` chunks of 32 keys, in place
-// in OT (row stride Mp floats); `first`: the block starts from zeros (OT is not read). VT:
-// [Dp][ldv] bf16 (keys contiguous per dim); Pp: [chunks * 16][Mp] probability pairs. Tiles:
-// C 0-3 (dim tile i, row tile r: 2i + r), A 4-5, B 6-7.
-template <int DT, int RT>
-inline void amx_values(const bf16_t* VT, int64_t ldv, const uint32_t* Pp, int64_t Mp,
-                       int64_t chunks, float* OT, int64_t d0, int64_t r0, bool first) {
-  static_assert(DT >= 1 && DT <= 2 && RT >= 1 && RT <= 2, "at most 2 x 2 C tiles");
-  const int64_t vb = ldv * 2, ob = Mp * 4;
-  float* o = OT + d0 * Mp + r0;
-  if (first) {
-    _tile_zero(0);
-    if constexpr (RT > 1) _tile_zero(1);
-    if constexpr (DT > 1) _tile_zero(2);
-    if constexpr (DT > 1 && RT > 1) _tile_zero(3);
+// fn(std::integral_constant<int, mt>, std::integral_constant<int, nt>) for mt, nt in {1, 2}:
+// the run-time tile counts of a block (a remainder of 16 rows, keys or dims) as template ones.
+template <typename Fn>
+inline void with_tiles(int mt, int nt, Fn&& fn) {
+  using one = std::integral_constant<int, 1>;
+  using two = std::integral_constant<int, 2>;
+  if (mt == 2) {
+    nt == 2 ? fn(two{}, two{}) : fn(two{}, one{});
   } else {
-    JAX_ATTN_TILE_LOAD(0, o, ob);
-    if constexpr (RT > 1) JAX_ATTN_TILE_LOAD(1, o + 16, ob);
-    if constexpr (DT > 1) JAX_ATTN_TILE_LOAD(2, o + 16 * Mp, ob);
-    if constexpr (DT > 1 && RT > 1) JAX_ATTN_TILE_LOAD(3, o + 16 * Mp + 16, ob);
+    nt == 2 ? fn(one{}, two{}) : fn(one{}, one{});
   }
-  const bf16_t* v = VT + d0 * ldv;
-  for (int64_t c = 0; c < chunks; ++c) {
-    JAX_ATTN_TILE_LOAD(4, v + 32 * c, vb);
-    if constexpr (DT > 1) JAX_ATTN_TILE_LOAD(5, v + 16 * ldv + 32 * c, vb);
-    const uint32_t* pp = Pp + 16 * c * Mp + r0;
-    JAX_ATTN_TILE_LOAD(6, pp, ob);
-    if constexpr (RT > 1) JAX_ATTN_TILE_LOAD(7, pp + 16, ob);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (RT > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (DT > 1) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (DT > 1 && RT > 1) _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, o, ob);
-  if constexpr (RT > 1) _tile_stored(1, o + 16, ob);
-  if constexpr (DT > 1) _tile_stored(2, o + 16 * Mp, ob);
-  if constexpr (DT > 1 && RT > 1) _tile_stored(3, o + 16 * Mp + 16, ob);
 }
 
 // ---------------------------------------------------------------------------------------------

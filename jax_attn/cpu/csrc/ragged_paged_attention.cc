@@ -923,6 +923,19 @@ inline void head_values(const PvArgs& a, int64_t Dp, int64_t M) {
   }
 }
 
+// Whether the step over keys [k0, k0 + nv) of item `it` masks any logit: some key past a
+// row's causal limit, or before a row's window.
+inline bool step_masks(const Problem& p, const Item& it, int64_t k0, int64_t nv) {
+  return (p.causal && k0 + nv - 1 > it.pos0) ||
+         (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
+}
+
+// PvArgs::visible of the step from key k0: the keys row 0 sees (row r: r / G more), else
+// kAllVisible without a causal limit.
+inline int64_t step_visible(const Problem& p, const Item& it, int64_t k0) {
+  return p.causal ? it.pos0 - k0 + 1 : kAllVisible;
+}
+
 // Query rows [0, M) of one kv head (row(r): a pointer to its D elements) transposed into Qt:
 // scaled float32 Qt[d][r] ([D][Mp]), or under kDot unscaled bf16 pairs Qt2[i][r] = (q[r][2i],
 // q[r][2i + 1]) ([D / 2][Mp]); rows [M, Mp) are zeros. Read row-major (d fastest), 16 rows x
@@ -1146,11 +1159,10 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
 #else
     static_cast<void>(packed);  // only the vdpbf16ps path shares value pairs
 #endif
-    const bool mask = (p.causal && k0 + nv - 1 > it.pos0) ||
-                      (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window);
+    const bool mask = step_masks(p, it, k0, nv);
     for (int64_t h = 0; h < nh; ++h) {
       HeadState& hs = heads[h];
-      const int64_t visible = p.causal ? it.pos0 - k0 + 1 : kAllVisible;
+      const int64_t visible = step_visible(p, it, k0);
       float* step_max = mask || transform ? nullptr : hs.step_max;
       head_logits<kDot>(p, hs, St, Mp, nv, visible, zero_row, next_query, step_max);
       softmax_step<kDot>(p, St, Mp, M, nv, k0, transform, mask, hs.q_pos, hs.slope, step_max,
@@ -1423,12 +1435,13 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
   bf16_t* out = static_cast<bf16_t*>(p.out);
   const int32_t* table = p.block_tables + it.seq * p.MB;
   const bool transform = p.cap > 0.0f || p.slopes != nullptr;
-  const bool mask_any = p.causal || p.window > 0;
   const bool scaled = p.qk_scale > 0.0f;  // the softmax applies the scale (kScaled)
   const __m512 scale = _mm512_set1_ps(p.qk_scale);
   TileScope tiles;
   for (int64_t kvh = it.kvh; kvh < it.kvh + it.num_kv; ++kvh) {
-    const auto row = [&](int64_t r) { return query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D; };
+    const auto row = [&](int64_t r) {
+      return query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D;
+    };
     transpose_queries<bf16_t, true>(row, M, Mp, D, 0.0f, reinterpret_cast<float*>(Qt2));
     std::memset(Qt2 + D / 2 * Mp, 0, sizeof(uint32_t) * (Dk - D) / 2 * Mp);  // pairs past D
     for (int64_t r = 0; r < Mp; ++r) {
@@ -1459,9 +1472,8 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
         ldv = ldv_step;
       }
       const int64_t ldk = packed != nullptr ? packed->ldk : Dk;
-      const bool mask = mask_any && ((p.causal && k0 + nv - 1 > it.pos0) ||
-                                     (p.window > 0 && k0 <= it.pos0 + it.nt - 1 - p.window));
-      const int64_t visible = p.causal ? it.pos0 - k0 + 1 : kAllVisible;
+      const bool mask = step_masks(p, it, k0, nv);
+      const int64_t visible = step_visible(p, it, k0);
       const bool first = k0 == it.k_begin;
       const int64_t nc = round_up(nv, 16), pairs = (nv + 1) / 2;
       // Blocks of 32 rows, each through q.k, softmax and p.v while its logits ([kKeys][32]
@@ -1474,20 +1486,13 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
       const auto keys_of = [&](int64_t r0) {  // keys the block's last row sees
         return std::min(nv, keys_seen(visible, G, r0 + 16 * row_tiles(r0) - 1));
       };
-      const auto logits = [&](int64_t r0) {
-        const int rt = row_tiles(r0);
+      const auto logits = [&](int64_t r0) {  // S^T = K Qt2, unscaled
         const int64_t nk = std::min(nc, round_up(keys_of(r0), 16));
         for (int64_t n0 = 0; n0 < nk; n0 += 32) {
-          const int kt = nk - n0 >= 32 ? 2 : 1;
-          if (kt == 2 && rt == 2) {
-            amx_logits<2, 2>(keys, ldk, Qt2, Mp, Dk / 32, St, n0, r0);
-          } else if (kt == 2) {
-            amx_logits<2, 1>(keys, ldk, Qt2, Mp, Dk / 32, St, n0, r0);
-          } else if (rt == 2) {
-            amx_logits<1, 2>(keys, ldk, Qt2, Mp, Dk / 32, St, n0, r0);
-          } else {
-            amx_logits<1, 1>(keys, ldk, Qt2, Mp, Dk / 32, St, n0, r0);
-          }
+          with_tiles(nk - n0 >= 32 ? 2 : 1, row_tiles(r0), [&](auto kt, auto rt) {
+            amx_block<decltype(kt)::value, decltype(rt)::value>(
+                keys + n0 * ldk, ldk, Qt2 + r0, Mp, Dk / 32, St + n0 * Mp + r0, Mp, true);
+          });
         }
       };
       const auto softmax_and_values = [&](int64_t r0) {
@@ -1515,21 +1520,13 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
         }
         const uint32_t* Pp = reinterpret_cast<const uint32_t*>(St);
         const int64_t chunks = (seen + 31) / 32;
-        for (int64_t d0 = 0; d0 < Dp; d0 += 32) {
-          const int dt = Dp - d0 >= 32 ? 2 : 1;
-          if (dt == 2 && rt == 2) {
-            if (!first) amx_rescale<2, 2>(OT, Mp, alpha, d0, r0);
-            amx_values<2, 2>(values, ldv, Pp, Mp, chunks, OT, d0, r0, first);
-          } else if (dt == 2) {
-            if (!first) amx_rescale<2, 1>(OT, Mp, alpha, d0, r0);
-            amx_values<2, 1>(values, ldv, Pp, Mp, chunks, OT, d0, r0, first);
-          } else if (rt == 2) {
-            if (!first) amx_rescale<1, 2>(OT, Mp, alpha, d0, r0);
-            amx_values<1, 2>(values, ldv, Pp, Mp, chunks, OT, d0, r0, first);
-          } else {
-            if (!first) amx_rescale<1, 1>(OT, Mp, alpha, d0, r0);
-            amx_values<1, 1>(values, ldv, Pp, Mp, chunks, OT, d0, r0, first);
-          }
+        for (int64_t d0 = 0; d0 < Dp; d0 += 32) {  // O^T = alpha O^T + VT Pp
+          with_tiles(Dp - d0 >= 32 ? 2 : 1, rt, [&](auto dt, auto rtc) {
+            constexpr int kD = decltype(dt)::value, kR = decltype(rtc)::value;
+            if (!first) amx_rescale<kD, kR>(OT, Mp, alpha, d0, r0);
+            amx_block<kD, kR>(values + d0 * ldv, ldv, Pp + r0, Mp, chunks, OT + d0 * Mp + r0,
+                              Mp, first);
+          });
         }
       };
       logits(0);
@@ -1543,7 +1540,7 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
       alignas(64) float f[16];
       for (int i = 0; i < 16; ++i) {
         const int64_t r = r0 + i;
-        f[i] = r < M && it.k_end > it.k_begin && row_sum[r] > 0.0f ? p.v_scale / row_sum[r] : 0.0f;
+        f[i] = r < M && row_sum[r] > 0.0f ? p.v_scale / row_sum[r] : 0.0f;  // no key: sum 0
       }
       for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
         __m512 x[16];
