@@ -140,17 +140,21 @@ def measure_fma_peak(quick: bool) -> dict:
     seconds = 0.005 if quick else 0.05
     one = cpu.fma_peak.measure(threads=1, seconds=seconds)
     every = cpu.fma_peak.measure(seconds=seconds)
+    chains = every.fmas_per_iteration * 32 // every.vector_bits
+    method = f"{every.vector_bits}-bit FMA loop, {chains} chains, best of 5"
+    return dict(_peak_record(one, every, method), vector_bits=every.vector_bits)
+
+
+def _peak_record(one, every, method: str) -> dict:
+    """A peak probe's record: one worker's measured peak times the workers (`gflop_s`, what
+    the rows are reported against), and all workers measured together."""
     return dict(
         status="ok",
         gflop_s=every.workers * one.gflop_s,
         threads=every.workers,
         one_thread_gflop_s=one.gflop_s,
         all_threads_gflop_s=every.gflop_s,
-        vector_bits=every.vector_bits,
-        method=(
-            f"{every.vector_bits}-bit FMA loop, "
-            f"{every.fmas_per_iteration * 32 // every.vector_bits} chains, best of 5"
-        ),
+        method=method,
     )
 
 
@@ -172,14 +176,8 @@ def measure_amx_peak(quick: bool) -> dict:
         every = cpu.amx_peak.measure(seconds=seconds)
     except RuntimeError as e:  # the tiles should run here: a failure, judged as one
         return dict(status="error", note=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    return dict(
-        status="ok",
-        gflop_s=every.workers * one.gflop_s,
-        threads=every.workers,
-        one_thread_gflop_s=one.gflop_s,
-        all_threads_gflop_s=every.gflop_s,
-        method=f"TDPBF16PS loop, {every.products_per_iteration} accumulator tiles, best of 5",
-    )
+    tiles = every.products_per_iteration
+    return _peak_record(one, every, f"TDPBF16PS loop, {tiles} accumulator tiles, best of 5")
 
 
 def add_fma_fractions(result: dict, fma_peak: dict) -> None:
