@@ -121,9 +121,15 @@ def unavailable_reason() -> str | None:
 
 def available() -> bool:
     """Whether the native ops run here; the first `False` in a process warns with the reason.
-    Under `torch.compile` it reads the state the first eager call left (no lock, no build)."""
+    Under `torch.compile` the answer is taken once, at trace time, as a constant: the library
+    is loaded then if nothing loaded it before, so a step compiled before any eager call
+    traces the native op too (and a missing library warns then, as eagerly)."""
     if torch.compiler.is_compiling():
-        return _state.get("reason", "not loaded") is None
+        return _available_while_tracing()
+    return _available()
+
+
+def _available() -> bool:
     reason = unavailable_reason()
     if reason is not None and not _state.get("warned"):
         _state["warned"] = True
@@ -131,9 +137,14 @@ def available() -> bool:
             f"torch_backends: the native CPU kernels are not available ({reason}); paged "
             "decode runs in vectorized torch instead (several times slower)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     return reason is None
+
+
+# Dynamo runs this eagerly while tracing and puts its result in the graph as a constant (no
+# guard): the build, the lock and the library load stay out of the traced code.
+_available_while_tracing = torch.compiler.assume_constant_result(_available)
 
 
 # --------------------------------------------------------------------------------------------

@@ -242,6 +242,57 @@ def test_the_torch_half_runs_native_without_importing_jax():
     assert "JAX: False" in result.stdout
 
 
+COMPILE_FIRST_IN_A_CHILD = """
+    import warnings
+    import torch
+    from torch_backends import native
+    from torch_backends.cpu_paged_attn import PagedAttention
+
+    kv = torch.randn(2, 3, 16 * 2 * 64)
+    kc, vc = (c.view(3, 2, 64, 16) for c in kv)
+    key_cache = kc.reshape(3, 2, 16, 4, 16).transpose(2, 3).contiguous().view(3, 2, 16, 16, 4)
+    tables = torch.tensor([[1, 0], [2, 0]], dtype=torch.int32)
+    lens = torch.tensor([20, 7], dtype=torch.int32)
+    graphs = []
+
+    def record(gm, example_inputs):  # a torch.compile backend that keeps the traced graph
+        graphs.append(gm)
+        return gm.forward
+
+    def step(query, out):
+        PagedAttention.forward_decode(
+            out, query * 2.0, key_cache, vc, tables, lens, 32, "auto", 2, 0.125, None, 1.0,
+            1.0)
+        return out + 1.0
+
+    q = torch.randn(2, 4, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(step, backend=record, fullgraph=True)(q, torch.empty_like(q))
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    print("NATIVE_IN_GRAPH:", any("jax_attn.paged_decode_split" in t for t in targets))
+    print("WARNINGS:", sum("native CPU kernels are not available" in str(w.message)
+                           for w in caught))
+    print("MATCHES_EAGER:", torch.allclose(compiled, step(q, torch.empty_like(q))))
+"""
+
+
+def test_torch_compile_first_in_a_fresh_process_traces_the_native_op():
+    """Compiling before any eager call (the library not loaded yet) still puts the native
+    decode in the graph, not the vectorized-torch fallback."""
+    result = _run_child(COMPILE_FIRST_IN_A_CHILD)
+    assert result.returncode == 0, result.stderr
+    assert "NATIVE_IN_GRAPH: True" in result.stdout, result.stdout
+    assert "WARNINGS: 0" in result.stdout and "MATCHES_EAGER: True" in result.stdout
+
+
+def test_torch_compile_without_the_library_traces_torch_and_says_so():
+    result = _run_child(COMPILE_FIRST_IN_A_CHILD, JAX_ATTN_CPU_DISABLE="1")
+    assert result.returncode == 0, result.stderr
+    assert "NATIVE_IN_GRAPH: False" in result.stdout, result.stdout
+    assert "WARNINGS: 1" in result.stdout and "MATCHES_EAGER: True" in result.stdout
+
+
 def test_native_and_torch_paths_agree(rng):
     """The same decode through the kernel and through the vectorized-torch fallback."""
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
