@@ -189,8 +189,10 @@ class PagedAttention:
     @staticmethod
     def swap_blocks(src_kv_cache: Tensor, dst_kv_cache: Tensor, src_to_dst: Tensor) -> None:
         """Copy blocks `src_to_dst[i, 0]` of src to `src_to_dst[i, 1]` of dst, for both the
-        key and value halves; src and dst may be on different devices (CPU <-> CUDA). Block
-        ids outside either cache raise ValueError before anything is copied."""
+        key and value halves; src and dst may be on different devices (CPU <-> CUDA), or be
+        one cache (or overlapping views of one): every source is read before any block is
+        written. Block ids outside either cache, or a destination given twice, raise
+        ValueError before anything is copied."""
         pairs = _block_pairs("src_to_dst", src_to_dst, src_kv_cache.shape[1],
                              dst_kv_cache.shape[1])  # fmt: skip
         if _native_copies([dst_kv_cache, src_kv_cache]):
@@ -198,26 +200,29 @@ class PagedAttention:
             return
         src_ids = pairs[:, 0].to(src_kv_cache.device)
         dst_ids = pairs[:, 1].to(dst_kv_cache.device)
-        for half in range(2):
-            blocks = src_kv_cache[half].index_select(0, src_ids)
-            dst_kv_cache[half].index_copy_(0, dst_ids, blocks.to(dst_kv_cache.device))
+        blocks = src_kv_cache.index_select(1, src_ids)  # [2, N, ...]: a copy, read first
+        dst_kv_cache.index_copy_(1, dst_ids, blocks.to(dst_kv_cache.device))
 
     @staticmethod
     def copy_blocks(kv_caches: list[Tensor], src_to_dists: Tensor) -> None:
-        """For every layer's `kv_cache`, copy block `src_to_dists[i, 0]` to `[i, 1]`, every
-        source read before any write. Block ids outside a cache raise ValueError before
-        anything is copied."""
+        """For every layer's `kv_cache`, copy block `src_to_dists[i, 0]` to `[i, 1]`, as if
+        every source of every layer were read before any block is written: chains
+        (`[[0, 1], [1, 2]]` copies the old block 1 to 2) and swaps come out whole. Refused
+        with ValueError before anything is copied: a block id outside a cache, a destination
+        given twice (which write would win is undefined), two caches that share memory
+        (unless it is the same tensor listed again, which is copied once)."""
         if not kv_caches:
             return
         num_blocks = min(kv_cache.shape[1] for kv_cache in kv_caches)
         pairs = _block_pairs("src_to_dists", src_to_dists, num_blocks, num_blocks)
+        _check_caches_apart("kv_caches", kv_caches)
         if _native_copies(kv_caches):
             native.copy_blocks(kv_caches, kv_caches, pairs)
             return
-        for kv_cache in kv_caches:
-            src, dst = pairs[:, 0].to(kv_cache.device), pairs[:, 1].to(kv_cache.device)
-            blocks = kv_cache[:, src].clone()  # read every source before any write
-            kv_cache[:, dst] = blocks
+        ids = [(pairs[:, 0].to(c.device), pairs[:, 1].to(c.device)) for c in kv_caches]
+        blocks = [c[:, src] for c, (src, _) in zip(kv_caches, ids, strict=True)]  # copies
+        for kv_cache, (_, dst), block in zip(kv_caches, ids, blocks, strict=True):
+            kv_cache[:, dst] = block
 
 
 def decode(
@@ -282,7 +287,8 @@ def decode(
 
 
 def _block_pairs(name: str, pairs: Tensor, src_blocks: int, dst_blocks: int) -> Tensor:
-    """`pairs` as int64 `[N, 2]` on the CPU, (src, dst) ids checked against both caches."""
+    """`pairs` as int64 `[N, 2]` on the CPU, (src, dst) ids checked against both caches and
+    the destinations distinct."""
     pairs = pairs.to("cpu", torch.long).reshape(-1, 2)
     for column, limit, what in ((0, src_blocks, "source"), (1, dst_blocks, "destination")):
         ids = pairs[:, column]
@@ -293,7 +299,46 @@ def _block_pairs(name: str, pairs: Tensor, src_blocks: int, dst_blocks: int) -> 
                 f"{name}[{i}, {column}]={int(ids[i])} is out of range: {what} block ids must be "
                 f"in [0, {limit})"
             )
+    first: dict[int, int] = {}
+    for i, block in enumerate(pairs[:, 1].tolist()):
+        if block in first:
+            raise ValueError(
+                f"{name}[:, 1] has block {block} more than once ({name}[{first[block]}] and "
+                f"[{i}]): destinations must be distinct (a repeated destination leaves which "
+                "write wins undefined)"
+            )
+        first[block] = i
     return pairs
+
+
+def _check_caches_apart(name: str, caches: list[Tensor]) -> None:
+    """ValueError if two of `caches` share memory (a block would be written twice), unless
+    they are the same tensor listed again (same data, shape and strides: copied once)."""
+    spans = [_byte_span(c) for c in caches]
+    for j, b in enumerate(caches):
+        for i in range(j):
+            a = caches[i]
+            same = (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
+                b.data_ptr(), b.shape, b.stride(), b.dtype
+            )  # fmt: skip
+            (key_a, lo_a, hi_a), (key_b, lo_b, hi_b) = spans[i], spans[j]
+            if not same and key_a == key_b and lo_a < hi_b and lo_b < hi_a:
+                raise ValueError(
+                    f"{name}[{i}] and {name}[{j}] share memory: destination caches must not "
+                    "overlap (a byte written twice leaves which write wins undefined) unless "
+                    "the same cache is listed again"
+                )
+
+
+def _byte_span(t: Tensor) -> tuple[tuple, int, int]:
+    """(storage identity, first byte, one past the last byte) of `t` in its storage; an empty
+    tensor spans nothing."""
+    key = (t.device, t.untyped_storage().data_ptr())
+    if t.numel() == 0:
+        return key, 0, 0
+    first = t.storage_offset()  # elements
+    last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return key, first * t.element_size(), (last + 1) * t.element_size()
 
 
 def _native_copies(caches: list[Tensor]) -> bool:

@@ -2,8 +2,8 @@
 
 #include "paged_cache.h"
 
+#include <algorithm>
 #include <cstring>
-#include <set>
 #include <vector>
 
 namespace jax_attn_cpu {
@@ -64,6 +64,7 @@ std::string store_rows(const StoreArgs& a, const Workers& workers) {
     case 1: head_fn = store_head<1>; break;
     default: return "element size " + std::to_string(a.elem_bytes) + " must be 1, 2 or 4 bytes";
   }
+  if (a.num_kv_heads == 0 || a.head_size == 0) return "";  // rows of no bytes: nothing to do
   const int64_t bytes = 2 * a.num_tokens * a.num_kv_heads * a.head_size * a.elem_bytes;
   Workers w = workers;
   if (bytes < kParallelBytes) w.count = 1;
@@ -71,51 +72,161 @@ std::string store_rows(const StoreArgs& a, const Workers& workers) {
   return "";
 }
 
-std::string copy_blocks(const BlockCopy* copies, int64_t num_copies, const int64_t* pairs,
-                        int64_t num_pairs, const Workers& workers) {
+namespace {
+
+// A byte range [begin, end) as integers: ranges of different caches are compared.
+struct Span {
+  std::uintptr_t begin = 0, end = 0;
+  bool overlaps(const Span& o) const {
+    return begin < end && o.begin < o.end && begin < o.end && o.begin < end;
+  }
+};
+
+Span span(const void* base, int64_t bytes) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(base);
+  return Span{begin, begin + static_cast<std::uintptr_t>(bytes)};
+}
+
+// The same request twice (one cache listed twice as its own source): the second adds nothing.
+bool same_copy(const BlockCopy& c, const BlockCopy& d) {
+  return c.dst == d.dst && c.src == d.src && c.dst_blocks == d.dst_blocks &&
+         c.src_blocks == d.src_blocks && c.block_bytes == d.block_bytes && c.halves == d.halves;
+}
+
+// One block to move: `bytes` from `from` to `to`. A staged move's source is read into the
+// staging buffer (at `staged`) before any block is written.
+struct Move {
+  const char* from = nullptr;
+  char* to = nullptr;
+  int64_t bytes = 0;
+  int64_t staged = -1;  // offset in the staging buffer, or -1: `from` is never written
+};
+
+// The rules, checked before anything is read or written: "" or the first one broken.
+std::string check_copies(const BlockCopy* copies, int64_t num_copies, const int64_t* pairs,
+                         int64_t num_pairs) {
+  const auto str = [](int64_t v) { return std::to_string(v); };
   for (int64_t c = 0; c < num_copies; ++c) {
     for (int64_t i = 0; i < num_pairs; ++i) {
       const int64_t src = pairs[2 * i], dst = pairs[2 * i + 1];
       if (src < 0 || src >= copies[c].src_blocks || dst < 0 || dst >= copies[c].dst_blocks) {
-        return "block pair " + std::to_string(i) + " (" + std::to_string(src) + " -> " +
-               std::to_string(dst) + ") must be in [0, " + std::to_string(copies[c].src_blocks) +
-               ") -> [0, " + std::to_string(copies[c].dst_blocks) + ")";
+        return "block_pairs[" + str(i) + "]=(" + str(src) + ", " + str(dst) +
+               ") must be a source block in [0, " + str(copies[c].src_blocks) + ") of src[" +
+               str(c) + "] and a destination block in [0, " + str(copies[c].dst_blocks) +
+               ") of dst[" + str(c) + "]";
       }
     }
   }
-  // Sources go through a staging copy where a destination of the same cache is also read.
-  std::vector<int64_t> sources(num_pairs), targets(num_pairs);
-  for (int64_t i = 0; i < num_pairs; ++i) {
-    sources[i] = pairs[2 * i];
-    targets[i] = pairs[2 * i + 1];
+  // Each destination once: pairs ordered by (destination, index), the earliest repeat named.
+  std::vector<int64_t> order(num_pairs);
+  for (int64_t i = 0; i < num_pairs; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return pairs[2 * a + 1] != pairs[2 * b + 1] ? pairs[2 * a + 1] < pairs[2 * b + 1] : a < b;
+  });
+  int64_t first = -1, again = num_pairs;
+  for (int64_t k = 1; k < num_pairs; ++k) {
+    if (pairs[2 * order[k] + 1] == pairs[2 * order[k - 1] + 1] && order[k] < again) {
+      first = order[k - 1];
+      again = order[k];
+    }
   }
-  const std::set<int64_t> read(sources.begin(), sources.end());
-  bool overlap = false;
-  for (int64_t t : targets) overlap = overlap || read.count(t) > 0;
-  int64_t bytes = 0;
-  for (int64_t c = 0; c < num_copies; ++c) bytes += copies[c].halves * copies[c].block_bytes;
-  bytes *= num_pairs;
+  if (first >= 0) {
+    return "block_pairs[:, 1] has block " + str(pairs[2 * again + 1]) + " more than once " +
+           "(block_pairs[" + str(first) + "] and [" + str(again) + "]): destinations must be " +
+           "distinct (a repeated destination leaves which write wins undefined)";
+  }
+  // Destination caches apart (or the very same copy listed again, which copies nothing more).
+  for (int64_t c = 0; c < num_copies; ++c) {
+    const BlockCopy& a = copies[c];
+    for (int64_t d = 0; d < c; ++d) {
+      const BlockCopy& b = copies[d];
+      if (same_copy(a, b)) continue;
+      if (span(a.dst, a.halves * a.dst_blocks * a.block_bytes)
+              .overlaps(span(b.dst, b.halves * b.dst_blocks * b.block_bytes))) {
+        return "dst[" + str(d) + "] and dst[" + str(c) + "] share memory: destination caches "
+               "must not overlap (a byte written twice leaves which write wins undefined) "
+               "unless the same cache is listed with the same source";
+      }
+    }
+  }
+  return "";
+}
+
+// The moves of every copy (a repeated copy once), sources that a move writes marked staged.
+std::vector<Move> plan_moves(const BlockCopy* copies, int64_t num_copies, const int64_t* pairs,
+                             int64_t num_pairs, int64_t* staged_bytes) {
+  std::vector<Move> moves;
+  for (int64_t c = 0; c < num_copies; ++c) {
+    const BlockCopy& cp = copies[c];
+    if (cp.block_bytes == 0 || std::any_of(copies, copies + c, [&](const BlockCopy& d) {
+          return same_copy(cp, d);
+        })) {
+      continue;
+    }
+    // half h of a cache: blocks [h * num_blocks, (h + 1) * num_blocks) of block_bytes each
+    for (int64_t h = 0; h < cp.halves; ++h) {
+      for (int64_t i = 0; i < num_pairs; ++i) {
+        Move m;
+        m.from = cp.src + (h * cp.src_blocks + pairs[2 * i]) * cp.block_bytes;
+        m.to = cp.dst + (h * cp.dst_blocks + pairs[2 * i + 1]) * cp.block_bytes;
+        m.bytes = cp.block_bytes;
+        moves.push_back(m);
+      }
+    }
+  }
+  // The written blocks never overlap (check_copies): sorted by start, their ends are sorted
+  // too, so the one block a read could overlap first is found by binary search.
+  std::vector<Span> written(moves.size());
+  for (size_t k = 0; k < moves.size(); ++k) written[k] = span(moves[k].to, moves[k].bytes);
+  std::sort(written.begin(), written.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  *staged_bytes = 0;
+  for (Move& m : moves) {
+    const Span read = span(m.from, m.bytes);
+    const auto hit = std::upper_bound(written.begin(), written.end(), read.begin,
+                                      [](std::uintptr_t x, const Span& w) { return x < w.end; });
+    if (hit != written.end() && hit->overlaps(read)) {
+      m.staged = *staged_bytes;
+      *staged_bytes += m.bytes;
+    }
+  }
+  return moves;
+}
+
+}  // namespace
+
+std::string copy_blocks(const BlockCopy* copies, int64_t num_copies, const int64_t* pairs,
+                        int64_t num_pairs, const Workers& workers) {
+  const std::string error = check_copies(copies, num_copies, pairs, num_pairs);
+  if (!error.empty()) return error;
+  int64_t staged_bytes = 0;
+  const std::vector<Move> moves = plan_moves(copies, num_copies, pairs, num_pairs,
+                                             &staged_bytes);
+  int64_t bytes = staged_bytes;
+  for (const Move& m : moves) bytes += m.bytes;
   Workers w = workers;
   if (bytes < kParallelBytes) w.count = 1;
-  run_items(w, num_copies, [&](int64_t c) {
-    const BlockCopy& cp = copies[c];
-    const bool stage = overlap && static_cast<const char*>(cp.dst) == cp.src;
-    std::vector<char> staged(stage ? static_cast<size_t>(num_pairs * cp.block_bytes) : 0);
-    for (int64_t half = 0; half < cp.halves; ++half) {
-      const char* src = cp.src + half * cp.src_blocks * cp.block_bytes;
-      char* dst = cp.dst + half * cp.dst_blocks * cp.block_bytes;
-      if (stage) {
-        for (int64_t i = 0; i < num_pairs; ++i) {
-          std::memcpy(staged.data() + i * cp.block_bytes, src + sources[i] * cp.block_bytes,
-                      cp.block_bytes);
-        }
-      }
-      for (int64_t i = 0; i < num_pairs; ++i) {
-        const char* from = stage ? staged.data() + i * cp.block_bytes
-                                 : src + sources[i] * cp.block_bytes;
-        std::memcpy(dst + targets[i] * cp.block_bytes, from, cp.block_bytes);
-      }
-    }
+  constexpr int64_t kMovesPerItem = 16;
+  const int64_t num_moves = static_cast<int64_t>(moves.size());
+  const int64_t items = (num_moves + kMovesPerItem - 1) / kMovesPerItem;
+  const auto each_move = [&](int64_t item, auto&& fn) {
+    const int64_t end = std::min(num_moves, (item + 1) * kMovesPerItem);
+    for (int64_t k = item * kMovesPerItem; k < end; ++k) fn(moves[k]);
+  };
+  // Sources that some move overwrites are read first (run_items returns when every item is
+  // done); the other sources are never written, so they are read in place.
+  std::vector<char> staging(static_cast<size_t>(staged_bytes));
+  if (staged_bytes > 0) {
+    run_items(w, items, [&](int64_t item) {
+      each_move(item, [&](const Move& m) {
+        if (m.staged >= 0) std::memcpy(staging.data() + m.staged, m.from, m.bytes);
+      });
+    });
+  }
+  run_items(w, items, [&](int64_t item) {
+    each_move(item, [&](const Move& m) {
+      std::memcpy(m.to, m.staged >= 0 ? staging.data() + m.staged : m.from, m.bytes);
+    });
   });
   return "";
 }

@@ -37,10 +37,15 @@ struct BlockCopy {
   int64_t dst_blocks = 0, src_blocks = 0, block_bytes = 0, halves = 1;
 };
 
-// For every copy and each half: block pairs[i][1] of dst <- block pairs[i][0] of src, every
-// source read before any destination is written (chains and overlaps come out as if all the
-// sources were copied first). Returns "" or a message naming the first bad pair, before any
-// write.
+// For every copy and each half: block pairs[i][1] of dst <- block pairs[i][0] of src, as if
+// every source were read before any destination is written, whatever the caches share: dst ==
+// src, views that partly overlap, a destination of one copy that is a source of another, a
+// chain (0 -> 1, 1 -> 2 copies the old block 1). Sources that a copy overwrites go through a
+// staging buffer; the rest are read in place. Nothing is written twice, by rule: the
+// destination ids are distinct, and destination caches do not overlap (a copy listed again
+// with the same dst and src is done once). Returns "" or a message naming the first
+// broken rule (a block id out of range, a repeated destination, overlapping destination
+// caches), before any read or write.
 std::string copy_blocks(const BlockCopy* copies, int64_t num_copies, const int64_t* pairs,
                         int64_t num_pairs, const Workers& workers);
 

@@ -19,16 +19,20 @@
 //
 //   copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor block_pairs) -> ()
 //     dst[i][:, pairs[:, 1]] = src[i][:, pairs[:, 0]] for caches [2, NB, ...] (vLLM's
-//     copy_blocks with dst = src, swap_blocks with one pair of caches), every source read
-//     before any destination is written.
+//     copy_blocks with dst = src, swap_blocks with one pair of caches), as if every source
+//     were read before any destination is written, however dst and src share memory.
+//     Refused: a destination id twice, destination caches that overlap (unless the same
+//     dst[i], src[i] are listed again: copied once) (paged_cache.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "paged_cache.h"
 #include "paged_decode.h"
@@ -85,6 +89,15 @@ void check_cpu_contiguous(std::initializer_list<Named> tensors) {
     TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be a CPU tensor, got ", t->device());
     TORCH_CHECK_VALUE(t->is_contiguous(), name, " must be contiguous");
   }
+}
+
+// Whether the bytes of two contiguous tensors overlap.
+bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
+  const auto begin_a = reinterpret_cast<std::uintptr_t>(a.data_ptr());
+  const auto begin_b = reinterpret_cast<std::uintptr_t>(b.data_ptr());
+  const auto end_a = begin_a + static_cast<std::uintptr_t>(a.nbytes());
+  const auto end_b = begin_b + static_cast<std::uintptr_t>(b.nbytes());
+  return begin_a < end_a && begin_b < end_b && begin_a < end_b && begin_b < end_a;
 }
 
 float scalar(const at::Tensor& t, const char* name) {
@@ -178,6 +191,9 @@ void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
                     key_cache.sizes(), " and ", value_cache.sizes());
   check_cpu_contiguous({{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"},
                         {&value_cache, "value_cache"}, {&slot_mapping, "slot_mapping"}});
+  TORCH_CHECK_VALUE(!shares_memory(key_cache, value_cache),
+                    "key_cache and value_cache must not share memory (each row would be "
+                    "written over by the other cache's)");
   for (const at::Tensor* t : {&key, &value, static_cast<const at::Tensor*>(&value_cache)}) {
     TORCH_CHECK_VALUE(t->scalar_type() == key_cache.scalar_type(),
                       "key, value and both caches must have one dtype (the cache's: fp8 as "
@@ -225,17 +241,22 @@ void copy_blocks_op(at::TensorList dst, at::TensorList src, const at::Tensor& bl
   std::vector<BlockCopy> copies(dst.size());
   for (size_t i = 0; i < dst.size(); ++i) {
     const at::Tensor &d = dst[i], &s = src[i];
-    check_cpu_contiguous({{&d, "dst"}, {&s, "src"}});
+    const std::string dst_name = "dst[" + std::to_string(i) + "]";
+    const std::string src_name = "src[" + std::to_string(i) + "]";
+    check_cpu_contiguous({{&d, dst_name.c_str()}, {&s, src_name.c_str()}});
     TORCH_CHECK_VALUE(d.dim() >= 2 && d.size(0) == 2 && s.dim() == d.dim() && s.size(0) == 2 &&
                           d.scalar_type() == s.scalar_type() &&
                           d.sizes().slice(2) == s.sizes().slice(2),
-                      "caches must be [2, num_blocks, ...] with one block shape and dtype, got ",
-                      d.sizes(), " ", d.scalar_type(), " and ", s.sizes(), " ", s.scalar_type());
+                      dst_name, " and ", src_name, " must be caches [2, num_blocks, ...] with "
+                      "one block shape and dtype, got ", d.sizes(), " ", d.scalar_type(),
+                      " and ", s.sizes(), " ", s.scalar_type());
+    int64_t block_bytes = d.element_size();
+    for (int64_t size : d.sizes().slice(2)) block_bytes *= size;
     copies[i].dst = static_cast<char*>(d.data_ptr());
     copies[i].src = static_cast<const char*>(s.data_ptr());
     copies[i].dst_blocks = d.size(1);
     copies[i].src_blocks = s.size(1);
-    copies[i].block_bytes = d[0][0].numel() * d.element_size();
+    copies[i].block_bytes = block_bytes;
     copies[i].halves = 2;
   }
   const std::string error =
