@@ -84,6 +84,11 @@ GRID = [
     (torch.bfloat16, "fp8", 128, 16, 4, None),
     (torch.float32, "fp8_e4m3", 64, 16, 2, "window"),
     (torch.bfloat16, "fp8_e5m2", 128, 16, 4, "alibi"),
+    # Several tiles per block, walked head block by head block; windows start inside a block.
+    (torch.float32, "auto", 128, 128, 4, "window"),
+    (torch.bfloat16, "auto", 128, 128, 4, "alibi"),
+    (torch.bfloat16, "fp8", 64, 64, 2, "window"),
+    (torch.float16, "auto", 80, 128, 2, None),
 ]
 
 
@@ -97,7 +102,7 @@ def test_decode_matches_the_float64_oracle(
     q, kc, vc, tables, lens, keys, values = split_decode_case(
         gen, num_seqs=5, num_heads=hkv * group, num_kv_heads=hkv, head_size=head_size,
         block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-        k_scale=scales[0], v_scale=scales[1],
+        k_scale=scales[0], v_scale=scales[1], max_len=max(70, 2 * block_size + 37),
     )  # fmt: skip
     bias_kwargs = {
         None: {},

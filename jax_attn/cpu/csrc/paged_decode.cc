@@ -1055,28 +1055,16 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   //   for keys and 8 for values, strided: DRAM pages opened 16 at a time. On the Zen 5 VM the
   //   address order took decode-bf16 from 4.4-4.8 to 3.9-4.0 ms, decode-f32 8.5-8.8 to
   //   7.7-8.5, 8 x 8192 f32 16.2-18.9 to 14.7-16.5; 3 rounds alternated.)
-  // - split: a kv head's block is contiguous per cache; the head's whole block, requested at
-  //   its first tile, kPrefetchTiles head steps ahead for keys and twice as far for values.
+  // - split: kv heads outer (a head's block is contiguous in each cache and is read through
+  //   before the next); the head block kPrefetchTiles tiles ahead (in whole head blocks, at
+  //   least the next) for keys and twice as far for values, a share per tile. Before, tiles
+  //   outer and heads inner, as for token-major: at block 128 each head block was visited 8
+  //   times, 16 strided pieces each time, and its whole block requested in one tile's math.
   //
-  // Split: where the block of the tile `steps` kv-head steps after (block b, tile t0, head h)
-  // starts (element offset in a cache), rows 1 at the block's first tile, else 0 (and 0 past
-  // the item's last block).
+  // Token-major: the offset and rows of the tile after (block b, tile t0); rows 0 past the end.
   struct TileRows {
     int64_t offset, rows;
   };
-  auto split_ahead = [&](int64_t b, int64_t t0, int64_t h, int64_t steps) {
-    int64_t hh = h + steps, tt = t0 / 16, bb = b;
-    while (hh >= Hkv) {
-      hh -= Hkv;
-      if (++tt >= tiles_per_block) {
-        tt = 0;
-        ++bb;
-      }
-    }
-    if (bb > last_block) return TileRows{0, 0};
-    return TileRows{(table[bb] * Hkv + hh) * D * BS, tt == 0 ? 1 : 0};
-  };
-  // Token-major: the offset and rows of the tile after (block b, tile t0); rows 0 past the end.
   auto next_tile = [&](int64_t b, int64_t t0) {
     int64_t tt = t0 / 16 + 1, bb = b;
     if (tt >= tiles_per_block || b * BS + tt * 16 >= it.end) {
@@ -1092,42 +1080,112 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   alignas(64) float zero_row[kRowsTiles ? DP : 1] = {};
   FloatBuffer tile_logits(kRowsTiles ? static_cast<size_t>(Hq * 16) : 0);
   FloatBuffer tile_probs(kRowsTiles ? static_cast<size_t>(Hq * 17) : 0);
+  // Split layout: tile (t0, n) of kv head h in block b; pf's requests spread over its math.
+  auto split_tile = [&](int64_t b, int64_t t0, int64_t h, int64_t n, __m512 distance,
+                        TilePrefetcher& pf) {
+    const int64_t head = (table[b] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
+    if constexpr (kKeysDirect) {  // float32, or bf16 under kDot: keys read in place
+      // The prefetches, spread over every step here and in attend_tile (its value steps: per
+      // group of 4 rows, 4 chunks x n tokens).
+      const int64_t G = p.group;
+      const int64_t steps = (G + 3) / 4 * (D * static_cast<int64_t>(sizeof(KV)) / 16 +
+                                           (NC + 3) / 4 * n) + NC;
+      const int64_t per_step = (pf.remaining() + steps - 1) / steps;
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        split_logits<NC, kDot>(p, queries, kc + head, t0, n, h * G + g0,
+                               static_cast<int>(std::min<int64_t>(4, G - g0)),
+                               split_pre + g0, pf, per_step);
+      }
+      transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, pf, per_step);
+      attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
+                            pf, split_pre);
+    } else {
+      gather_split_keys(kc + head, BS, t0, n, D, knative, D);
+      if constexpr (kDot) {
+#if JAX_ATTN_DECODE_FP8_DOT
+        convert_tile_fp8_bf16<KV, NC>(fp8, knative, D, n, D, ktile2);
+#endif
+      } else {
+        widen_tile<KV, NC>(knative, D, n, last_mask, ktile);
+      }
+      TilePrefetcher none;  // these paths leave the prefetches to attend_tile
+      transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, none, 0);
+      attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
+                            pf);
+    }
+  };
+  // Split layout, head-major: kv head blocks in turn ((block, head) in table then head order);
+  // the head block `steps` of them after (b, h) starts at this element offset of either cache
+  // (-1 past the item's last block).
+  auto head_block_ahead = [&](int64_t b, int64_t h, int64_t steps) -> int64_t {
+    const int64_t k = (b - first_block) * Hkv + h + steps;
+    const int64_t bb = first_block + k / Hkv;
+    return bb > last_block ? -1 : (table[bb] * Hkv + k % Hkv) * D * BS;
+  };
+  // kPrefetchTiles tiles ahead for keys, twice as far for values, in whole head blocks.
+  const int64_t keys_ahead = std::max<int64_t>(1, (p.prefetch_tiles + tiles_per_block - 1) /
+                                                      tiles_per_block);
+  const int64_t values_ahead = std::max<int64_t>(
+      1, (2 * p.prefetch_tiles + tiles_per_block - 1) / tiles_per_block);
+  const int64_t head_bytes = D * BS * elem;  // one kv head's block in either cache
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
     const int64_t t_end = std::min(it.end, b * BS + BS) - b * BS;
     const int64_t block_offset = table[b] * block_stride;
+    if (split) {
+      // A head block (contiguous in each cache) is read through whole before the next, whose
+      // keys and values (keys_ahead / values_ahead head blocks on) are requested a share per
+      // tile. Each query row's tiles still come in key order: the rows' results are the same.
+      const int64_t tiles = (t_end - t_begin + 15) / 16;
+      const int64_t share = ((head_bytes + tiles - 1) / tiles + 63) / 64 * 64;
+      const bool to_l2 = p.prefetch_l2 || 2 * head_bytes > 64 * 1024;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t keys = p.prefetch_tiles > 0 ? head_block_ahead(b, h, keys_ahead) : -1;
+        const int64_t values = p.prefetch_tiles > 0 ? head_block_ahead(b, h, values_ahead) : -1;
+        for (int64_t i = 0, t0 = t_begin; t0 < t_end; ++i, t0 += 16) {
+          const int64_t n = std::min<int64_t>(16, t_end - t0);
+          const __m512 distance = _mm512_add_ps(
+              iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
+          TilePrefetcher pf;
+          const int64_t lo = i * share, bytes = std::min(share, head_bytes - lo);
+          if (keys >= 0 && bytes > 0) {
+            const char* k = reinterpret_cast<const char*>(kc + keys) + lo;
+            const char* v = values >= 0 ? reinterpret_cast<const char*>(vc + values) + lo : nullptr;
+            pf = TilePrefetcher(k, v, 0, 1, bytes, to_l2);
+          }
+          split_tile(b, t0, h, n, distance, pf);
+        }
+      }
+      continue;
+    }
     for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, t_end - t0);
       const __m512 distance = _mm512_add_ps(
           iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
       if constexpr (kRowsTiles) {
-        if (!split) {
-          // The next tile's keys and values ([rows, Hkv, D] each, contiguous), requested in
-          // address order over this tile's steps. A float32 tile's (128 KiB at Hkv 8, D 128)
-          // outgrows L1 beside the tile being computed: it goes to L2 (T1), smaller ones with
-          // NTA (measured, the top of this file).
-          TilePrefetcher pf;
-          const TileRows next = next_tile(b, t0);
-          if (p.prefetch_tiles > 0 && next.rows > 0) {
-            const int64_t bytes = next.rows * row_stride * elem;
-            pf = TilePrefetcher(kc + next.offset, vc + next.offset, 0, 1, bytes,
-                                p.prefetch_l2 || 2 * bytes > 64 * 1024);
-          }
-          const int64_t first = block_offset + t0 * row_stride;
-          const void* q_rows = kDot ? static_cast<const void*>(queries.bf16)
-                                    : static_cast<const void*>(queries.f32);
-          attend_tile_rows<KV, NC, kDot>(p, q_rows, st, kc + first, vc + first, row_stride, n,
-                                         distance, pf, reinterpret_cast<const KV*>(zero_row),
-                                         tile_logits.get(), tile_probs.get());
-          continue;
+        // The next tile's keys and values ([rows, Hkv, D] each, contiguous), requested in
+        // address order over this tile's steps. A float32 tile's (128 KiB at Hkv 8, D 128)
+        // outgrows L1 beside the tile being computed: it goes to L2 (T1), smaller ones with
+        // NTA (measured, the top of this file).
+        TilePrefetcher pf;
+        const TileRows next = next_tile(b, t0);
+        if (p.prefetch_tiles > 0 && next.rows > 0) {
+          const int64_t bytes = next.rows * row_stride * elem;
+          pf = TilePrefetcher(kc + next.offset, vc + next.offset, 0, 1, bytes,
+                              p.prefetch_l2 || 2 * bytes > 64 * 1024);
         }
+        const int64_t first = block_offset + t0 * row_stride;
+        const void* q_rows = kDot ? static_cast<const void*>(queries.bf16)
+                                  : static_cast<const void*>(queries.f32);
+        attend_tile_rows<KV, NC, kDot>(p, q_rows, st, kc + first, vc + first, row_stride, n,
+                                       distance, pf, reinterpret_cast<const KV*>(zero_row),
+                                       tile_logits.get(), tile_probs.get());
+        continue;
       }
       for (int64_t h = 0; h < Hkv; ++h) {
-        // Token-major: this head step's share of the next tile (address order over the tile's
-        // head steps); split: the head's block kPrefetchTiles kv-head steps ahead for keys,
-        // twice as far for values.
+        // This head step's share of the next tile (address order over the tile's head steps).
         TilePrefetcher pf;
-        if (p.prefetch_tiles > 0 && !split) {
+        if (p.prefetch_tiles > 0) {
           const TileRows next = next_tile(b, t0);
           const int64_t chunk = next.rows * D;  // elements: this step's h-th of the tile
           if (next.rows > 0) {
@@ -1135,48 +1193,6 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
                                 chunk * elem,
                                 p.prefetch_l2 || 2 * Hkv * chunk * elem > 64 * 1024);
           }
-        } else if (p.prefetch_tiles > 0) {
-          const TileRows keys = split_ahead(b, t0, h, p.prefetch_tiles);
-          const TileRows values = split_ahead(b, t0, h, 2 * p.prefetch_tiles);
-          if (keys.rows > 0) {
-            pf = TilePrefetcher(kc + keys.offset, values.rows > 0 ? vc + values.offset : nullptr,
-                                row_stride * elem, std::max(keys.rows, values.rows),
-                                D * BS * elem, p.prefetch_l2);
-          }
-        }
-        if (split) {
-          const int64_t head = (table[b] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
-          if constexpr (kKeysDirect) {  // float32, or bf16 under kDot: keys read in place
-            // The prefetches, spread over every step here and in attend_tile (its value
-            // steps: per group of 4 rows, 4 chunks x n tokens).
-            const int64_t G = p.group;
-            const int64_t steps = (G + 3) / 4 * (D * static_cast<int64_t>(sizeof(KV)) / 16 +
-                                                 (NC + 3) / 4 * n) + NC;
-            const int64_t per_step = (pf.remaining() + steps - 1) / steps;
-            for (int64_t g0 = 0; g0 < G; g0 += 4) {
-              split_logits<NC, kDot>(p, queries, kc + head, t0, n, h * G + g0,
-                                     static_cast<int>(std::min<int64_t>(4, G - g0)),
-                                     split_pre + g0, pf, per_step);
-            }
-            transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, pf, per_step);
-            attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
-                                  pf, split_pre);
-            continue;
-          } else {
-            gather_split_keys(kc + head, BS, t0, n, D, knative, D);
-            if constexpr (kDot) {
-#if JAX_ATTN_DECODE_FP8_DOT
-              convert_tile_fp8_bf16<KV, NC>(fp8, knative, D, n, D, ktile2);
-#endif
-            } else {
-              widen_tile<KV, NC>(knative, D, n, last_mask, ktile);
-            }
-          }
-          TilePrefetcher none;  // these paths leave the prefetches to attend_tile
-          transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, none, 0);
-          attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
-                                pf);
-          continue;
         }
         // Token-major float16 and fp8 caches: the head's rows widened into the tiles.
         if constexpr (!kRowsTiles) {
