@@ -253,6 +253,8 @@ def cmd_fuzz(args) -> int:
     """Fuzz each backend (or the one named) for `--minutes`; print counterexamples as tests."""
     if args.bad_metadata:
         return cmd_fuzz_bad_metadata(args)
+    if args.torch_ops:
+        return cmd_fuzz_torch_ops(args)
     from interop import crosscheck, fuzz
 
     names = [b.name for b in crosscheck.all_backends()]
@@ -314,6 +316,37 @@ def cmd_fuzz_bad_metadata(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_fuzz_torch_ops(args) -> int:
+    """`--torch-ops`: bad input into the native torch ops, each op (or `--backend OP`) for
+    `--minutes` in a child process, optionally built with ASan + UBSan (`--sanitize`) and
+    without AVX-512 (`--portable`). A crash is the child's exit."""
+    from interop import bad_metadata, bad_torch_ops
+
+    ops = list(bad_torch_ops.OPS)
+    if args.backend:
+        if args.backend not in ops:
+            print(f"--backend={args.backend!r} is not one of {ops}", file=sys.stderr)
+            return 2
+        ops = [args.backend]
+    extra = bad_metadata.PORTABLE_FLAGS if args.portable else ""
+    if args.sanitize:
+        env = bad_torch_ops.sanitizer_env(extra)
+    else:
+        env = {**os.environ, "JAX_ATTN_CPU_EXTRA_FLAGS": extra} if extra else dict(os.environ)
+    build = env.get("JAX_ATTN_CPU_EXTRA_FLAGS") or "default flags"
+    failures = 0
+    for op in ops:
+        rc, output = bad_torch_ops.run_child(op, seconds=args.minutes * 60.0, seed=args.seed,
+                                             env=env)  # fmt: skip
+        lines = [ln for ln in output.splitlines() if not ln.startswith("progress:")]
+        summary = [ln for ln in lines if ln.startswith(f"{op}:") or "FAILURE" in ln]
+        print(f"[{build}] " + ("\n".join(summary) if summary else f"{op}: no summary"))
+        if rc != 0:
+            failures += 1
+            print(f"{op}: child exited {rc}:\n" + "\n".join(lines[-40:]))
+    return 1 if failures else 0
+
+
 def dataclasses_asdict(cell) -> dict:
     return {"error": cell.error, "ok": cell.ok, "note": cell.note}
 
@@ -363,12 +396,21 @@ def main(argv=None) -> int:
         "(--backend ragged|decode; interop/bad_metadata.py)",
     )
     fuzz.add_argument(
-        "--sanitize", action="store_true", help="with --bad-metadata: an ASan + UBSan build"
+        "--torch-ops",
+        action="store_true",
+        help="fuzz the native torch ops (torch.ops.jax_attn.*) with bad input instead "
+        "(--backend store_split|copy_blocks|paged_decode_split; interop/bad_torch_ops.py)",
+    )
+    fuzz.add_argument(
+        "--sanitize",
+        action="store_true",
+        help="with --bad-metadata or --torch-ops: an ASan + UBSan build",
     )
     fuzz.add_argument(
         "--portable",
         action="store_true",
-        help="with --bad-metadata: the portable build (-march=x86-64-v3, no AVX-512)",
+        help="with --bad-metadata or --torch-ops: the portable build (-march=x86-64-v3, "
+        "no AVX-512)",
     )
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"] and "bench" not in plugins:
