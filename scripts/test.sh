@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite: the main environment (JAX core, TORCH_SDPA, XFORMERS, interop,
-# notebooks), then the IPEX environment for the tests that need IPEX's kernels, then the vllm085
-# environment, where the torch backends run inside vLLM 0.8.5's own engine, then the vllm
-# environment, where the bench's vllm-cpu-attn peer runs vLLM 0.32's CPU kernels, then the gpu-aot
-# environment, which compiles the Pallas kernels for an H100 and an A100 description, then the
-# tpu-aot environment, which compiles the Pallas TPU kernels for a v5e, v6e and v5p description.
+# notebooks, the bench's vllm085-TORCH_SDPA peer), then the IPEX environment for the tests that
+# need IPEX's kernels, then the vllm085 environment, where the torch backends run inside vLLM
+# 0.8.5's own engine, then the vllm environment, where the bench's vllm-cpu-attn peer runs vLLM
+# 0.32's CPU kernels, then the gpu-aot environment, which compiles the Pallas kernels for an H100
+# and an A100 description, then the tpu-aot environment, which compiles the Pallas TPU kernels
+# for a v5e, v6e and v5p description.
 # Extra arguments go to every pytest run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,9 +16,14 @@ paths=(tests)
 if compgen -G "notebooks/*.ipynb" >/dev/null; then
     paths+=(--nbmake notebooks)
 fi
+# The bench's vllm085-TORCH_SDPA peer (tests marked vllm085_peer) runs from this environment
+# through the vllm085 environment's interpreter, which the bench only finds, never builds: built
+# here, before the suite, so that this stage has it (the vllm085 stage below reuses it).
+bash scripts/env.sh vllm085 >/dev/null
 # JAX_ATTN_REQUIRE_NATIVE=1: fail unless the native CPU kernels (the default on CPU) build here,
-# and fail if any test skipped for want of them (tests/conftest.py).
-JAX_ATTN_REQUIRE_NATIVE=1 JAX_ATTN_ENV=main bash scripts/run.sh \
+# and fail if any test skipped for want of them; JAX_ATTN_REQUIRE_VLLM085_PEER=1: fail if a
+# vllm085_peer test skipped or none passed (the skip audit, tests/conftest.py).
+JAX_ATTN_REQUIRE_NATIVE=1 JAX_ATTN_REQUIRE_VLLM085_PEER=1 JAX_ATTN_ENV=main bash scripts/run.sh \
     python -m pytest -n 2 --dist loadgroup "${paths[@]}" "$@"
 
 echo "== IPEX environment (torch 2.8 + IPEX 2.8): tests marked ipex"

@@ -5,10 +5,14 @@
 - Every test draws fresh random data: the run seed is random unless JAX_ATTN_TEST_SEED is set,
   and is printed in the header so a failure can be replayed.
 - Test modules have unique basenames (no __init__.py: a `tests/jax` package would shadow jax).
-- IPEX is never skipped quietly: with JAX_ATTN_REQUIRE_IPEX=1 (scripts/test.sh's IPEX half)
-  the session fails unless IPEX imports, at least one `ipex` test passed and none skipped;
-  in any environment, a test skipped for want of IPEX that is not marked `ipex` (so the IPEX
-  half would never run it) fails the session.
+- No environment is skipped quietly (the skip audit, `STAGES`): each stage of scripts/test.sh
+  provides environments (IPEX, vLLM 0.8.5, the vllm085-TORCH_SDPA peer, vLLM 0.32, the GPU and
+  TPU compilers, the native CPU kernels) and sets a JAX_ATTN_REQUIRE_* variable for each. In any
+  run, a test skipped for want of an environment fails the session unless it carries the marker
+  of a stage that provides it (else no stage ever runs it); with a stage's variable set to 1,
+  the session fails if a test carrying its marker skipped, or a module skipped for want of it,
+  or no test carrying its marker passed. JAX_ATTN_REQUIRE_IPEX=1 also fails at once unless IPEX
+  imports.
 - The native CPU kernels are never skipped quietly either: with JAX_ATTN_REQUIRE_NATIVE=1
   (scripts/test.sh's main and vllm085 stages) the session fails at once unless the kernels
   build and load here (jax_attn.cpu's, and torch_backends.native's where torch imports), and
@@ -21,6 +25,7 @@ import os
 import random
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -73,14 +78,40 @@ def key(seed):
     return jax.random.key(seed)
 
 
-REQUIRE_IPEX = os.environ.get("JAX_ATTN_REQUIRE_IPEX") == "1"
-_ipex_runs = {"passed": 0, "skipped": [], "unmarked": []}
-REQUIRE_NATIVE = os.environ.get("JAX_ATTN_REQUIRE_NATIVE") == "1"
 # Skip reasons that mean "the native CPU kernels are not here".
 NATIVE_SKIP = re.compile(
     r"native CPU kernels|jax-cpu does not run here|jax_attn\.cpu kernels|native torch ops"
 )
-_native_skips: list[str] = []
+
+
+@dataclass(frozen=True)
+class Stage:
+    """An environment that a stage of scripts/test.sh provides, as the skip audit sees it."""
+
+    name: str  # what the audit's lines call it
+    marker: str | None  # the marker that selects its tests (None: the stage runs every test)
+    require: str  # the variable that stage sets to 1
+    reason: re.Pattern  # skip reasons that mean "that environment is not here"
+
+
+STAGES = (
+    Stage("IPEX", "ipex", "JAX_ATTN_REQUIRE_IPEX", re.compile("ipex", re.IGNORECASE)),
+    Stage("vLLM 0.8.5", "vllm085", "JAX_ATTN_REQUIRE_VLLM085",
+          re.compile(r"vLLM 0\.8\.5|vllm085 environment")),
+    # The bench's peer runs from the main environment through the vllm085 environment's
+    # interpreter: the main stage, once the vllm085 environment is built.
+    Stage("the vllm085-TORCH_SDPA peer", "vllm085_peer", "JAX_ATTN_REQUIRE_VLLM085_PEER",
+          re.compile("vllm085-TORCH_SDPA")),
+    Stage("vLLM 0.32's CPU attention", "vllm", "JAX_ATTN_REQUIRE_VLLM",
+          re.compile("vllm-cpu-attn: ")),
+    Stage("a GPU compiler", "gpu_aot", "JAX_ATTN_REQUIRE_GPU_AOT", re.compile("no GPU compile")),
+    Stage("a TPU compiler", "tpu_aot", "JAX_ATTN_REQUIRE_TPU_AOT", re.compile("no TPU compile")),
+    Stage("the native CPU kernels", None, "JAX_ATTN_REQUIRE_NATIVE", NATIVE_SKIP),
+)  # fmt: skip
+REQUIRED = [stage for stage in STAGES if os.environ.get(stage.require) == "1"]
+REQUIRE_IPEX = os.environ.get("JAX_ATTN_REQUIRE_IPEX") == "1"
+REQUIRE_NATIVE = os.environ.get("JAX_ATTN_REQUIRE_NATIVE") == "1"
+_audit = {"passed": {}, "problems": []}
 
 
 def native_unavailable_reason() -> str | None:
@@ -114,36 +145,64 @@ def pytest_sessionstart(session):
         )
 
 
+def _skip_reason(report) -> str:
+    return str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+
+
 def pytest_runtest_logreport(report):
-    marked = "ipex" in report.keywords
-    if report.skipped:
-        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
-        if NATIVE_SKIP.search(reason) and "xfail" not in report.keywords:
-            _native_skips.append(f"{report.nodeid}: {reason}")
-        if marked:
-            _ipex_runs["skipped"].append(f"{report.nodeid}: {reason}")
-        elif "ipex" in reason.lower() and "xfail" not in report.keywords:
-            _ipex_runs["unmarked"].append(f"{report.nodeid}: {reason}")
-    elif marked and report.when == "call" and report.passed:
-        _ipex_runs["passed"] += 1
+    # report.keywords holds the test's markers (and its parents' names: tests/vllm085's tests
+    # carry "vllm085" twice over); it reaches the xdist controller, unlike the item.
+    if report.skipped and "xfail" not in report.keywords:
+        reason = _skip_reason(report)
+        wanted = [stage for stage in STAGES if stage.reason.search(reason)]
+        # A stage without a marker (the main stage) runs every test: nothing to check there.
+        if wanted and not any(stage.marker in (None, *report.keywords) for stage in wanted):
+            names = " or ".join(stage.name for stage in wanted)
+            _audit["problems"].append(
+                f"skipped for want of {names}, but carries no marker of a stage that has it "
+                f"(no stage of scripts/test.sh runs it): {report.nodeid}: {reason}"
+            )
+        for stage in REQUIRED:
+            marked = stage.marker is not None and stage.marker in report.keywords
+            if marked or stage.reason.search(reason):
+                _audit["problems"].append(
+                    f"skipped for want of {stage.name} where {stage.require}=1: "
+                    f"{report.nodeid}: {reason}"
+                )
+    elif report.when == "call" and report.passed:
+        for stage in REQUIRED:
+            if stage.marker in report.keywords:
+                _audit["passed"][stage.marker] = _audit["passed"].get(stage.marker, 0) + 1
+
+
+def pytest_collectreport(report):
+    # A module skipped as a whole (pytest.importorskip, a module-level skip) has no test
+    # reports and no markers: it counts where its reason names the environment or it sits in
+    # the stage's own directory (tests/vllm085).
+    if not report.skipped:
+        return
+    reason = _skip_reason(report)
+    parts = re.split(r"[/:]", report.nodeid)
+    for stage in REQUIRED:
+        if stage.reason.search(reason) or stage.marker in parts:
+            _audit["problems"].append(
+                f"module skipped for want of {stage.name} where {stage.require}=1: "
+                f"{report.nodeid}: {reason}"
+            )
 
 
 def pytest_sessionfinish(session, exitstatus):
-    problems = [
-        f"skipped for want of IPEX but not marked `ipex` (the IPEX half never runs it): {n}"
-        for n in _ipex_runs["unmarked"]
-    ]
-    if REQUIRE_IPEX:
-        if _ipex_runs["passed"] == 0:
-            problems.append("JAX_ATTN_REQUIRE_IPEX=1 but no `ipex` test passed")
-        problems += [
-            f"`ipex` test skipped in the IPEX environment: {n}" for n in _ipex_runs["skipped"]
-        ]
-    if REQUIRE_NATIVE:
-        problems += [f"skipped for want of the native CPU kernels: {n}" for n in _native_skips]
+    problems = _audit["problems"]
+    for stage in REQUIRED:
+        if stage.marker is not None and not _audit["passed"].get(stage.marker):
+            problems.append(f"{stage.require}=1 but no `{stage.marker}` test passed")
     if problems:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        for line in problems:
-            if reporter is not None:
-                reporter.write_line(f"SKIP AUDIT: {line}", red=True)
         session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    # After the session's last line of progress (pytest_sessionfinish runs before it ends).
+    if _audit["problems"]:
+        terminalreporter.section("skip audit", red=True)
+        for line in _audit["problems"]:
+            terminalreporter.write_line(f"SKIP AUDIT: {line}", red=True)

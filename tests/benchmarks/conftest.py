@@ -3,8 +3,9 @@ kernels, in the vllm environment (`scripts/env.sh vllm`; the vllm stage of scrip
 
 - Elsewhere (no vLLM, or another vLLM) they are skipped with the peer's own reason, which names
   what is missing (`benchmarks.backends`' availability check for the peer).
-- With JAX_ATTN_REQUIRE_VLLM=1 (scripts/test.sh) that reason fails them instead, and the
-  session fails unless at least one `vllm` test passed and none was skipped.
+- With JAX_ATTN_REQUIRE_VLLM=1 (scripts/test.sh) that reason fails them instead, and
+  tests/conftest.py's skip audit fails the session unless at least one `vllm` test passed and
+  none was skipped.
 """
 
 import os
@@ -12,7 +13,6 @@ import os
 import pytest
 
 REQUIRE = os.environ.get("JAX_ATTN_REQUIRE_VLLM") == "1"
-_runs = {"passed": 0, "skipped": []}
 
 
 @pytest.fixture(autouse=True)
@@ -26,27 +26,3 @@ def _vllm_available(request):
         if REQUIRE:
             pytest.fail(f"JAX_ATTN_REQUIRE_VLLM=1 but vllm-cpu-attn is {problem}", pytrace=False)
         pytest.skip(f"vllm-cpu-attn: {problem}")
-
-
-def pytest_runtest_logreport(report):
-    if "vllm" not in report.keywords:
-        return
-    if report.skipped:
-        _runs["skipped"].append(report.nodeid)
-    elif report.when == "call" and report.passed:
-        _runs["passed"] += 1
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if not REQUIRE:
-        return
-    problems = [f"`vllm` test skipped in the vllm environment: {n}" for n in _runs["skipped"]]
-    if _runs["passed"] == 0:
-        problems.append("JAX_ATTN_REQUIRE_VLLM=1 but no `vllm` test passed")
-    if problems:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.ensure_newline()
-            for line in problems:
-                reporter.write_line(f"VLLM AUDIT: {line}", red=True)
-        session.exitstatus = 1
