@@ -502,7 +502,17 @@ def draw_decode(gen: torch.Generator, kinds: Counter) -> Call:
             args[name] = _break_tensor(gen, args[name], name, kinds)
         elif kind == "scale":
             name = _pick(gen, ["k_scale", "v_scale"])
-            args[name] = _pick(gen, [torch.ones(0), torch.ones(2), torch.tensor(float("nan"))])
+            args[name] = _pick(
+                gen,
+                [
+                    torch.ones(0),
+                    torch.ones(2),
+                    torch.tensor(float("nan")),
+                    torch.tensor([1e300], dtype=torch.float64),
+                    torch.tensor([3]),
+                    torch.ones(1, dtype=torch.complex64),
+                ],
+            )
         elif kind == "kv_cache_dtype":
             args["kv_cache_dtype"] = _pick(gen, ["fp9", "", "auto", "fp8", "FP8", "fp8_e4m3"])
         elif kind == "slopes":
@@ -510,7 +520,7 @@ def draw_decode(gen: torch.Generator, kinds: Counter) -> Call:
                                                torch.full((hq,), float("nan"))])  # fmt: skip
         elif kind == "extreme":
             args[_pick(gen, ["scale", "logits_soft_cap"])] = _pick(
-                gen, [float("nan"), float("inf"), -float("inf"), -1.0, 1e30]
+                gen, [float("nan"), float("inf"), -float("inf"), -1.0, 1e30, -1e300]
             )
         elif kind == "heads":
             args["query"] = query[:, : max(hq - 1, 0)].contiguous()
@@ -563,6 +573,8 @@ def _decode_rules(a: dict) -> list:
     for name in ("k_scale", "v_scale"):
         if a[name].numel() != 1:
             return [f"{name} must hold one value"]
+        if a[name].is_complex():
+            return [f"{name} must be real"]
     if hkv <= 0 or hq % hkv != 0:
         return ["num_heads"]
     if hq < 1 or bs < 1:

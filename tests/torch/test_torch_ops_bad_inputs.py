@@ -76,6 +76,26 @@ def test_copy_names_the_cache_that_breaks_a_rule():
         )
 
 
+def test_decode_takes_scales_of_any_real_dtype_and_range():
+    """A float64 k_scale past float's range is infinity (it was a RuntimeError from torch's
+    checked conversion), an int64 one its value; a complex one is refused by name."""
+    query = torch.randn(1, 2, 16)
+    key_cache, value_cache = torch.randn(2, 2, 4, 4, 4), torch.randn(2, 2, 16, 4)
+    tables, lens = torch.tensor([[1]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+
+    def run(k_scale, scale=0.25):
+        out = torch.full_like(query, float("nan"))
+        torch.ops.jax_attn.paged_decode_split(out, query, key_cache, value_cache, tables, lens,
+                                              None, scale, k_scale, torch.tensor([1.0]), 0, 0.0,
+                                              "auto")  # fmt: skip
+        return out
+
+    assert torch.equal(run(torch.tensor([2], dtype=torch.int64)), run(torch.tensor([2.0])))
+    run(torch.tensor([1e300], dtype=torch.float64), scale=1e300)  # no error: inf, then NaN rows
+    with pytest.raises(ValueError, match="k_scale must be real"):
+        run(torch.ones(1, dtype=torch.complex64))
+
+
 # The sanitized child: the fuzz slices and the tests of every op's checks and results.
 SANITIZED_TESTS = (
     ("test_torch_ops_bad_inputs.py", "not sanitizer"),

@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -100,9 +101,21 @@ bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
   return begin_a < end_a && begin_b < end_b && begin_a < end_b && begin_b < end_a;
 }
 
+// A double as float: NaN and the infinities kept, finite values past float's range to the
+// infinities (a plain cast of those is undefined behaviour).
+float to_float(double v) {
+  constexpr double kMax = std::numeric_limits<float>::max();
+  if (v > kMax) return std::numeric_limits<float>::infinity();
+  if (v < -kMax) return -std::numeric_limits<float>::infinity();
+  return static_cast<float>(v);
+}
+
+// A one-element tensor's value (any real dtype; torch's own float conversion raises on
+// values past float's range).
 float scalar(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.numel() == 1, name, " must hold one value, got shape ", t.sizes());
-  return t.item<float>();
+  TORCH_CHECK_VALUE(!t.is_complex(), name, " must be real, got ", t.scalar_type());
+  return to_float(t.item<double>());
 }
 
 void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -170,11 +183,11 @@ void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tenso
   a.value_cache = value_cache.data_ptr();
   a.block_tables = block_tables.data_ptr<int32_t>();
   a.seq_lens = seq_lens.data_ptr<int32_t>();
-  a.scale = static_cast<float>(scale);
+  a.scale = to_float(scale);
   a.k_scale = scalar(k_scale, "k_scale");
   a.v_scale = scalar(v_scale, "v_scale");
   a.sliding_window = sliding_window;
-  a.logits_soft_cap = static_cast<float>(logits_soft_cap);
+  a.logits_soft_cap = to_float(logits_soft_cap);
   const std::string error = paged_decode(a, torch_workers());
   TORCH_CHECK_VALUE(error.empty(), error);
 }
