@@ -367,18 +367,25 @@ def _jax_ragged_blocks(config: KernelConfig, device) -> tuple[int, int]:
     return min(_MAX_BLOCKS, pages), min(_NUM_TOKENS, queries)
 
 
+def jax_peer_lacks(config: KernelConfig) -> str | None:
+    """The feature of `config` that JAX's TPU kernel for its problem lacks, or None."""
+    if config.alibi:
+        return "JAX's TPU paged kernels have no ALiBi"
+    if config.kernel == "decode" and config.sliding_window is not None:
+        return "JAX's paged_attention has no sliding window"
+    return None
+
+
 def _jax_peer(config: KernelConfig, device):
     """(name, fn, args, block_q, pages per step) of JAX's kernel for `config`, or raise
     `NotImplementedError` naming the feature it lacks."""
     c = config
-    if c.alibi:
-        raise NotImplementedError("JAX's TPU paged kernels have no ALiBi")
+    if (lacks := jax_peer_lacks(c)) is not None:
+        raise NotImplementedError(lacks)
     cache = (c.block_size, c.num_kv_heads, c.head_size)
     if c.kernel == "decode":
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-        if c.sliding_window is not None:
-            raise NotImplementedError("JAX's paged_attention has no sliding window")
         pages = c.pages_per_step or kernel_plan(c).pages_per_step
         fn = functools.partial(
             paged_attention, attn_logits_soft_cap=c.logits_soft_cap, pages_per_compute_block=pages
