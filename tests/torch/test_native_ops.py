@@ -88,6 +88,7 @@ GRID = [
     (torch.float32, "auto", 128, 128, 4, "window"),
     (torch.bfloat16, "auto", 128, 128, 4, "alibi"),
     (torch.bfloat16, "fp8", 64, 64, 2, "window"),
+    (torch.bfloat16, "fp8_e5m2", 80, 32, 4, "softcap"),  # an odd number of 16-dim pieces
     (torch.float16, "auto", 80, 128, 2, None),
 ]
 

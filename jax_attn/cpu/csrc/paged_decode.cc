@@ -553,14 +553,20 @@ const Fp8Tables& fp8_tables() {
 
 // The 64 fp8 codes at src (lanes outside m read nothing: zeros) as bf16 bit patterns, in
 // order: out[0] codes 0..31, out[1] codes 32..63.
-inline void fp8_to_bf16_64(const uint8_t* src, __mmask64 m, const Fp8Tables& t, __m512i* out) {
-  const __m512i x = _mm512_permutexvar_epi8(t.spread, _mm512_maskz_loadu_epi8(m, src));
+// `x`: 64 codes already in kFp8Spread order (x[i] = code kFp8Spread[i]).
+inline void fp8_spread_codes_to_bf16(__m512i x, const Fp8Tables& t, __m512i* out) {
   const __m512i lo = _mm512_permutex2var_epi8(t.lo0, x, t.lo1);  // index bits 0..6: magnitude
   const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, x, t.hi1), x,
                                                _mm512_set1_epi8(static_cast<char>(0x80)),
                                                0xF8);  // hi | (x & 0x80): the sign
   out[0] = _mm512_unpacklo_epi8(lo, hi);
   out[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+inline void fp8_codes_to_bf16(__m512i codes, const Fp8Tables& t, __m512i* out) {
+  fp8_spread_codes_to_bf16(_mm512_permutexvar_epi8(t.spread, codes), t, out);
+}
+inline void fp8_to_bf16_64(const uint8_t* src, __mmask64 m, const Fp8Tables& t, __m512i* out) {
+  fp8_codes_to_bf16(_mm512_maskz_loadu_epi8(m, src), t, out);
 }
 
 inline __mmask64 fp8_chunk_mask(int64_t t, int64_t n, int64_t left) {
@@ -619,6 +625,103 @@ inline void widen_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_s
                                _mm512_store_ps(d + 16 * q, bf16_half_to_f32(half));
                              }
                            });
+}
+
+// The split layout's fp8 keys of tokens [t0, t0 + n) of one head's block ([D / 16, BS, 16])
+// into the bf16 tile dst [16, DP2]: per 16-dim piece, 4 tokens' codes (64 contiguous bytes)
+// converted at once. Rows >= n get zeros; columns >= D are not written (the caller keeps them
+// zero). Requires D % 16 == 0.
+template <typename F8>
+inline void split_keys_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t block_size,
+                                int64_t t0, int64_t n, int64_t head_size, int64_t dp2,
+                                bf16_t* dst) {
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t c = 0; c < head_size / 16; ++c) {
+    const uint8_t* piece = codes + c * block_size * 16 + t0 * 16;
+#pragma GCC unroll 4
+    for (int64_t t = 0; t < 16; t += 4) {
+      // Tokens t .. t + 3 of this piece, those past n masked to zero codes.
+      const int64_t left = 16 * std::max<int64_t>(0, std::min<int64_t>(4, n - t));
+      const __mmask64 m = left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+      __m512i out[2];
+      fp8_to_bf16_64(piece + 16 * t, m, tables, out);
+      bf16_t* row = dst + t * dp2 + 16 * c;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(row), _mm512_castsi512_si256(out[0]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(row + dp2), _mm512_extracti64x4_epi64(out[0], 1));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(row + 2 * dp2), _mm512_castsi512_si256(out[1]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(row + 3 * dp2), _mm512_extracti64x4_epi64(out[1], 1));
+    }
+  }
+}
+
+// The split layout's fp8 values: a 16 x 16 piece (16 dims of 16 tokens) as 4 registers,
+// register q holding dims 4q .. 4q + 3 (one 128-bit lane each, tokens in order), is transposed
+// as bytes into 4 registers of 4 tokens x 16 dims each, already in kFp8Spread order for the
+// conversion: register p, byte i = the code of token 4p + u, dim e, where (u, e) is kFp8Spread[i]
+// as (16u + e). Bytes of dims 0..7 come from registers 0 and 1, of dims 8..15 from 2 and 3, by
+// one vpermi2b each with the same index (a pair of registers is one 128-byte table).
+struct SplitValueShuffle {
+  __m512i index[4];   // per p
+  __mmask64 from_hi;  // bytes of dims 8..15
+};
+
+inline const SplitValueShuffle& split_value_shuffle() {
+  static const SplitValueShuffle shuffle = [] {
+    SplitValueShuffle s{};
+    alignas(64) uint8_t index[64];
+    for (int p = 0; p < 4; ++p) {
+      for (int i = 0; i < 64; ++i) {
+        const int u = kFp8Spread[i] / 16, e = kFp8Spread[i] % 16;
+        // Dim e sits in register e / 4, lane e % 4, at token 4p + u; the pair's second
+        // register from byte 64.
+        index[i] = static_cast<uint8_t>((e / 4 % 2) * 64 + 16 * (e % 4) + 4 * p + u);
+        if (p == 0 && e >= 8) s.from_hi |= __mmask64{1} << i;
+      }
+      s.index[p] = _mm512_load_si512(index);
+    }
+    return s;
+  }();
+  return shuffle;
+}
+
+// Values of tokens [t0, t0 + n) of one head's fp8 block `src` ([D, BS]) as float32 rows into
+// the tile dst [16, NC * 16] (rows >= n and columns >= D: zeros), like transpose_split_values,
+// the transpose done on the codes before they are converted. Only the n tokens' bytes are read.
+template <typename F8, int NC>
+inline void split_values_fp8(const Fp8Tables& tables, const F8* src, int64_t block_size,
+                             int64_t t0, int64_t n, int64_t head_size, float* dst,
+                             TilePrefetcher& pf, int64_t per_step) {
+  const SplitValueShuffle& shuffle = split_value_shuffle();
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(src) + t0;
+  const __mmask16 m = tail_mask(n);
+#pragma GCC unroll 1
+  for (int j = 0; j < NC; ++j) {
+    pf.issue(per_step);
+    __m512i x[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      x[q] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const int64_t d = 16 * j + 4 * q + k;
+        if (d < head_size) {
+          x[q] = _mm512_inserti32x4(x[q], _mm_maskz_loadu_epi8(m, codes + d * block_size), k);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {  // tokens 4p .. 4p + 3
+      const __m512i lo = _mm512_permutex2var_epi8(x[0], shuffle.index[p], x[1]);
+      const __m512i hi = _mm512_permutex2var_epi8(x[2], shuffle.index[p], x[3]);
+      __m512i out[2];
+      fp8_spread_codes_to_bf16(_mm512_mask_blend_epi8(shuffle.from_hi, lo, hi), tables, out);
+      float* row = dst + 4 * p * NC * 16 + 16 * j;
+      _mm512_store_ps(row, bf16_half_to_f32(_mm512_castsi512_si256(out[0])));
+      _mm512_store_ps(row + NC * 16, bf16_half_to_f32(_mm512_extracti64x4_epi64(out[0], 1)));
+      _mm512_store_ps(row + 2 * NC * 16, bf16_half_to_f32(_mm512_castsi512_si256(out[1])));
+      _mm512_store_ps(row + 3 * NC * 16, bf16_half_to_f32(_mm512_extracti64x4_epi64(out[1], 1)));
+    }
+  }
 }
 #else
 #define JAX_ATTN_DECODE_FP8_DOT 0
@@ -1022,7 +1125,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // One kv head's keys as an L1-resident tile, reused by the G query rows of its group: widened
   // [16, DP] (with kDot: bf16 [16, DP2]).
   alignas(64) float ktile[kDot ? 16 : 16 * DP];
-  alignas(64) bf16_t ktile2[kDot ? 16 * DP2 : 32];
+  alignas(64) bf16_t ktile2[kDot ? 16 * DP2 : 32] = {};  // columns past D stay zero
   // Float32 and bf16 caches in jax_attn's token-major layout take attend_tile_rows (every kv
   // head of a tile at once, in address order); other token-major caches go kv head by kv head,
   // keys and values widened into float32 tiles first (one instantiation of the math for all).
@@ -1100,16 +1203,17 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
                             pf, split_pre);
     } else {
-      gather_split_keys(kc + head, BS, t0, n, D, knative, D);
-      if constexpr (kDot) {
+      TilePrefetcher none;  // these paths leave the prefetches to attend_tile
+      if constexpr (kDot) {  // fp8 under bf16 queries: converted 64 codes at a time
 #if JAX_ATTN_DECODE_FP8_DOT
-        convert_tile_fp8_bf16<KV, NC>(fp8, knative, D, n, D, ktile2);
+        split_keys_fp8_bf16(fp8, kc + head, BS, t0, n, D, DP2, ktile2);
+        split_values_fp8<KV, NC>(fp8, vc + head, BS, t0, n, D, vtile_split, none, 0);
 #endif
       } else {
+        gather_split_keys(kc + head, BS, t0, n, D, knative, D);
         widen_tile<KV, NC>(knative, D, n, last_mask, ktile);
+        transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, none, 0);
       }
-      TilePrefetcher none;  // these paths leave the prefetches to attend_tile
-      transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, none, 0);
       attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
                             pf);
     }
