@@ -395,7 +395,12 @@ def hf_greedy(model: TinyModel, prompts: Sequence[str], *, max_tokens: int, logp
 
 
 def compare_greedy(
-    expected: Sequence[Completion], actual: Sequence[Completion], *, atol: float, label: str = ""
+    expected: Sequence[Completion],
+    actual: Sequence[Completion],
+    *,
+    atol: float,
+    label: str = "",
+    min_tokens: int | None = None,
 ) -> dict:
     """Greedy tokens equal and the chosen tokens' logprobs within `atol`, per prompt.
 
@@ -403,6 +408,9 @@ def compare_greedy(
     `check_logprobs_close`: at the first differing step each side's token must be in the other's
     top-k and the two candidates' logprobs, on both sides, within `atol` of each other. After it
     the continuations are different texts, so comparison stops there.
+    At least `min_tokens` tokens must be compared (default: half the expected tokens, and never
+    fewer than one): empty completions, or a near-tie at every prompt's first step, compare
+    nothing and prove nothing.
     Returns {"tokens": compared tokens, "max_logprob_diff": float, "near_ties": int}.
     """
     assert len(expected) == len(actual), (label, len(expected), len(actual))
@@ -434,6 +442,13 @@ def compare_greedy(
                     f"{le[te]:.8f} (|diff| {diff:.3g} > {atol})"
                 )
             tokens += 1
+    if min_tokens is None:
+        min_tokens = max(1, sum(len(e.token_ids) for e in expected) // 2)
+    if tokens < min_tokens:
+        raise AssertionError(
+            f"{label}: compared {tokens} tokens, fewer than {min_tokens=} ({ties} near-ties "
+            f"over {len(expected)} prompts)"
+        )
     return {"tokens": tokens, "max_logprob_diff": worst, "near_ties": ties}
 
 

@@ -111,6 +111,22 @@ def test_vllm_own_deterministic(models, expected):
     h.record("vLLM own vs vLLM own, llama", figures)
 
 
+def test_compare_greedy_refuses_to_compare_nothing():
+    """A comparison that compared no token (or too few) fails: empty completions, a near-tie
+    at every prompt's first step. Half the expected tokens is the default minimum."""
+    tie = {1: -0.5, 3: -0.5 - 1e-6}  # tokens 1 and 3 within atol: a near-tie
+    ours = h.Completion((1, 2), (tie, {2: -0.1}))
+    flipped = h.Completion((3, 2), (tie, {2: -0.1}))
+    with pytest.raises(AssertionError, match="compared 0 tokens, fewer than min_tokens=1"):
+        h.compare_greedy([h.Completion((), ())], [h.Completion((), ())], atol=1e-3)
+    with pytest.raises(AssertionError, match="compared 0 tokens, fewer than min_tokens=1"):
+        h.compare_greedy([ours], [flipped], atol=1e-3)
+    with pytest.raises(AssertionError, match="compared 2 tokens, fewer than min_tokens=3"):
+        h.compare_greedy([ours, ours], [ours, flipped], atol=1e-3, min_tokens=3)
+    figures = h.compare_greedy([ours, ours], [ours, flipped], atol=1e-3)  # 2 of 4: half
+    assert figures == {"tokens": 2, "max_logprob_diff": 0.0, "near_ties": 1}
+
+
 def test_vllm_own_window(models, expected):
     """vLLM's own backend under a sliding window: its prefill (the first generated token) is
     the exact answer, and its decode is not (it attends over whole blocks from the window's
