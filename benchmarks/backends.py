@@ -397,6 +397,16 @@ _VLLM_CPU_ATTN_DTYPES = ("float32", "bfloat16", "float16")
 _VLLM_CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # The bench's cache dtypes as vLLM names them (`kv_cache_dtype`; vLLM's "fp8" is e4m3).
 _VLLM_KV_CACHE_DTYPE = {None: "auto", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
+# Measured on a Sapphire Rapids VM (bfloat16 queries over an e4m3 cache, k_scale 0.8, v_scale
+# 1.3; tests/benchmarks/test_vllm_cpu_attn.py::test_amx_fp8_deviation): the same step through
+# vLLM's "vec" kernel is at 0.04 of the tolerance rule's bound against jax-xla, through "amx"
+# at 4.4x (decode-fp8-bs128: 32 decodes over 1024 keys), where one dropped key of 513 lands.
+# The values are read right (uniform weights: within the rule; each e4m3 subnormal reads as 0);
+# the weights are not: two keys' output is 0.018 off.
+VLLM_AMX_FP8_DEVIATION = (
+    "vLLM 0.32's amx kernel over an fp8 cache: its attention weights are off by more than the "
+    "tolerance rule allows (4.4x the bound against jax-xla at 1024 keys; its vec kernel 0.04x)"
+)
 
 
 def why_vllm_cpu_attn_unavailable() -> str | None:
@@ -556,6 +566,11 @@ def _prepare_vllm_cpu_attn(data: Data) -> Prepared:
 
     extensions = vllm_extensions()
     tiles = {True: "AMX tiles granted", False: "AMX tiles refused", None: "no _init_amx"}
+    note = f"ISA {isa}; {' '.join(extensions) or 'no vllm._C*'}; {tiles[amx_tiles]}"
+    deviation = None
+    if isa == "amx" and kv_cache_dtype != "auto":
+        deviation = VLLM_AMX_FP8_DEVIATION
+        note += "; beyond the tolerance rule over fp8 (a known deviation)"
     info = dict(
         torch_threads=torch.get_num_threads(),
         vllm=vllm.__version__,
@@ -564,7 +579,8 @@ def _prepare_vllm_cpu_attn(data: Data) -> Prepared:
         amx_tiles=amx_tiles,
         kv_split=kv_split,
         call="torch.ops._C.cpu_attention_with_kv_cache",
-        note=f"ISA {isa}; {' '.join(extensions) or 'no vllm._C*'}; {tiles[amx_tiles]}",
+        deviation=deviation,
+        note=note,
     )
     return Prepared(call, _torch_output, info)
 

@@ -44,8 +44,8 @@ Method (as in `benchmarks/run.py`, adapted to an asynchronous device):
 2. Per workload: host data from `benchmarks.workloads.make_data` (finite random values in every
    slot, blocks in random order), moved to the device once; each peer prepared (layouts,
    metadata, compilation, never timed; JAX compile time reported).
-3. Warm-up (two calls), then each peer's output checked against `xla` (max |diff|, tolerance
-   twice the dtype's in `interop.tolerances.TOLERANCES`) and printed before any timing.
+3. Warm-up (two calls), then each peer's output checked against `xla` (max |diff|, and the
+   one tolerance rule against a peer, `benchmarks.run._agrees`) and printed before any timing.
 4. One sample of a peer = `inner` back-to-back calls, then one wait (`block_until_ready` for
    JAX, `torch.cuda.synchronize` for torch), divided by `inner`; `inner` is calibrated per peer
    so that a sample lasts about 10 ms, which hides the host's launch and sync overhead the same
@@ -676,13 +676,13 @@ def _kind(spec: Spec) -> str:
 
 
 def _verify(spec: Spec, outputs: dict[str, np.ndarray], rows: dict[str, dict], console) -> None:
-    """Each output against the xla path's: max |diff| and whether it is within tolerance."""
+    """Each output against the xla path's: max |diff| and whether it is within the one
+    tolerance rule against a peer (`benchmarks.run._agrees`)."""
     if REFERENCE not in outputs:
         for name in outputs:
             rows[name].update(max_abs_err_vs_xla=None, agrees=None)
         return
     expected = outputs[REFERENCE]
-    atol, rtol = cpu_bench._tolerance(spec)
     for name, out in outputs.items():
         if out.shape != expected.shape:
             rows[name].update(max_abs_err_vs_xla=None, agrees=False)
@@ -692,7 +692,7 @@ def _verify(spec: Spec, outputs: dict[str, np.ndarray], rows: dict[str, dict], c
         diff = np.abs(out - expected)
         finite = bool(np.isfinite(out).all())
         error = float(diff.max()) if diff.size and finite else (0.0 if finite else float("nan"))
-        agrees = finite and bool(np.all(diff <= atol + rtol * np.abs(expected)))
+        agrees = cpu_bench._agrees(spec, out, expected)
         rows[name].update(max_abs_err_vs_xla=error, agrees=agrees)
         verdict = "ok" if agrees else "[red]WRONG"
         console.print(f"  {spec.name}: {name:18s} max |diff| vs xla {error:.2e} {verdict}")

@@ -269,15 +269,14 @@ def _read_floors(data) -> dict[str, ReadFloor | NativeReadFloor]:
 # One workload
 
 
-def _tolerance(spec: Spec) -> tuple[float, float]:
-    """The table's row for the query dtype, doubled over an fp8 cache (`interop.tolerances`:
-    the dequantized K/V rounded into the compute dtype once more; vLLM 0.32's amx kernel over
-    an e4m3 cache lands up to 0.05 from jax-xla in bfloat16, measured), and doubled again: two
-    approximations compared with each other, not with float64."""
-    from interop.tolerances import tolerance
+def _agrees(spec: Spec, out: np.ndarray, expected: np.ndarray) -> bool:
+    """Whether `out` is finite and within the one tolerance rule of `expected`, jax-xla's
+    output: `interop.tolerances.within` for the query over the cache against a peer (the
+    bound doubled: two approximations compared with each other, not with float64; an fp8
+    cache doubles it again, the dequantized K/V rounded into the compute dtype once more)."""
+    from interop.tolerances import within
 
-    atol, rtol = tolerance(spec.dtype, spec.cache_dtype)
-    return 2 * atol, 2 * rtol
+    return within(out, expected, spec.dtype, spec.cache_dtype, peer=True)
 
 
 def run_workload(
@@ -439,15 +438,14 @@ def _settle(timed: Callable[[], float], settle_s: float) -> float:
 
 
 def _verify(spec: Spec, outputs: dict[str, np.ndarray], rows: dict[str, dict]) -> None:
-    """Each output against the JAX xla path's: max |error| and whether it is within the
-    tolerance of the workload's dtype (a peer that computes something else is not timed as
-    if it were right: it is marked and the run fails)."""
+    """Each output against the JAX xla path's: max |error| and whether it is within the one
+    tolerance rule (`_agrees`; a peer that computes something else is not timed as if it
+    were right: it is marked and the run fails)."""
     if BASELINE not in outputs:
         for name in outputs:
             rows[name].update(max_abs_err_vs_jax=None, agrees=None)
         return
     expected = outputs[BASELINE]
-    atol, rtol = _tolerance(spec)
     for name, out in outputs.items():
         if out.shape != expected.shape:
             rows[name].update(max_abs_err_vs_jax=None, agrees=False)
@@ -456,7 +454,7 @@ def _verify(spec: Spec, outputs: dict[str, np.ndarray], rows: dict[str, dict]) -
         diff = np.abs(out - expected)
         error = float(np.nanmax(diff)) if diff.size else 0.0
         finite = bool(np.isfinite(out).all())
-        agrees = finite and bool(np.all(diff <= atol + rtol * np.abs(expected)))
+        agrees = _agrees(spec, out, expected)
         rows[name].update(max_abs_err_vs_jax=error if finite else float("nan"), agrees=agrees)
 
 
@@ -881,8 +879,14 @@ def write_and_judge(
         f"{w}/{p}: {row['note'] or f'output disagrees with {baseline}'}"
         for w, result in record["workloads"].items()
         for p, row in result["backends"].items()
-        if row["status"] == "error" or row.get("agrees") is False
+        if row["status"] == "error" or (row.get("agrees") is False and not row.get("deviation"))
     ]
+    # A peer's documented deviation (`deviation`: vLLM 0.32's amx kernel over fp8) is shown as
+    # WRONG, and said here, but fails nothing: the peer is not ours to mend.
+    for w, result in record["workloads"].items():
+        for p, row in result["backends"].items():
+            if row["status"] == "ok" and row.get("agrees") is False and row.get("deviation"):
+                console.print(f"[yellow]known deviation[/] {w}/{p}: {row['deviation']}")
     failures += [
         f"{w}/read floor: the native read's checksum differs from NumPy's sum of the cache"
         for w, result in record["workloads"].items()

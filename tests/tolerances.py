@@ -4,6 +4,7 @@ cross-check harness and the bench use the same one): `from tolerances import ass
 from interop.tolerances import (
     TOLERANCES,
     assert_close,
+    bound_ratio,
     dtype_name,
     error_bound,
     max_error,
@@ -14,6 +15,7 @@ from interop.tolerances import (
 __all__ = [
     "TOLERANCES",
     "assert_close",
+    "bound_ratio",
     "dtype_name",
     "error_bound",
     "max_error",

@@ -4,10 +4,14 @@ which only those ISAs take), each against the JAX xla path on a small mixed step
 refuses, and what it records of vLLM's own configuration (ISA, extension, AMX tile state).
 Runs in the vllm env (tests/benchmarks/conftest.py skips it elsewhere)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 pytest.importorskip("jax")
+
+from tolerances import assert_close, bound_ratio
 
 from benchmarks import backends, run
 from benchmarks.prepared import Skip
@@ -20,9 +24,9 @@ QUERY_LENS = (17, 5, 3, 1, 1, 1)
 SEQ_LENS = (17, 5, 33, 40, 1, 77)
 
 
-def _spec(**kw) -> Spec:
+def _spec(query_lens=QUERY_LENS, seq_lens=SEQ_LENS, **kw) -> Spec:
     small = dict(num_heads=8, num_kv_heads=2, head_size=64, reps=1)
-    return Spec("small", QUERY_LENS, SEQ_LENS, **(small | kw))
+    return Spec("small", query_lens, seq_lens, **(small | kw))
 
 
 def _jax_xla(data) -> np.ndarray:
@@ -50,10 +54,38 @@ def test_matches_jax_xla(kw, seed):
     prepared = backends._prepare_vllm_cpu_attn(data)
     out = prepared.output(prepared.call())
     expected = _jax_xla(data)
-    atol, rtol = run._tolerance(spec)
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, expected, atol=atol, rtol=rtol)
     assert prepared.info["isa"] == _expected_isa(spec)
+    if prepared.info["deviation"] is not None:  # amx over fp8: test_amx_fp8_deviation
+        assert prepared.info["isa"] == "amx" and spec.cache_dtype is not None
+        assert np.isfinite(out).all()
+        return
+    assert_close(out, expected, spec.dtype, spec.cache_dtype, peer=True)
+    assert run._agrees(spec, out, expected)  # the bench's check is the same rule
+
+
+def test_amx_fp8_deviation():
+    """vLLM 0.32's amx kernel over an e4m3 cache (bfloat16 queries) is beyond the one tolerance
+    rule against jax-xla, where one dropped key of 513 lands (measured 4.4x the bound at
+    decode-fp8-bs128), while its values are read right: with every weight equal (query 0) it is
+    within. The peer says so (`deviation`), and the bench shows the row WRONG without failing
+    the run. If a vLLM release mends it, this fails: drop VLLM_AMX_FP8_DEVIATION then."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("vLLM picks its amx kernel only where the CPU has AMX tiles")
+    fp8 = dict(cache_dtype="float8_e4m3fn", k_scale=0.8, v_scale=1.3)
+    spec = _spec(dtype="bfloat16", block_size=32, **fp8, num_heads=32, num_kv_heads=8,
+                 head_size=128, query_lens=(1,) * 8, seq_lens=(1024,) * 8)  # fmt: skip
+    data = make_data(spec, np.random.default_rng(0))
+    ratios = []
+    for query in (data.query, np.zeros_like(data.query)):
+        step = dataclasses.replace(data, query=query)
+        prepared = backends._prepare_vllm_cpu_attn(step)
+        assert prepared.info["deviation"] == backends.VLLM_AMX_FP8_DEVIATION
+        out = prepared.output(prepared.call())
+        ratios.append(bound_ratio(out, _jax_xla(step), spec.dtype, spec.cache_dtype, peer=True))
+    weighted, uniform = ratios
+    assert weighted > 2 and uniform <= 1, ratios
 
 
 def _expected_isa(spec: Spec) -> str:
