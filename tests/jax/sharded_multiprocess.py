@@ -5,7 +5,8 @@
 Each process owns 4 simulated CPU devices; `jax.distributed` (CPU collectives over gloo) joins
 them into one 8-device mesh, tp=8 over kv heads. Both build the same global arrays from the
 seed (each materializes only its own shards), run one sharded decode step, and gather the
-output to the host; process 0 then recomputes it on one device and prints the max error.
+output to the host; process 0 then recomputes it on one device and prints the max error and
+its ratio to the one tolerance rule's bound (against a peer: `bound_ratio(..., peer=True)`).
 """
 
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import jax
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
@@ -35,6 +37,7 @@ def main(port: int, process_id: int, seed: int) -> int:
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh
+    from tolerances import bound_ratio
 
     import jax_attn
     from jax_attn.sharding import PagedSharding
@@ -80,6 +83,7 @@ def main(port: int, process_id: int, seed: int) -> int:
             impl="xla",
         )
         report["err"] = float(np.max(np.abs(got - np.asarray(want))))
+        report["bound_ratio"] = bound_ratio(got, want, "float32", peer=True)
         report["finite"] = bool(np.isfinite(got).all())
     print(json.dumps(report), flush=True)
     jax.distributed.shutdown()

@@ -2,8 +2,9 @@
 
 `jax.distributed.initialize` joins them (coordinator on a free port, CPU collectives over
 gloo); each runs `sharded_multiprocess.py`, a tp=8 decode step sharded over kv heads, and
-process 0 compares the gathered output with the single-process result. Both processes are
-killed if either fails or the run passes its time limit.
+process 0 compares the gathered output with the single-process result (the one tolerance
+rule against a peer). Both processes are killed if either fails or the run passes its time
+limit.
 """
 
 import json
@@ -14,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from tolerances import tolerance
 
 SCRIPT = Path(__file__).resolve().parent / "sharded_multiprocess.py"
 TIMEOUT_S = 90
@@ -55,6 +55,5 @@ def test_two_processes_decode_on_one_mesh(seed):
         assert rc == 0, f"process {pid} exited {rc}:\n{err[-3000:]}"
     reports = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in outputs]
     assert [r["shape"] for r in reports] == [[4, 16, 16]] * 2
-    atol, _ = tolerance("float32")
     assert reports[0]["finite"]
-    assert reports[0]["err"] <= atol, reports[0]
+    assert reports[0]["bound_ratio"] <= 1, reports[0]
