@@ -26,8 +26,8 @@ def test_every_default_workload_within_tolerance_on_xla(spec, rng):
     problem = crosscheck.make_problem(spec, rng)
     backend = next(b for b in crosscheck.JAX_BACKENDS if b.name == "jax-xla")
     cell = crosscheck.check_cell(backend, problem)
-    assert cell.ok, cell.note
-    assert cell.error is not None and cell.error <= problem.spec.tolerance[0] * 10
+    assert cell.ok, cell.note  # within the one tolerance rule
+    assert cell.error is not None
 
 
 def test_a_wrong_backend_is_caught(rng, monkeypatch, capsys):
@@ -41,7 +41,7 @@ def test_a_wrong_backend_is_caught(rng, monkeypatch, capsys):
 
     broken = crosscheck.Backend("broken", lambda: None, no_alibi)
     cell = crosscheck.check_cell(broken, crosscheck.make_problem(spec, rng))
-    assert not cell.ok and cell.error > spec.tolerance[0]
+    assert not cell.ok and cell.error is not None  # beyond the one tolerance rule
 
     crashing = crosscheck.Backend("crashing", lambda: None, lambda p: 1 / 0)
     assert not crosscheck.check_cell(crashing, crosscheck.make_problem(spec, rng)).ok

@@ -58,7 +58,7 @@ def oracle(data) -> np.ndarray:
 def test_vllm_forward_in_the_worker_matches_the_oracle(worker, name):
     from benchmarks import vllm085
     from benchmarks.workloads import make_data, named_workloads
-    from interop.tolerances import TOLERANCES
+    from interop.tolerances import assert_close
 
     data = make_data(named_workloads(quick=True)[name], np.random.default_rng(1))
     prepared = vllm085.prepare(data, worker)
@@ -66,10 +66,7 @@ def test_vllm_forward_in_the_worker_matches_the_oracle(worker, name):
     prepared.call()
     out = prepared.output(None)
     expected = oracle(data)
-    atol, rtol = TOLERANCES[data.spec.dtype]
-    assert out.shape == expected.shape and np.isfinite(out).all()
-    err = np.abs(out - expected)
-    assert (err <= atol + rtol * np.abs(expected)).all(), f"max |err| {err.max():.3g}"
+    assert_close(out, expected, data.spec.dtype, data.spec.cache_dtype, what=name)
     info = prepared.info
     assert info["impl"] == "vllm.attention.backends.torch_sdpa.TorchSDPABackendImpl.forward"
     assert info["decode"] == (
