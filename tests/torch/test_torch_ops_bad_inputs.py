@@ -48,7 +48,8 @@ def test_store_refuses_caches_that_share_memory():
 
 def test_store_of_empty_rows_writes_nothing():
     """Rows of head size 0 into a cache with no bytes: valid, and nothing to do (the kernel
-    used to form pointers from the empty cache's null data before noticing)."""
+    returns before forming a pointer from the empty cache's null data; a guard, no test of
+    the sanitizers caught the old pointer arithmetic, which nothing dereferenced)."""
     key_cache = torch.empty(3, 2, 0, 4, 4)
     value_cache = torch.empty(3, 2, 0, 4)
     rows = torch.empty(2, 2, 0)
