@@ -1272,13 +1272,25 @@ bool supported_cache(ffi::DataType t) {
 
 // A step's tasks, handed out in order (longest first) from one counter. A worker takes its
 // next task as it starts the current one's last item, which then requests the next task's
-// first queries and keys while it computes (NextLines).
+// first queries and keys while it computes (NextLines). Taking only reserves: a task runs
+// where it is claimed (`claim`, once per task), so a task taken ahead by a worker that lost its
+// core (another process on it) is claimed by whichever worker runs out of tasks first
+// (`take_unstarted`) instead of waiting for that worker.
 struct TaskQueue {
   std::atomic<int64_t> next{0};
   const Item* items = nullptr;
   const Task* tasks = nullptr;
   int64_t num_tasks = 0;
+  std::unique_ptr<std::atomic<bool>[]> started;  // [num_tasks]
   int64_t take() { return next.fetch_add(1, std::memory_order_relaxed); }
+  bool claim(int64_t t) { return !started[t].exchange(true, std::memory_order_relaxed); }
+  // Once the counter is spent: a task taken ahead but not started, claimed; -1 when none.
+  int64_t take_unstarted() {
+    for (int64_t t = 0; t < num_tasks; ++t) {
+      if (!started[t].load(std::memory_order_relaxed) && claim(t)) return t;
+    }
+    return -1;
+  }
 };
 // One worker's place in a TaskQueue: `taken`, the task it took ahead (-1: none yet).
 struct TaskChain {
@@ -1678,10 +1690,19 @@ std::string run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<I
   queue.items = items.data();
   queue.tasks = tasks.data();
   queue.num_tasks = num_tasks;
+  queue.started.reset(new std::atomic<bool>[num_tasks]);
+  for (int64_t t = 0; t < num_tasks; ++t) queue.started[t].store(false, std::memory_order_relaxed);
   const int64_t workers = std::min(num_workers(pool), num_tasks);
   parallel_for(pool, workers, workers, [&](int64_t) {
     TaskChain chain{&queue};
-    for (int64_t t = queue.take(); t < num_tasks;) {
+    for (int64_t t = queue.take();;) {
+      if (t >= num_tasks) {
+        t = queue.take_unstarted();
+        if (t < 0) break;
+      } else if (!queue.claim(t)) {  // taken ahead, then claimed by another worker
+        t = queue.take();
+        continue;
+      }
       chain.taken = -1;
       task_fn(t, nullptr, &chain);
       t = chain.taken >= 0 ? chain.taken : queue.take();
