@@ -222,19 +222,21 @@ def draw_store(gen: torch.Generator, kinds: Counter) -> Call:
     call = Call(list(args.values()), buffers, _store_rules(args))
     if not call.broken:
         # reference: the rows written in token order into a copy of the cache buffer
-        expected = kv.clone()
-        kc = expected[0].view(-1)[: key_cache.numel()].view(key_cache.shape)
-        vc = expected[1].view(-1)[: value_cache.numel()].view(value_cache.shape)
+        # reference: the rows written in token order into copies of the caches passed (a
+        # cache given another dtype and back is a copy of the buffer: that copy is written)
+        kc, vc = args["key_cache"].clone(), args["value_cache"].clone()
+        block_size = kc.shape[3]
         for i, slot in enumerate(args["slot_mapping"].tolist()):
-            if slot < 0:
-                continue
-            b, o = divmod(slot, bs)
-            kc[b, :, :, o, :] = key[i].reshape(hkv, dx, x)
-            vc[b, :, :, o] = value[i]
+            if slot >= 0:
+                b, o = divmod(slot, block_size)
+                kc[b, :, :, o, :] = args["key"][i].reshape(kc.shape[1], kc.shape[2], kc.shape[4])
+                vc[b, :, :, o] = args["value"][i]
 
-        def check(_args, expected=expected, kv=kv) -> str | None:
-            if not torch.equal(_bytes(kv), _bytes(expected)):
-                return "the cache differs from the reference write"
+        def check(a, kc=kc, vc=vc) -> str | None:
+            if not (
+                torch.equal(_bytes(a[2]), _bytes(kc)) and torch.equal(_bytes(a[3]), _bytes(vc))
+            ):
+                return "the caches differ from the reference write"
             return None
 
         call.check = check
