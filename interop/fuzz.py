@@ -5,7 +5,7 @@ prefills and, for the JAX core, empty sequences; GQA ratio, block size, head siz
 ALiBi, window, soft cap, attention type) plus a data seed, padding of the batch (extra
 sequence rows and tokens, for the JAX core) and the poison in unused cache memory (NaN, +-Inf
 or both). `check_example(backend, example)` runs one backend on it and returns the harness's
-`Cell` (max error vs the oracle, within the tolerance table or not).
+`Cell` (max error vs the oracle, within the one tolerance rule or not: `error_bound`).
 
 - the bounded slice in the tests (tests/fuzz/) runs a fixed number of derandomized examples;
 - `jax-attn fuzz --minutes N [--backend NAME]` runs batches of seeded examples until the time

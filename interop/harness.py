@@ -60,7 +60,7 @@ class Spec:
 
     @property
     def tolerance(self) -> tuple[float, float]:
-        return tolerance(self.dtype, self.cache_dtype)  # the one table's rule
+        return tolerance(self.dtype, self.cache_dtype)  # the table's row (check_cell: error_bound)
 
     def describe(self) -> str:
         lens = "+".join(
