@@ -29,13 +29,22 @@ class Spinners:
             subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.DEVNULL)
             for _ in range(count)
         ]
-        self._signal(signal.SIGSTOP)
+        self._stop()
 
     def _signal(self, sig: int) -> None:
         for p in self._procs:
             if p.poll() is not None:
                 raise RuntimeError(f"a busy process (pid {p.pid}) exited: {p.returncode}")
             os.kill(p.pid, sig)
+
+    def _stop(self) -> None:
+        """SIGSTOP, and wait until each spinner has stopped (a signal is acted on when its
+        process next runs: a quiet call right after the kill could still share the cores)."""
+        self._signal(signal.SIGSTOP)
+        for p in self._procs:
+            _, status = os.waitpid(p.pid, os.WUNTRACED)
+            if not os.WIFSTOPPED(status):
+                raise RuntimeError(f"a busy process (pid {p.pid}) ended instead of stopping")
 
     @contextlib.contextmanager
     def running(self, warm_s: float = 0.02):
@@ -46,7 +55,7 @@ class Spinners:
             time.sleep(warm_s)
             yield
         finally:
-            self._signal(signal.SIGSTOP)
+            self._stop()
 
     def close(self) -> None:
         for p in self._procs:

@@ -44,6 +44,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     bench.add_argument("--quick", action="store_true")
     bench.add_argument(
+        "--busy",
+        nargs="?",
+        const=1,
+        type=int,
+        metavar="N",
+        help="also time every peer beside N busy processes (default 1) that the bench starts: "
+        "pure-CPU spinners, stopped except while a busy call is timed, so each round times "
+        "each peer quiet and then loaded; the record keeps both and their ratio, judged "
+        "against the fair share of the cores (benchmarks/busy.py)",
+    )
+    bench.add_argument(
         "--check",
         nargs="?",
         const=CHECK_RUN,

@@ -246,16 +246,20 @@ def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
         }
 
     met = issue20(run.check_targets(results(vllm=0.090, torch_sdpa=0.012, jax_cpu=0.010)))
+    unmeasured = (None, None)  # issue 37's other decodes (fp8, block 128): no rows here
     assert met == {
-        f"{w}: {what}": value
-        for w in decodes
-        for what, value in (
-            (f"{vllm085.NAME} time / TORCH_SDPA time", (pytest.approx(7.5), True)),
-            ("TORCH_SDPA time / jax-cpu time", (pytest.approx(1.2), True)),
+        f"{w}: {vllm085.NAME} time / TORCH_SDPA time": (pytest.approx(7.5), True) for w in decodes
+    } | {
+        f"{w}: TORCH_SDPA time / jax-cpu time": (
+            (pytest.approx(1.2), True) if w in decodes else unmeasured
         )
+        for w in run.TORCH_DECODES
     }
     slow = issue20(run.check_targets(results(vllm=0.090, torch_sdpa=0.400, jax_cpu=0.010)))
-    assert {met for _, met in slow.values()} == {False}
+    assert {met for _, met in slow.values()} == {False, None}
+    assert {w for w in run.TORCH_DECODES if f"{w}: TORCH_SDPA time / jax-cpu time" in slow} == {
+        f"decode-{d}-bs{b}" for d in ("f32", "bf16", "fp8") for b in (16, 128)
+    }
     missing = run.check_targets({"decode-f32-bs16": rows(**{"TORCH_SDPA": 0.01})})
     assert all(t["met"] is None for t in missing if "TORCH_SDPA time" in t["target"])
 
