@@ -91,8 +91,9 @@ def test_native_copy_blocks_reads_every_source_first(case, rng):
 @pytest.mark.parametrize("case", ["dst-is-src-cycle", "views-half-a-block-apart",
                                   "dst-read-by-an-earlier-copy"])  # fmt: skip
 def test_native_copy_blocks_stages_on_many_threads(case, rng):
-    """Blocks of 48 KiB: past the op's 1 MiB threshold the moves run on torch's threads."""
-    run_case(case, rng, block=BLOCK * 512)
+    """Blocks of 192 KiB: past the op's 1 MiB threshold (>= 1.1 MiB moved in each case) the
+    moves and the staging run on torch's threads."""
+    run_case(case, rng, block=BLOCK * 2048)
 
 
 REFUSED = {
