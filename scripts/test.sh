@@ -10,6 +10,14 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+# Each stage's wall time (environment build included) and pytest's 15 slowest tests, for the
+# suite's time budget (issue 37: 60 minutes on a fresh clone, 30 with the environments cached).
+stage_start=$SECONDS
+stage_done() {
+    echo "-- $1: $((SECONDS - stage_start)) s (total $SECONDS s)"
+    stage_start=$SECONDS
+}
+timing=(--durations=15)
 
 echo "== main environment: full suite (tests/ and the notebooks, executed by nbmake)"
 paths=(tests)
@@ -24,13 +32,14 @@ bash scripts/env.sh vllm085 >/dev/null
 # and fail if any test skipped for want of them; JAX_ATTN_REQUIRE_VLLM085_PEER=1: fail if a
 # vllm085_peer test skipped or none passed (the skip audit, tests/conftest.py).
 JAX_ATTN_REQUIRE_NATIVE=1 JAX_ATTN_REQUIRE_VLLM085_PEER=1 JAX_ATTN_ENV=main bash scripts/run.sh \
-    python -m pytest -n 2 --dist loadgroup "${paths[@]}" "$@"
+    python -m pytest -n 2 --dist loadgroup "${timing[@]}" "${paths[@]}" "$@"
+stage_done "main stage"
 
 echo "== IPEX environment (torch 2.8 + IPEX 2.8): tests marked ipex"
 set +e
 # JAX_ATTN_REQUIRE_IPEX=1: fail unless IPEX imports and ipex tests pass, none skipped
 # (tests/conftest.py); pytest's exit 5 (nothing collected) fails too.
-JAX_ATTN_REQUIRE_IPEX=1 JAX_ATTN_ENV=ipex bash scripts/run.sh python -m pytest -m ipex tests "$@"
+JAX_ATTN_REQUIRE_IPEX=1 JAX_ATTN_ENV=ipex bash scripts/run.sh python -m pytest -m ipex "${timing[@]}" tests "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing; that would mean the IPEX tests vanished.
@@ -38,6 +47,7 @@ if [ "$rc" -ne 0 ]; then
     echo "IPEX run failed (pytest exit $rc)" >&2
     exit "$rc"
 fi
+stage_done "IPEX stage"
 
 echo "== vllm085 environment (vLLM 0.8.5 on torch 2.6): tests marked vllm085"
 set +e
@@ -47,7 +57,7 @@ set +e
 # kernel against vLLM's. One process, no -n: every test starts vLLM engines,
 # and those share the process-wide state that vLLM's engine keeps.
 JAX_ATTN_REQUIRE_VLLM085=1 JAX_ATTN_REQUIRE_NATIVE=1 JAX_ATTN_ENV=vllm085 bash scripts/run.sh \
-    python -m pytest -m vllm085 tests "$@"
+    python -m pytest -m vllm085 "${timing[@]}" tests "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing; that would mean the vLLM tests vanished.
@@ -55,13 +65,14 @@ if [ "$rc" -ne 0 ]; then
     echo "vllm085 run failed (pytest exit $rc)" >&2
     exit "$rc"
 fi
+stage_done "vllm085 stage"
 
 echo "== vllm environment (vLLM 0.32 on torch 2.13): tests marked vllm"
 set +e
 # JAX_ATTN_REQUIRE_VLLM=1: fail unless vLLM 0.32's CPU attention kernels import and the vllm
 # tests (the bench's vllm-cpu-attn peer against jax-xla) pass, none skipped
 # (tests/benchmarks/conftest.py).
-JAX_ATTN_REQUIRE_VLLM=1 JAX_ATTN_ENV=vllm bash scripts/run.sh python -m pytest -m vllm tests "$@"
+JAX_ATTN_REQUIRE_VLLM=1 JAX_ATTN_ENV=vllm bash scripts/run.sh python -m pytest -m vllm "${timing[@]}" tests "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing; that would mean the vLLM 0.32 tests vanished.
@@ -69,13 +80,15 @@ if [ "$rc" -ne 0 ]; then
     echo "vllm run failed (pytest exit $rc)" >&2
     exit "$rc"
 fi
+stage_done "vllm stage"
 
 echo "== gpu-aot environment (JAX's CUDA plugin, no GPU): kernels compiled for H100 and A100"
 # JAX_PLATFORMS=cpu before JAX starts: the CUDA plugin then registers compile-only devices
 # instead of failing to find a GPU. JAX_ATTN_REQUIRE_GPU_AOT turns "cannot compile here" from a
 # skip into a failure.
 JAX_ATTN_ENV=gpu-aot JAX_PLATFORMS=cpu JAX_ATTN_REQUIRE_GPU_AOT=1 bash scripts/run.sh \
-    python -m pytest -n 2 -m gpu_aot tests/jax/test_gpu_compile.py "$@"
+    python -m pytest -n 2 -m gpu_aot "${timing[@]}" tests/jax/test_gpu_compile.py "$@"
+stage_done "gpu-aot stage"
 
 echo "== tpu-aot environment (libtpu, no TPU): kernels compiled for v5e, v6e and v5p"
 # JAX_PLATFORMS=cpu before JAX starts, and libtpu kept from looking for a TPU host (no metadata
@@ -84,4 +97,5 @@ echo "== tpu-aot environment (libtpu, no TPU): kernels compiled for v5e, v6e and
 JAX_ATTN_ENV=tpu-aot JAX_PLATFORMS=cpu JAX_ATTN_REQUIRE_TPU_AOT=1 \
     TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=v5litepod-4 TPU_WORKER_HOSTNAMES=localhost \
     TPU_WORKER_ID=0 ALLOW_MULTIPLE_LIBTPU_LOAD=1 bash scripts/run.sh \
-    python -m pytest -n 2 -m tpu_aot tests/jax/test_tpu_compile.py "$@"
+    python -m pytest -n 2 -m tpu_aot "${timing[@]}" tests/jax/test_tpu_compile.py "$@"
+stage_done "tpu-aot stage"
