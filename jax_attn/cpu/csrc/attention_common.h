@@ -7,10 +7,6 @@
 #include <cstdint>
 #include <mutex>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "kernel_common.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -106,59 +102,6 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t workers, F&& fn) {
   work();
   std::unique_lock<std::mutex> lock(shared->mu);
   shared->cv.wait(lock, [&] { return shared->done.load(std::memory_order_acquire) == n; });
-}
-
-// ---------------------------------------------------------------------------------------------
-// Output memory.
-// ---------------------------------------------------------------------------------------------
-
-// A large output is fresh memory on every call: XLA allocates it per execution and glibc maps
-// anything past its mmap threshold (at most 32 MiB) anew, so the kernel's first writes fault
-// it in 4 KiB at a time (16k faults for prefill-8x512's 64 MiB, a fifth of the call, measured)
-// and the next call's free unmaps it again. Asking for transparent huge pages on the 2 MiB
-// aligned inside of the buffer turns that into one fault per 2 MiB. A hint that changes no
-// byte: where THP is off, or "always", it does nothing.
-inline void advise_huge_pages(void* data, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < 4 * kHuge) return;  // small outputs: a syscall for little
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)data;
-  (void)bytes;
-#endif
-}
-
-// advise_huge_pages, then a large output's pages faulted in up front, a share per worker
-// (MADV_POPULATE_WRITE: page tables filled as a write would, no byte written; Linux 5.14+,
-// elsewhere a refused hint and the kernel's first stores fault them in as before). Measured on
-// prefill-8x512 (64 MiB of float32 output, 2-core Zen 5 VM, 8 rounds alternated): 47.1-49.3 ms
-// vs 48.3-50.2 in half the rounds and 60.7-61.8 in the other half, when faulted in by the
-// kernel's stores.
-inline void prefault_output(ffi::ThreadPool& pool, void* data, size_t bytes) {
-  advise_huge_pages(data, bytes);
-#if defined(__linux__)
-  constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE, for headers older than the kernel
-  constexpr size_t kPage = 4096;
-  // Only outputs past glibc's largest mmap threshold (32 MiB), which are fresh mappings on every
-  // call; smaller ones are often reused heap memory, already faulted in, where the walk costs
-  // more than it saves (mixed, 17 MiB: 12.7-14.7 vs 12.5-12.8 ms with an 8 MiB threshold).
-  if (bytes < (size_t{32} << 20)) return;
-  const int64_t workers = num_workers(pool);
-  const size_t share = ((bytes + workers - 1) / workers + kPage - 1) & ~(kPage - 1);
-  const uintptr_t first = reinterpret_cast<uintptr_t>(data);
-  const uintptr_t last = first + bytes;
-  parallel_for(pool, workers, workers, [&](int64_t w) {
-    // Whole pages only: a page shared with the buffer's neighbours is left to fault as usual.
-    const uintptr_t lo = (first + w * share + kPage - 1) & ~uintptr_t{kPage - 1};
-    const uintptr_t hi = std::min<uintptr_t>(first + (w + 1) * share, last) & ~uintptr_t{kPage - 1};
-    if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, kPopulateWrite);
-  });
-#else
-  (void)pool;
-#endif
 }
 
 // `Workers` over XLA's pool (valid while `pool` is).

@@ -38,13 +38,15 @@
 // group.
 //
 // Threads: tasks (runs of up to kTilesPerTask tiles of one sequence and kv head, which share
-// their keys in L2) go longest first over XLA's intra-op pool (parallel_for, the shared
-// header); JAX_ATTN_CPU_THREADS overrides the worker count.
+// their keys in L2) go longest first over the caller's `Workers` (XLA's intra-op pool for the
+// FFI handler, ragged_paged_attention_xla.cc; torch's for the op, torch_ops.cc), one loop per
+// worker taking tasks from one queue; JAX_ATTN_CPU_THREADS overrides the worker count.
+// Framework-free (ragged_paged_attention.h): no XLA or torch header is included here.
 //
 // Only keys below seq_len are ever read, so unused cache memory (NaN included) never reaches
 // an output. Bad metadata (ids outside the cache, lengths beyond the block table, a
-// non-monotone query_start_loc, num_seqs beyond the rows) is an InvalidArgument error naming
-// the argument, checked before any read.
+// non-monotone query_start_loc, num_seqs beyond the rows) is an error naming the argument,
+// checked before any read.
 
 #include <algorithm>
 #include <cstdint>
@@ -61,8 +63,8 @@
 #include <vector>
 
 #include "amx_tiles.h"
-#include "attention_common.h"
 #include "paged_decode.h"
+#include "ragged_paged_attention.h"
 
 namespace jax_attn_cpu {
 namespace {
@@ -1215,59 +1217,85 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
 // ---------------------------------------------------------------------------------------------
 // Metadata checks: every index the kernel reads is validated before any read of the caches and
 // before any write of the output. Under jit no eager check runs, so these are the only guard:
-// garbage metadata must come back as an InvalidArgument naming the argument, never as a write
-// past the output or a read outside the cache.
+// garbage metadata must come back as an error naming the argument (InvalidArgument from XLA,
+// ValueError from torch), never as a write past the output or a read outside the cache.
 // ---------------------------------------------------------------------------------------------
-ffi::Error invalid(const std::string& message) { return ffi::Error::InvalidArgument(message); }
-
 std::string str(int64_t x) { return std::to_string(x); }
 
 // num_seqs in [0, S]; query_start_loc[0] in [0, T] and non-decreasing up to
 // query_start_loc[num_seqs] <= T (so every row the kernel zeroes or computes is inside the
 // T query tokens); per real sequence q_len <= seq_len <= max_blocks * block_size and every
 // block id of its first ceil(seq_len / block_size) table entries in [0, num_blocks).
-ffi::Error check_metadata(const int32_t* qsl, const int32_t* seq_lens, const int32_t* tables,
-                          int64_t num_seqs, int64_t S, int64_t T, int64_t NB, int64_t BS,
-                          int64_t MB) {
+std::string check_metadata(const int32_t* qsl, const int32_t* seq_lens, const int32_t* tables,
+                           int64_t num_seqs, int64_t S, int64_t T, int64_t NB, int64_t BS,
+                           int64_t MB) {
   if (num_seqs < 0 || num_seqs > S) {
-    return invalid("num_seqs=" + str(num_seqs) + " must be in [0, " + str(S) +
-                   "] (the rows of seq_lens and block_tables)");
+    return "num_seqs=" + str(num_seqs) + " must be in [0, " + str(S) +
+           "] (the rows of seq_lens and block_tables)";
   }
   if (qsl[0] < 0 || qsl[0] > T) {
-    return invalid("query_start_loc[0]=" + str(qsl[0]) + " must be in [0, num_tokens=" +
-                   str(T) + "]");
+    return "query_start_loc[0]=" + str(qsl[0]) + " must be in [0, num_tokens=" + str(T) + "]";
   }
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t start = qsl[i], end = qsl[i + 1], seq_len = seq_lens[i];
     if (end < start) {
-      return invalid("query_start_loc must be non-decreasing: query_start_loc[" + str(i) +
-                     "]=" + str(start) + " > query_start_loc[" + str(i + 1) + "]=" + str(end));
+      return "query_start_loc must be non-decreasing: query_start_loc[" + str(i) + "]=" +
+             str(start) + " > query_start_loc[" + str(i + 1) + "]=" + str(end);
     }
     if (end > T) {
-      return invalid("query_start_loc[" + str(i + 1) + "]=" + str(end) + " is beyond the " +
-                     str(T) + " query tokens (num_tokens)");
+      return "query_start_loc[" + str(i + 1) + "]=" + str(end) + " is beyond the " + str(T) +
+             " query tokens (num_tokens)";
     }
     if (seq_len < end - start || seq_len > MB * BS) {
-      return invalid("seq_lens[" + str(i) + "]=" + str(seq_len) + " must be in [q_len=" +
-                     str(end - start) + ", max_blocks * block_size=" + str(MB * BS) + "]");
+      return "seq_lens[" + str(i) + "]=" + str(seq_len) + " must be in [q_len=" +
+             str(end - start) + ", max_blocks * block_size=" + str(MB * BS) + "]";
     }
     for (int64_t b = 0; b < (seq_len + BS - 1) / BS; ++b) {
       const int64_t id = tables[i * MB + b];
       if (id < 0 || id >= NB) {
-        return invalid("block_tables[" + str(i) + ", " + str(b) + "]=" + str(id) +
-                       " is not a block id in [0, num_blocks=" + str(NB) + ")");
+        return "block_tables[" + str(i) + ", " + str(b) + "]=" + str(id) +
+               " is not a block id in [0, num_blocks=" + str(NB) + ")";
       }
     }
   }
-  return ffi::Error::Success();
+  return "";
 }
 
-bool supported_query(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+bool supported_query(DType t) {
+  return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16;
 }
 
-bool supported_cache(ffi::DataType t) {
-  return supported_query(t) || t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
+bool supported_cache(DType t) {
+  return supported_query(t) || t == DType::kF8E4M3FN || t == DType::kF8E5M2;
+}
+
+// The sizes and dtypes the kernel takes, or the rule one breaks.
+std::string check_args(const RaggedArgs& a) {
+  if (a.num_heads < 1 || a.head_size < 1 || a.block_size < 1) {
+    return "num_heads=" + str(a.num_heads) + ", head_size=" + str(a.head_size) +
+           " and block_size=" + str(a.block_size) + " must all be >= 1";
+  }
+  if (a.num_kv_heads < 1 || a.num_heads % a.num_kv_heads != 0) {
+    return "num_heads=" + str(a.num_heads) + " must be divisible by num_kv_heads=" +
+           str(a.num_kv_heads) + " (>= 1)";
+  }
+  if (a.head_size > kMaxHeadSize) {
+    return "head_size=" + str(a.head_size) + " must be at most " + str(kMaxHeadSize);
+  }
+  if (a.num_tokens < 0 || a.num_blocks < 0 || a.seq_rows < 0 || a.max_blocks < 0) {
+    return "num_tokens=" + str(a.num_tokens) + ", num_blocks=" + str(a.num_blocks) +
+           ", the rows of seq_lens=" + str(a.seq_rows) + " and max_blocks=" +
+           str(a.max_blocks) + " must all be >= 0";
+  }
+  if (!supported_query(a.query_type)) {
+    return std::string("query dtype ") + dtype_name(a.query_type) +
+           " is not supported (float32, bfloat16, float16)";
+  }
+  if (!supported_cache(a.cache_type)) {
+    return std::string("key_cache dtype ") + dtype_name(a.cache_type) +
+           " is not supported (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2)";
+  }
+  return "";
 }
 
 // A step's tasks, handed out in order (longest first) from one counter. A worker takes its
@@ -1614,11 +1642,11 @@ struct Staging {
 };
 
 // Runs the prefill tasks (run_task(t, warm)) and the staged decode run together. paged_decode
-// builds its items and hands them to `Workers`; ours walks the staged list instead. Should
-// paged_decode ask for another item count than planned, or run its items inline (one
-// worker, one item), the tasks simply run after the decodes.
+// builds its items and hands them to `Workers`; ours walks the staged list instead, on the
+// caller's workers. Should paged_decode ask for another item count than planned, or run its
+// items inline (one worker, one item), the tasks simply run after the decodes.
 template <typename RunTask>
-std::string run_staged(ffi::ThreadPool& pool, Staging& st, int64_t num_tasks, RunTask& run_task) {
+std::string run_staged(const Workers& base, Staging& st, int64_t num_tasks, RunTask& run_task) {
   struct Entry {
     int64_t group, task, item;  // task >= 0: that prefill task; else decode item `item`
   };
@@ -1630,25 +1658,25 @@ std::string run_staged(ffi::ThreadPool& pool, Staging& st, int64_t num_tasks, Ru
     }
   }
   struct Ctx {
-    ffi::ThreadPool* pool;
+    const Workers* base;
     Staging* st;
     const std::vector<Entry>* entries;
     std::function<void(int64_t, WarmCursor*)> run_task;
     int64_t num_tasks;
     bool tasks_ran = false;
-  } ctx{&pool, &st, &entries, [&](int64_t t, WarmCursor* w) { run_task(t, w); }, num_tasks};
+  } ctx{&base, &st, &entries, [&](int64_t t, WarmCursor* w) { run_task(t, w); }, num_tasks};
   Workers workers;
-  workers.count = num_workers(pool);
+  workers.count = base.count;
   workers.self = &ctx;
   workers.parallel_for = [](void* self, int64_t n, int64_t count, void (*item)(void*, int64_t),
                             void* item_ctx) {
     Ctx& c = *static_cast<Ctx*>(self);
     if (n != c.st->num_items) {  // not the planned items: the decodes as asked
-      parallel_for(*c.pool, n, count, [&](int64_t i) { item(item_ctx, i); });
+      run_items(*c.base, n, count, [&](int64_t i) { item(item_ctx, i); });
       return;
     }
     c.tasks_ran = true;
-    parallel_for(*c.pool, static_cast<int64_t>(c.entries->size()), count, [&](int64_t e) {
+    run_items(*c.base, static_cast<int64_t>(c.entries->size()), count, [&](int64_t e) {
       const Entry& en = (*c.entries)[e];
       if (en.task >= 0) {
         WarmCursor warm{nullptr, nullptr, &c.st->groups[en.group].warm};
@@ -1661,13 +1689,13 @@ std::string run_staged(ffi::ThreadPool& pool, Staging& st, int64_t num_tasks, Ru
   const std::string error = paged_decode(st.args, workers);
   if (!error.empty()) return error;
   if (!ctx.tasks_ran) {
-    parallel_for(pool, num_tasks, num_workers(pool), [&](int64_t t) { run_task(t, nullptr); });
+    run_items(base, num_tasks, [&](int64_t t) { run_task(t, nullptr); });
   }
   return "";
 }
 
 template <typename QT, typename CT>
-std::string run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<Item>& items,
+std::string run_all(const Workers& workers, const Problem& p, const std::vector<Item>& items,
                     const std::vector<Task>& tasks, Staging* staging) {
   constexpr bool kBf16 = std::is_same_v<QT, bf16_t> && std::is_same_v<CT, bf16_t>;
   auto task_fn = [&](int64_t t, WarmCursor* warm, TaskChain* chain = nullptr) {
@@ -1685,15 +1713,16 @@ std::string run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<I
     }
   };
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  if (staging != nullptr) return run_staged(pool, *staging, num_tasks, task_fn);
+  if (staging != nullptr) return run_staged(workers, *staging, num_tasks, task_fn);
   TaskQueue queue;
   queue.items = items.data();
   queue.tasks = tasks.data();
   queue.num_tasks = num_tasks;
   queue.started.reset(new std::atomic<bool>[num_tasks]);
   for (int64_t t = 0; t < num_tasks; ++t) queue.started[t].store(false, std::memory_order_relaxed);
-  const int64_t workers = std::min(num_workers(pool), num_tasks);
-  parallel_for(pool, workers, workers, [&](int64_t) {
+  // One loop per worker (at most one per task), each taking tasks until none is left.
+  const int64_t loops = std::min(workers.count, num_tasks);
+  run_items(workers, loops, [&](int64_t) {
     TaskChain chain{&queue};
     for (int64_t t = queue.take();;) {
       if (t >= num_tasks) {
@@ -1711,128 +1740,55 @@ std::string run_all(ffi::ThreadPool& pool, const Problem& p, const std::vector<I
   return "";
 }
 
+
 template <typename QT>
-ffi::Error dispatch_cache(ffi::DataType cache_dtype, ffi::ThreadPool& pool, const Problem& p,
-                          const std::vector<Item>& items, const std::vector<Task>& tasks,
-                          Staging* staging) {
-  std::string error;
-  switch (cache_dtype) {
-    case ffi::DataType::F32:
-      error = run_all<QT, float>(pool, p, items, tasks, staging);
-      break;
-    case ffi::DataType::BF16:
-      error = run_all<QT, bf16_t>(pool, p, items, tasks, staging);
-      break;
-    case ffi::DataType::F16:
-      error = run_all<QT, f16_t>(pool, p, items, tasks, staging);
-      break;
-    case ffi::DataType::F8E4M3FN:
-      error = run_all<QT, e4m3_t>(pool, p, items, tasks, staging);
-      break;
-    case ffi::DataType::F8E5M2:
-      error = run_all<QT, e5m2_t>(pool, p, items, tasks, staging);
-      break;
-    default:
-      return invalid(std::string("key_cache dtype ") + dtype_name(cache_dtype) +
-                     " is not supported (float32, bfloat16, float16, float8_e4m3fn, "
-                     "float8_e5m2)");
+std::string dispatch_cache(DType cache_type, const Workers& workers, const Problem& p,
+                           const std::vector<Item>& items, const std::vector<Task>& tasks,
+                           Staging* staging) {
+  switch (cache_type) {
+    case DType::kF32: return run_all<QT, float>(workers, p, items, tasks, staging);
+    case DType::kBF16: return run_all<QT, bf16_t>(workers, p, items, tasks, staging);
+    case DType::kF16: return run_all<QT, f16_t>(workers, p, items, tasks, staging);
+    case DType::kF8E4M3FN: return run_all<QT, e4m3_t>(workers, p, items, tasks, staging);
+    case DType::kF8E5M2: return run_all<QT, e5m2_t>(workers, p, items, tasks, staging);
+    default: return "unreachable: key_cache dtype checked";
   }
-  if (!error.empty()) return invalid(error);
-  return ffi::Error::Success();
 }
 
-ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
-                                    ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache,
-                                    ffi::Buffer<ffi::S32> query_start_loc,
-                                    ffi::Buffer<ffi::S32> seq_lens,
-                                    ffi::Buffer<ffi::S32> block_tables,
-                                    ffi::Buffer<ffi::S32> num_seqs_buf,
-                                    ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
-                                    ffi::Buffer<ffi::F32> alibi_slopes,
-                                    ffi::Result<ffi::AnyBuffer> out, float scale, int64_t causal,
-                                    int64_t sliding_window, float logits_soft_cap) {
-  // Shapes and element counts first: nothing below reads an element of a buffer whose size
-  // was not checked here.
-  const auto qd = query.dimensions();
-  const auto kd = key_cache.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || !(value_cache.dimensions() == kd)) {
-    return invalid("query must be [T, Hq, D] and key_cache/value_cache the same [NB, BS, Hkv, D]");
-  }
-  if (key_cache.element_type() != value_cache.element_type()) {
-    return invalid("key_cache and value_cache must have the same dtype");
-  }
-  const int64_t T = qd[0], Hq = qd[1], D = qd[2];
-  const int64_t NB = kd[0], BS = kd[1], Hkv = kd[2];
-  const auto td = block_tables.dimensions();
-  if (kd[3] != D || Hkv <= 0 || Hq % Hkv != 0 || td.size() != 2) {
-    return invalid("shapes: query [T, Hq, D], caches [NB, BS, Hkv, D] with Hq % Hkv == 0, "
-                   "block_tables [S, max_blocks]");
-  }
-  if (Hq < 1 || D < 1 || BS < 1) {
-    return invalid("num_heads=" + str(Hq) + ", head_size=" + str(D) + " and block_size=" +
-                   str(BS) + " must all be >= 1");
-  }
-  const int64_t S = td[0], MB = td[1];
-  if (seq_lens.element_count() != static_cast<size_t>(S)) {
-    return invalid("seq_lens must have num_seqs=" + str(S) + " entries (block_tables rows), got " +
-                   str(static_cast<int64_t>(seq_lens.element_count())));
-  }
-  if (query_start_loc.element_count() != static_cast<size_t>(S + 1)) {
-    return invalid("query_start_loc must have num_seqs + 1=" + str(S + 1) + " entries, got " +
-                   str(static_cast<int64_t>(query_start_loc.element_count())));
-  }
-  if (num_seqs_buf.element_count() != 1) {
-    return invalid("num_seqs must be a scalar (1 element), got " +
-                   str(static_cast<int64_t>(num_seqs_buf.element_count())) + " elements");
-  }
-  if (k_scale.element_count() != 1 || v_scale.element_count() != 1) {
-    return invalid("k_scale and v_scale must be scalars (1 element), got " +
-                   str(static_cast<int64_t>(k_scale.element_count())) + " and " +
-                   str(static_cast<int64_t>(v_scale.element_count())));
-  }
-  const size_t num_slopes = alibi_slopes.element_count();
-  if (num_slopes != 0 && num_slopes != static_cast<size_t>(Hq)) {
-    return invalid("alibi_slopes must have num_heads=" + str(Hq) + " entries, got " +
-                   str(static_cast<int64_t>(num_slopes)));
-  }
-  const ffi::DataType qt = query.element_type();
-  if (!supported_query(qt)) {
-    return invalid(std::string("query dtype ") + dtype_name(qt) +
-                   " is not supported (float32, bfloat16, float16)");
-  }
-  if (!supported_cache(key_cache.element_type())) {
-    return invalid(std::string("key_cache dtype ") + dtype_name(key_cache.element_type()) +
-                   " is not supported (float32, bfloat16, float16, float8_e4m3fn, "
-                   "float8_e5m2)");
-  }
-  if (out->element_type() != qt || !(out->dimensions() == qd)) {
-    return invalid("the output must have the query's shape and dtype");
-  }
+}  // namespace
+
+std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) {
+  if (std::string error = check_args(a); !error.empty()) return error;
+  const int64_t T = a.num_tokens, Hq = a.num_heads, D = a.head_size;
+  const int64_t NB = a.num_blocks, BS = a.block_size, Hkv = a.num_kv_heads;
+  const int64_t S = a.seq_rows, MB = a.max_blocks;
 
   // Values: every index read below, before any read of the caches or write of the output.
-  const int64_t num_seqs = num_seqs_buf.typed_data()[0];
-  const int32_t* qsl = query_start_loc.typed_data();
-  const int32_t* lens = seq_lens.typed_data();
-  const int32_t* tables = block_tables.typed_data();
-  if (ffi::Error e = check_metadata(qsl, lens, tables, num_seqs, S, T, NB, BS, MB); e.failure()) {
-    return e;
+  const int64_t num_seqs = a.num_seqs;
+  const int32_t* qsl = a.query_start_loc;
+  const int32_t* lens = a.seq_lens;
+  const int32_t* tables = a.block_tables;
+  if (std::string error = check_metadata(qsl, lens, tables, num_seqs, S, T, NB, BS, MB);
+      !error.empty()) {
+    return error;
   }
 
-  prefault_output(pool, out->untyped_data(), out->size_bytes());
   // Rows outside the real sequences (padding tokens) are zeros.
-  const size_t row_bytes = static_cast<size_t>(Hq * D) * ffi::ByteWidth(qt);
-  char* out_bytes = static_cast<char*>(out->untyped_data());
+  const size_t row_bytes = static_cast<size_t>(Hq * D) * element_bytes(a.query_type);
+  const size_t out_size = row_bytes * static_cast<size_t>(T);
+  prefault_output(workers, a.out, out_size);
+  char* out_bytes = static_cast<char*>(a.out);
   const int64_t first = qsl[0], last = qsl[num_seqs];  // 0 <= first <= last <= T: checked
   if (first > 0) std::memset(out_bytes, 0, row_bytes * first);
   if (last < T) std::memset(out_bytes + row_bytes * last, 0, row_bytes * (T - last));
 
   Problem p;
-  p.query = query.untyped_data();
-  p.key_cache = key_cache.untyped_data();
-  p.value_cache = value_cache.untyped_data();
-  p.out = out->untyped_data();
+  p.query = a.query;
+  p.key_cache = a.key_cache;
+  p.value_cache = a.value_cache;
+  p.out = a.out;
   p.block_tables = tables;
-  p.slopes = num_slopes ? alibi_slopes.typed_data() : nullptr;
+  p.slopes = a.alibi_slopes;
   p.Hq = Hq;
   p.Hkv = Hkv;
   p.G = Hq / Hkv;
@@ -1840,19 +1796,17 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
   p.Dp = round_up(D, W);
   p.BS = BS;
   p.MB = MB;
-  p.qk_scale = scale * k_scale.typed_data()[0] * kLog2e;
-  p.v_scale = v_scale.typed_data()[0];
-  p.cap = logits_soft_cap > 0.0f ? logits_soft_cap * kLog2e : 0.0f;
-  p.window = sliding_window;
-  p.causal = causal != 0;
-  p.dot = JAX_ATTN_BF16_DOT && qt == ffi::DataType::BF16 &&
-          key_cache.element_type() == ffi::DataType::BF16 && D % 2 == 0;
-  const ffi::DataType ct = key_cache.element_type();
-  p.amx = JAX_ATTN_AMX && JAX_ATTN_BF16_DOT && qt == ffi::DataType::BF16 &&
-          (ct == ffi::DataType::BF16 || ct == ffi::DataType::F8E4M3FN ||
-           ct == ffi::DataType::F8E5M2) &&
+  p.qk_scale = a.scale * a.k_scale * kLog2e;
+  p.v_scale = a.v_scale;
+  p.cap = a.logits_soft_cap > 0.0f ? a.logits_soft_cap * kLog2e : 0.0f;
+  p.window = a.sliding_window;
+  p.causal = a.causal;
+  const DType qt = a.query_type, ct = a.cache_type;
+  p.dot = JAX_ATTN_BF16_DOT && qt == DType::kBF16 && ct == DType::kBF16 && D % 2 == 0;
+  p.amx = JAX_ATTN_AMX && JAX_ATTN_BF16_DOT && qt == DType::kBF16 &&
+          (ct == DType::kBF16 || ct == DType::kF8E4M3FN || ct == DType::kF8E5M2) &&
           D % 2 == 0 && amx_available();
-  p.stream_out = JAX_ATTN_AVX512 && out->size_bytes() >= static_cast<size_t>(kStreamOutputBytes) &&
+  p.stream_out = JAX_ATTN_AVX512 && out_size >= static_cast<size_t>(kStreamOutputBytes) &&
                  reinterpret_cast<uintptr_t>(p.out) % 64 == 0;
 
   // Tiles: up to tile_tokens tokens of one sequence x the G heads of one kv head. A task is a
@@ -1861,7 +1815,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
   // A sequence whose only tile has at most kSmallRows rows (a decode) instead gets items of
   // heads_per_small kv heads each: as many heads as keep every worker busy.
   const int64_t tile_tokens = std::max<int64_t>(1, kTargetRows / p.G);
-  const int64_t workers = num_workers(pool);
+  const int64_t num_workers = workers.count;
   // Maximal runs [s0, s1) of decode sequences long enough for the decode kernel.
   std::vector<std::pair<int64_t, int64_t>> decode_runs;
   std::vector<char> in_run(static_cast<size_t>(num_seqs), 0);
@@ -1880,7 +1834,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
     num_small += (!in_run[s] && q_len > 0 && q_len * p.G <= kSmallRows) ? 1 : 0;
   }
   const int64_t heads_per_small = std::clamp<int64_t>(
-      num_small * Hkv / std::max<int64_t>(1, 4 * workers), 1,
+      num_small * Hkv / std::max<int64_t>(1, 4 * num_workers), 1,
       std::min<int64_t>(Hkv, kMaxHeadsPerItem));
   std::vector<Item> items;
   std::vector<Task> tasks;
@@ -1914,30 +1868,30 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
 
   // The decode run's arguments (query and output rows qsl[s0] .. qsl[s0] + (s1 - s0)).
   const auto decode_args = [&](int64_t s0, int64_t s1) {
-    DecodeArgs a;
-    a.num_seqs = s1 - s0;
-    a.num_heads = Hq;
-    a.head_size = D;
-    a.num_kv_heads = Hkv;
-    a.num_blocks = NB;
-    a.block_size = BS;
-    a.max_blocks = MB;
-    a.layout = CacheLayout::kTokenMajor;
-    a.query_type = to_dtype(qt);
-    a.cache_type = to_dtype(key_cache.element_type());
-    a.query = static_cast<const char*>(p.query) + qsl[s0] * row_bytes;
-    a.out = out_bytes + qsl[s0] * row_bytes;
-    a.key_cache = p.key_cache;
-    a.value_cache = p.value_cache;
-    a.block_tables = tables + s0 * MB;
-    a.seq_lens = lens + s0;
-    a.alibi_slopes = p.slopes;
-    a.scale = scale;
-    a.k_scale = k_scale.typed_data()[0];
-    a.v_scale = p.v_scale;
-    a.sliding_window = p.window;
-    a.logits_soft_cap = logits_soft_cap;
-    return a;
+    DecodeArgs d;
+    d.num_seqs = s1 - s0;
+    d.num_heads = Hq;
+    d.head_size = D;
+    d.num_kv_heads = Hkv;
+    d.num_blocks = NB;
+    d.block_size = BS;
+    d.max_blocks = MB;
+    d.layout = CacheLayout::kTokenMajor;
+    d.query_type = qt;
+    d.cache_type = ct;
+    d.query = static_cast<const char*>(p.query) + qsl[s0] * row_bytes;
+    d.out = out_bytes + qsl[s0] * row_bytes;
+    d.key_cache = p.key_cache;
+    d.value_cache = p.value_cache;
+    d.block_tables = tables + s0 * MB;
+    d.seq_lens = lens + s0;
+    d.alibi_slopes = p.slopes;
+    d.scale = a.scale;
+    d.k_scale = a.k_scale;
+    d.v_scale = p.v_scale;
+    d.sliding_window = p.window;
+    d.logits_soft_cap = a.logits_soft_cap;
+    return d;
   };
   // A step with prefill tiles and one decode run of several sequences per worker stages the
   // decodes (run_staged): one item per sequence, in groups of about kStageBytes.
@@ -1946,13 +1900,14 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
   for (const auto& [s0, s1] : decode_runs) {
     for (int64_t s = s0; s < s1; ++s) decode_seqs += lens[s] > 0 ? 1 : 0;
   }
-  if (decode_runs.size() == 1 && !tasks.empty() && decode_seqs >= kStageMinSeqsPerWorker * workers) {
+  if (decode_runs.size() == 1 && !tasks.empty() &&
+      decode_seqs >= kStageMinSeqsPerWorker * num_workers) {
     staging = std::make_unique<Staging>();
     const auto [s0, s1] = decode_runs[0];
     staging->args = decode_args(s0, s1);
     staging->args.split_tokens = MB * BS + 1;  // one item per non-empty sequence
     const int64_t block_bytes =
-        BS * Hkv * D * static_cast<int64_t>(ffi::ByteWidth(key_cache.element_type()));
+        BS * Hkv * D * element_bytes(ct);
     const int64_t budget = kStageBytes;
     int64_t bytes = budget;
     for (int64_t s = s0; s < s1; ++s) {
@@ -1981,56 +1936,28 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer query,
     if (ng == 0) staging.reset();
   }
 
-  ffi::Error e = ffi::Error::Success();
+  std::string error;
   switch (qt) {
-    case ffi::DataType::F32:
-      e = dispatch_cache<float>(key_cache.element_type(), pool, p, items, tasks, staging.get());
+    case DType::kF32:
+      error = dispatch_cache<float>(ct, workers, p, items, tasks, staging.get());
       break;
-    case ffi::DataType::BF16:
-      e = dispatch_cache<bf16_t>(key_cache.element_type(), pool, p, items, tasks, staging.get());
+    case DType::kBF16:
+      error = dispatch_cache<bf16_t>(ct, workers, p, items, tasks, staging.get());
       break;
-    case ffi::DataType::F16:
-      e = dispatch_cache<f16_t>(key_cache.element_type(), pool, p, items, tasks, staging.get());
+    case DType::kF16:
+      error = dispatch_cache<f16_t>(ct, workers, p, items, tasks, staging.get());
       break;
-    default:
-      return invalid(std::string("query dtype ") + dtype_name(qt) +
-                     " is not supported (float32, bfloat16, float16)");
+    default: return "unreachable: query dtype checked";
   }
-  if (e.failure()) return e;
+  if (!error.empty()) return error;
 
   // The decode runs (the staged one already ran).
   for (const auto& [s0, s1] : decode_runs) {
     if (staging) break;
-    const DecodeArgs a = decode_args(s0, s1);
-    const std::string error = paged_decode(a, xla_workers(pool));
-    if (!error.empty()) return invalid(error);
+    const DecodeArgs d = decode_args(s0, s1);
+    if (std::string e = paged_decode(d, workers); !e.empty()) return e;
   }
-  return ffi::Error::Success();
+  return "";
 }
 
-}  // namespace
 }  // namespace jax_attn_cpu
-
-// query [T, Hq, D], key_cache/value_cache [NB, BS, Hkv, D], query_start_loc i32[S + 1],
-// seq_lens i32[S], block_tables i32[S, max_blocks], num_seqs i32[], k_scale f32[], v_scale f32[],
-// alibi_slopes f32[Hq] or f32[0] -> out [T, Hq, D] in the query dtype.
-JAX_ATTN_EXPORT_HANDLER(jax_attn_cpu_ragged_paged_attention);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_ragged_paged_attention,
-                              jax_attn_cpu::RaggedPagedAttentionImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("causal")
-                                  .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("logits_soft_cap"));
