@@ -7,9 +7,11 @@ builder, `jax_attn/cpu/_build.py`, is loaded by path: nothing here imports JAX).
 a fake (meta) kernel registered here, so `torch.compile` traces through it and
 `torch.library.opcheck` passes.
 
-    paged_decode_split   vLLM's decode over its split cache layout (`paged_attention_v1`)
-    store_split          vLLM's cache write into that layout (`reshape_and_cache`)
-    copy_blocks          whole blocks between caches (vLLM's `copy_blocks`, `swap_blocks`)
+    paged_decode_split      vLLM's decode over its split cache layout (`paged_attention_v1`)
+    ragged_paged_attention  a ragged step (prefill, chunked prefill, decode, mixed) over the
+                            token-major caches `[NB, BS, Hkv, D]` (jax_attn.paged_attention's)
+    store_split             vLLM's cache write into that layout (`reshape_and_cache`)
+    copy_blocks             whole blocks between caches (vLLM's `copy_blocks`, `swap_blocks`)
 
 Where the library cannot be built (no compiler, a failed build, `JAX_ATTN_CPU_DISABLE=1`),
 `unavailable_reason()` says why, the callers run their vectorized-torch path, and a warning
@@ -23,13 +25,14 @@ import warnings
 from pathlib import Path
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
 Scale = Tensor | float  # a layer's k_scale / v_scale (as torch_backends.layouts.Scale)
 
 LIB_NAME = "libjax_attn_torch.so"
 # The C++ units of the torch library (every csrc header is part of its cache key).
-UNITS = ("paged_decode.cc", "paged_cache.cc", "torch_ops.cc")
+UNITS = ("paged_decode.cc", "ragged_paged_attention.cc", "paged_cache.cc", "torch_ops.cc")
 
 _lock = threading.Lock()
 _state: dict = {}  # "reason" (str | None), "path", "build_seconds", "warned" (bool)
@@ -152,7 +155,7 @@ _available_while_tracing = torch.compiler.assume_constant_result(_available)
 
 
 def _register_fakes() -> None:
-    for op in ("paged_decode_split", "store_split", "copy_blocks"):
+    for op in ("paged_decode_split", "ragged_paged_attention", "store_split", "copy_blocks"):
         torch.library.register_fake(f"jax_attn::{op}")(lambda *args: None)
 
 
@@ -219,6 +222,67 @@ def paged_decode_split(
         _scale_tensor(v_scale),
         int(sliding_window or 0),
         float(logits_soft_cap or 0.0),
+        kv_cache_dtype,
+    )
+    return out
+
+
+def _int32(x: Tensor | int) -> Tensor:
+    return torch.as_tensor(x).to(torch.int32).contiguous()
+
+
+def ragged_paged_attention(
+    out: Float[Tensor, "num_tokens num_heads head_size"],
+    query: Float[Tensor, "num_tokens num_heads head_size"],
+    key_cache: Float[Tensor, "num_blocks block_size num_kv_heads head_size"],
+    value_cache: Float[Tensor, "num_blocks block_size num_kv_heads head_size"],
+    query_start_loc: Int[Tensor, " num_seqs_plus_1"],
+    seq_lens: Int[Tensor, " num_seqs"],
+    block_tables: Int[Tensor, "num_seqs max_blocks"],
+    num_seqs: Int[Tensor, ""] | int,
+    *,
+    scale: float,
+    causal: bool = True,
+    alibi_slopes: Float[Tensor, " num_heads"] | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+    kv_cache_dtype: str = "auto",
+) -> Float[Tensor, "num_tokens num_heads head_size"]:
+    """`jax_attn.paged_attention`'s ragged step on the native kernel (the XLA handler's, bit for
+    bit) into `out`; returns `out`. Sequence `s` owns query rows
+    `[query_start_loc[s], query_start_loc[s + 1])`, the last of its `seq_lens[s]` positions:
+
+        |<- prefill_0 (40) ->|<- chunk_1 (9) ->|d2|d3|pad|   query_start_loc [0, 40, 49, 50, 51]
+
+    Only the first `num_seqs` rows of the metadata are real; rows past
+    `query_start_loc[num_seqs]`, and rows whose keys are all masked, are zeros. Caches are
+    `[NB, BS, Hkv, D]` in any float dtype, or fp8 (torch's float8 dtypes with
+    `kv_cache_dtype="auto"`, or uint8 bit patterns named by `kv_cache_dtype`: "fp8" /
+    "fp8_e4m3", "fp8_e5m2"), read times `k_scale` / `v_scale`, which apply to fp8 caches only
+    (vLLM's rule). Bad shapes or values raise ValueError naming the argument before any read
+    or write."""
+    if not available():
+        raise RuntimeError(f"torch_backends.native is not available: {unavailable_reason()}")
+    if kv_cache_dtype == "auto" and key_cache.element_size() != 1:
+        k_scale = v_scale = 1.0
+    torch.ops.jax_attn.ragged_paged_attention(
+        out,
+        query.contiguous(),
+        key_cache,
+        value_cache,
+        _int32(query_start_loc),
+        _int32(seq_lens),
+        _int32(block_tables),
+        _int32(num_seqs),
+        None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous(),
+        float(scale),
+        bool(causal),
+        int(sliding_window or 0),
+        float(logits_soft_cap or 0.0),
+        _scale_tensor(k_scale),
+        _scale_tensor(v_scale),
         kv_cache_dtype,
     )
     return out

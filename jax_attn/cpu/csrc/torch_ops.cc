@@ -12,6 +12,16 @@
 //     value [NB, Hkv, D, BS]; out [S, Hq, D] is written. fp8 caches are uint8 tensors holding
 //     float8 bit patterns, named by kv_cache_dtype ("fp8" / "fp8_e4m3": e4m3fn, "fp8_e5m2").
 //
+//   ragged_paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache,
+//       Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor num_seqs,
+//       Tensor? alibi_slopes, float scale, bool causal, int sliding_window,
+//       float logits_soft_cap, Tensor k_scale, Tensor v_scale, str kv_cache_dtype) -> ()
+//     jax_attn.paged_attention's ragged step (prefill, chunked prefill, decode, mixed) over the
+//     token-major caches [NB, BS, Hkv, D]: query and out [T, Hq, D]; int32 query_start_loc
+//     [S + 1], seq_lens [S], block_tables [S, max_blocks], num_seqs (one value: the real rows);
+//     out is written (rows past query_start_loc[num_seqs] as zeros). The XLA handler's kernel
+//     (ragged_paged_attention.h), its checks included. fp8 caches as in paged_decode_split.
+//
 //   store_split(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache,
 //       Tensor slot_mapping) -> ()
 //     vLLM's `reshape_and_cache`: rows [T, Hkv, D] (already the cache's element type: fp8 as
@@ -37,6 +47,7 @@
 
 #include "paged_cache.h"
 #include "paged_decode.h"
+#include "ragged_paged_attention.h"
 
 namespace jax_attn_cpu {
 namespace {
@@ -192,6 +203,91 @@ void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tenso
   TORCH_CHECK_VALUE(error.empty(), error);
 }
 
+void ragged_paged_attention_op(at::Tensor out, const at::Tensor& query,
+                               const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                               const at::Tensor& block_tables, const at::Tensor& num_seqs,
+                               const std::optional<at::Tensor>& alibi_slopes, double scale,
+                               bool causal, int64_t sliding_window, double logits_soft_cap,
+                               const at::Tensor& k_scale, const at::Tensor& v_scale,
+                               const std::string& kv_cache_dtype) {
+  TORCH_CHECK_VALUE(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ",
+                    query.sizes());
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+                    "out must have the query's shape and dtype: ", out.sizes(), " ",
+                    out.scalar_type(), " vs ", query.sizes(), " ", query.scalar_type());
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.size(3) == query.size(2),
+                    "key_cache must be [num_blocks, block_size, num_kv_heads, head_size=",
+                    query.size(2), "], got ", key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache ",
+                    value_cache.sizes(), " must match key_cache ", key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
+                    value_cache.scalar_type(), " must match key_cache ", key_cache.scalar_type());
+  check_cpu_contiguous({{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"},
+                        {&value_cache, "value_cache"}, {&query_start_loc, "query_start_loc"},
+                        {&seq_lens, "seq_lens"}, {&block_tables, "block_tables"},
+                        {&num_seqs, "num_seqs"}});
+  for (const auto& [t, name] : std::initializer_list<Named>{
+           {&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"}}) {
+    TORCH_CHECK_VALUE(!shares_memory(out, *t), "out must not share memory with ", name,
+                      " (the kernel reads it while writing out)");
+  }
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt,
+                    "block_tables must be int32 [num_seqs, max_blocks], got ",
+                    block_tables.scalar_type(), " ", block_tables.sizes());
+  const int64_t rows = block_tables.size(0);
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) == rows &&
+                        seq_lens.scalar_type() == at::kInt,
+                    "seq_lens must be int32 [num_seqs=", rows, "] (block_tables rows), got ",
+                    seq_lens.scalar_type(), " ", seq_lens.sizes());
+  TORCH_CHECK_VALUE(query_start_loc.dim() == 1 && query_start_loc.size(0) == rows + 1 &&
+                        query_start_loc.scalar_type() == at::kInt,
+                    "query_start_loc must be int32 [num_seqs + 1=", rows + 1, "], got ",
+                    query_start_loc.scalar_type(), " ", query_start_loc.sizes());
+  TORCH_CHECK_VALUE(num_seqs.numel() == 1 && num_seqs.scalar_type() == at::kInt,
+                    "num_seqs must be one int32 value, got ", num_seqs.scalar_type(), " ",
+                    num_seqs.sizes());
+  RaggedArgs a;
+  a.num_tokens = query.size(0);
+  a.num_heads = query.size(1);
+  a.head_size = query.size(2);
+  a.num_blocks = key_cache.size(0);
+  a.block_size = key_cache.size(1);
+  a.num_kv_heads = key_cache.size(2);
+  a.seq_rows = rows;
+  a.max_blocks = block_tables.size(1);
+  a.num_seqs = num_seqs.data_ptr<int32_t>()[0];
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& s = *alibi_slopes;
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == a.num_heads && s.scalar_type() == at::kFloat,
+                      "alibi_slopes must be float32 [num_heads=", a.num_heads, "], got ",
+                      s.scalar_type(), " ", s.sizes());
+    check_cpu_contiguous({{&s, "alibi_slopes"}});
+    a.alibi_slopes = s.data_ptr<float>();
+  }
+  a.query_type = query_dtype(query);
+  TORCH_CHECK_VALUE(a.query_type != DType::kOther, "query dtype ", query.scalar_type(),
+                    " must be float32, bfloat16 or float16");
+  a.cache_type = cache_dtype(key_cache, kv_cache_dtype);
+  TORCH_CHECK_VALUE(a.cache_type != DType::kOther, "key_cache dtype ", key_cache.scalar_type(),
+                    " must be float32, bfloat16, float16 or float8 (e4m3fn, e5m2)");
+  a.query = query.data_ptr();
+  a.out = out.data_ptr();
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  a.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.scale = to_float(scale);
+  a.k_scale = scalar(k_scale, "k_scale");
+  a.v_scale = scalar(v_scale, "v_scale");
+  a.causal = causal;
+  a.sliding_window = sliding_window;
+  a.logits_soft_cap = to_float(logits_soft_cap);
+  const std::string error = ragged_paged_attention(a, torch_workers());
+  TORCH_CHECK_VALUE(error.empty(), error);
+}
+
 void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
                  at::Tensor value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_size], got ",
@@ -288,6 +384,11 @@ TORCH_LIBRARY(jax_attn, m) {
       "Tensor k_scale, Tensor v_scale, int sliding_window, float logits_soft_cap, "
       "str kv_cache_dtype) -> ()");
   m.def(
+      "ragged_paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
+      "Tensor num_seqs, Tensor? alibi_slopes, float scale, bool causal, int sliding_window, "
+      "float logits_soft_cap, Tensor k_scale, Tensor v_scale, str kv_cache_dtype) -> ()");
+  m.def(
       "store_split(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor block_pairs) -> ()");
@@ -295,6 +396,7 @@ TORCH_LIBRARY(jax_attn, m) {
 
 TORCH_LIBRARY_IMPL(jax_attn, CPU, m) {
   m.impl("paged_decode_split", &jax_attn_cpu::paged_decode_split);
+  m.impl("ragged_paged_attention", &jax_attn_cpu::ragged_paged_attention_op);
   m.impl("store_split", &jax_attn_cpu::store_split);
   m.impl("copy_blocks", &jax_attn_cpu::copy_blocks_op);
 }
