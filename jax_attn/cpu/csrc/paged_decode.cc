@@ -562,11 +562,9 @@ inline void fp8_spread_codes_to_bf16(__m512i x, const Fp8Tables& t, __m512i* out
   out[0] = _mm512_unpacklo_epi8(lo, hi);
   out[1] = _mm512_unpackhi_epi8(lo, hi);
 }
-inline void fp8_codes_to_bf16(__m512i codes, const Fp8Tables& t, __m512i* out) {
-  fp8_spread_codes_to_bf16(_mm512_permutexvar_epi8(t.spread, codes), t, out);
-}
 inline void fp8_to_bf16_64(const uint8_t* src, __mmask64 m, const Fp8Tables& t, __m512i* out) {
-  fp8_codes_to_bf16(_mm512_maskz_loadu_epi8(m, src), t, out);
+  fp8_spread_codes_to_bf16(_mm512_permutexvar_epi8(t.spread, _mm512_maskz_loadu_epi8(m, src)), t,
+                           out);
 }
 
 inline __mmask64 fp8_chunk_mask(int64_t t, int64_t n, int64_t left) {
@@ -641,10 +639,8 @@ inline void split_keys_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t 
 #pragma GCC unroll 4
     for (int64_t t = 0; t < 16; t += 4) {
       // Tokens t .. t + 3 of this piece, those past n masked to zero codes.
-      const int64_t left = 16 * std::max<int64_t>(0, std::min<int64_t>(4, n - t));
-      const __mmask64 m = left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
       __m512i out[2];
-      fp8_to_bf16_64(piece + 16 * t, m, tables, out);
+      fp8_to_bf16_64(piece + 16 * t, fp8_chunk_mask(t, n, 16 * (n - t)), tables, out);
       bf16_t* row = dst + t * dp2 + 16 * c;
       _mm256_store_si256(reinterpret_cast<__m256i*>(row), _mm512_castsi512_si256(out[0]));
       _mm256_store_si256(reinterpret_cast<__m256i*>(row + dp2), _mm512_extracti64x4_epi64(out[0], 1));
