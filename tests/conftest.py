@@ -102,8 +102,9 @@ STAGES = (
     # interpreter: the main stage, once the vllm085 environment is built.
     Stage("the vllm085-TORCH_SDPA peer", "vllm085_peer", "JAX_ATTN_REQUIRE_VLLM085_PEER",
           re.compile("vllm085-TORCH_SDPA")),
+    # The bench's vllm-cpu-attn peer, and the vLLM plugin's tests (tests/torch/test_vllm_v1_*).
     Stage("vLLM 0.32's CPU attention", "vllm", "JAX_ATTN_REQUIRE_VLLM",
-          re.compile("vllm-cpu-attn: ")),
+          re.compile(r"vllm-cpu-attn: |vLLM 0\.32")),
     Stage("a GPU compiler", "gpu_aot", "JAX_ATTN_REQUIRE_GPU_AOT", re.compile("no GPU compile")),
     Stage("a TPU compiler", "tpu_aot", "JAX_ATTN_REQUIRE_TPU_AOT", re.compile("no TPU compile")),
     Stage("the native CPU kernels", None, "JAX_ATTN_REQUIRE_NATIVE", NATIVE_SKIP),

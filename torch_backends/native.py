@@ -11,6 +11,7 @@ a fake (meta) kernel registered here, so `torch.compile` traces through it and
     ragged_paged_attention  a ragged step (prefill, chunked prefill, decode, mixed) over the
                             token-major caches `[NB, BS, Hkv, D]` (jax_attn.paged_attention's)
     store_split             vLLM's cache write into that layout (`reshape_and_cache`)
+    store_token_major       the same write into the token-major caches (any block stride)
     copy_blocks             whole blocks between caches (vLLM's `copy_blocks`, `swap_blocks`)
 
 Where the library cannot be built (no compiler, a failed build, `JAX_ATTN_CPU_DISABLE=1`),
@@ -155,7 +156,14 @@ _available_while_tracing = torch.compiler.assume_constant_result(_available)
 
 
 def _register_fakes() -> None:
-    for op in ("paged_decode_split", "ragged_paged_attention", "store_split", "copy_blocks"):
+    ops = (
+        "paged_decode_split",
+        "ragged_paged_attention",
+        "store_split",
+        "store_token_major",
+        "copy_blocks",
+    )
+    for op in ops:
         torch.library.register_fake(f"jax_attn::{op}")(lambda *args: None)
 
 
@@ -294,6 +302,30 @@ def store_split(
     """Rows `[T, Hkv, D]`, already in the cache's element type (fp8: uint8 bits), to their
     slots in vLLM's split layout; -1 skips. Bad slots raise ValueError before any write."""
     torch.ops.jax_attn.store_split(
+        key.contiguous(), value.contiguous(), key_cache, value_cache, slots.to(torch.int64)
+    )
+
+
+def store_token_major(
+    key: Float[Tensor, "num_tokens num_kv_heads head_size"],
+    value: Float[Tensor, "num_tokens num_kv_heads head_size"],
+    key_cache: Float[Tensor, "num_blocks block_size num_kv_heads head_size"],
+    value_cache: Float[Tensor, "num_blocks block_size num_kv_heads head_size"],
+    slots: Int[Tensor, " num_tokens"],
+) -> None:
+    """Rows `[T, Hkv, D]`, already in the cache's element type (fp8: its float8 dtype or uint8
+    bits), to their slots in token-major caches `[NB, BS, Hkv, D]`; -1 skips, a repeated slot
+    keeps the later row. Each cache dense inside a block, any block stride (one for both, the
+    two never overlapping), so a page `[NB, 2, BS, Hkv, D]` is written through
+    `page.unbind(1)`:
+
+        slot_mapping [35, -1, 70] with block size 32: block 1 offset 3, skipped, block 2
+        offset 6
+
+    Bad slots or shapes raise ValueError before any write."""
+    if not available():
+        raise RuntimeError(f"torch_backends.native is not available: {unavailable_reason()}")
+    torch.ops.jax_attn.store_token_major(
         key.contiguous(), value.contiguous(), key_cache, value_cache, slots.to(torch.int64)
     )
 

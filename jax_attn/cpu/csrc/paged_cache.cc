@@ -35,7 +35,8 @@ void store_head(const StoreArgs& a, int64_t h) {
       Elem* vdst = vc + (b * Hkv + h) * D * BS + o;  // [D, BS]
       for (int64_t d = 0; d < D; ++d) vdst[d * BS] = v[d];
     } else {
-      const int64_t row = ((b * BS + o) * Hkv + h) * D;
+      const int64_t stride = a.block_stride > 0 ? a.block_stride : BS * Hkv * D;
+      const int64_t row = b * stride + (o * Hkv + h) * D;  // block b: [BS, Hkv, D]
       std::memcpy(kc + row, k, D * kBytes);
       std::memcpy(vc + row, v, D * kBytes);
     }
@@ -56,6 +57,13 @@ std::string store_rows(const StoreArgs& a, const Workers& workers) {
   if (a.layout == CacheLayout::kSplit && a.head_size * a.elem_bytes % 16 != 0) {
     return "head_size=" + std::to_string(a.head_size) +
            " must fill whole 16-byte vectors in the split cache layout";
+  }
+  const int64_t block_elems = a.block_size * a.num_kv_heads * a.head_size;
+  if (a.layout == CacheLayout::kTokenMajor && a.block_stride != 0 &&
+      a.block_stride < block_elems) {
+    return "block stride " + std::to_string(a.block_stride) +
+           " must be at least block_size * num_kv_heads * head_size = " +
+           std::to_string(block_elems) + " (blocks of one cache must not overlap)";
   }
   void (*head_fn)(const StoreArgs&, int64_t) = nullptr;
   switch (a.elem_bytes) {

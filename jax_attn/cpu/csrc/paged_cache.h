@@ -19,6 +19,11 @@ struct StoreArgs {
   CacheLayout layout = CacheLayout::kSplit;
   int64_t num_tokens = 0, num_kv_heads = 0, head_size = 0;
   int64_t num_blocks = 0, block_size = 0, elem_bytes = 0;
+  // Token-major only: elements from one block of a cache to the next, the same for both
+  // caches; 0 means BS * Hkv * D (dense caches). Larger strides let two caches interleave
+  // block by block in one buffer (the vLLM V1 plugin's page: its key block, then its value
+  // block).
+  int64_t block_stride = 0;
   const int64_t* slots = nullptr;  // [T]
   const void* key = nullptr;       // [T, Hkv, D]
   const void* value = nullptr;

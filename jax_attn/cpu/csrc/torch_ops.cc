@@ -27,6 +27,13 @@
 //     vLLM's `reshape_and_cache`: rows [T, Hkv, D] (already the cache's element type: fp8 as
 //     uint8 bits) to slot_mapping[t] (int64; -1 skips; a repeated slot keeps the later row).
 //
+//   store_token_major(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache,
+//       Tensor slot_mapping) -> ()
+//     The same write into the token-major caches [NB, BS, Hkv, D] that ragged_paged_attention
+//     reads. Each cache dense inside a block, with any block stride (one for both): the vLLM
+//     V1 plugin's page [2, BS, Hkv, D] (key block, value block) is kv.unbind(1). The two
+//     caches' blocks must not overlap.
+//
 //   copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor block_pairs) -> ()
 //     dst[i][:, pairs[:, 1]] = src[i][:, pairs[:, 0]] for caches [2, NB, ...] (vLLM's
 //     copy_blocks with dst = src, swap_blocks with one pair of caches), as if every source
@@ -38,6 +45,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
@@ -339,6 +347,85 @@ void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
   TORCH_CHECK_VALUE(error.empty(), error);
 }
 
+void store_token_major(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+                       at::Tensor value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_size], got ",
+                    key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value ", value.sizes(), " must match key ",
+                    key.sizes());
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.size(2) == key.size(1) &&
+                        key_cache.size(3) == key.size(2) &&
+                        value_cache.sizes() == key_cache.sizes(),
+                    "key_cache and value_cache must be [num_blocks, block_size, num_kv_heads=",
+                    key.size(1), ", head_size=", key.size(2), "], got ", key_cache.sizes(),
+                    " and ", value_cache.sizes());
+  check_cpu_contiguous({{&key, "key"}, {&value, "value"}, {&slot_mapping, "slot_mapping"}});
+  const int64_t BS = key_cache.size(1), Hkv = key.size(1), D = key.size(2);
+  const int64_t block_elems = BS * Hkv * D, num_blocks = key_cache.size(0);
+  for (const auto& [t, name] : std::initializer_list<Named>{{&key_cache, "key_cache"},
+                                                            {&value_cache, "value_cache"}}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be a CPU tensor, got ", t->device());
+    // Dense inside a block: [BS, Hkv, D] row-major (dimensions of size 1 take any stride).
+    TORCH_CHECK_VALUE((D == 1 || t->stride(3) == 1) && (Hkv == 1 || t->stride(2) == D) &&
+                          (BS == 1 || t->stride(1) == Hkv * D),
+                      name, " must be dense inside a block ([block_size, num_kv_heads, "
+                      "head_size] row-major), got strides ", t->strides());
+  }
+  // One block stride for both caches (a single block: the dense one).
+  const int64_t stride = num_blocks > 1 ? key_cache.stride(0) : block_elems;
+  TORCH_CHECK_VALUE(num_blocks <= 1 || value_cache.stride(0) == stride,
+                    "key_cache and value_cache must have one block stride, got ",
+                    key_cache.stride(0), " and ", value_cache.stride(0));
+  TORCH_CHECK_VALUE(num_blocks <= 1 || block_elems == 0 || stride >= block_elems,
+                    "key_cache's block stride ", stride, " must be at least block_size * "
+                    "num_kv_heads * head_size = ", block_elems, " (blocks must not overlap)");
+  for (const at::Tensor* t : {&key, &value, static_cast<const at::Tensor*>(&value_cache)}) {
+    TORCH_CHECK_VALUE(t->scalar_type() == key_cache.scalar_type(),
+                      "key, value and both caches must have one dtype (the cache's: fp8 as "
+                      "uint8), got ", t->scalar_type(), " and ", key_cache.scalar_type());
+  }
+  if (block_elems > 0 && num_blocks > 0) {
+    // No key block may overlap a value block: |d + m * stride| >= block_elems for every block
+    // distance m in (-NB, NB), d the value cache's offset from the key cache's (elements).
+    // |d + m * stride| is V-shaped in m: its least value sits at the m nearest -d / stride.
+    const int64_t elem = key_cache.element_size();
+    const int64_t d = (reinterpret_cast<std::intptr_t>(value_cache.data_ptr()) -
+                       reinterpret_cast<std::intptr_t>(key_cache.data_ptr()));
+    TORCH_CHECK_VALUE(d % elem == 0, "value_cache must sit a whole number of elements from "
+                      "key_cache");
+    const int64_t de = d / elem;
+    const int64_t floor_m = de >= 0 ? -((de + stride - 1) / stride) : (-de) / stride;
+    bool overlap = false;
+    for (int64_t m : {floor_m, floor_m + 1}) {
+      m = std::min(std::max(m, -(num_blocks - 1)), num_blocks - 1);
+      const int64_t gap = de + m * stride;
+      overlap = overlap || (gap > -block_elems && gap < block_elems);
+    }
+    TORCH_CHECK_VALUE(!overlap, "key_cache and value_cache must not overlap (each row would "
+                      "be written over by the other cache's)");
+  }
+  StoreArgs a;
+  a.layout = CacheLayout::kTokenMajor;
+  a.num_tokens = key.size(0);
+  a.num_kv_heads = Hkv;
+  a.head_size = D;
+  a.num_blocks = num_blocks;
+  a.block_size = BS;
+  a.elem_bytes = key_cache.element_size();
+  a.block_stride = stride;
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == a.num_tokens &&
+                        slot_mapping.scalar_type() == at::kLong,
+                    "slot_mapping must be int64 [num_tokens=", a.num_tokens, "], got ",
+                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  a.slots = slot_mapping.data_ptr<int64_t>();
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  const std::string error = store_rows(a, torch_workers());
+  TORCH_CHECK_VALUE(error.empty(), error);
+}
+
 void copy_blocks_op(at::TensorList dst, at::TensorList src, const at::Tensor& block_pairs) {
   TORCH_CHECK_VALUE(dst.size() == src.size(), "dst and src must list as many caches, got ",
                     dst.size(), " and ", src.size());
@@ -391,6 +478,9 @@ TORCH_LIBRARY(jax_attn, m) {
   m.def(
       "store_split(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
+  m.def(
+      "store_token_major(Tensor key, Tensor value, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor block_pairs) -> ()");
 }
 
@@ -398,5 +488,6 @@ TORCH_LIBRARY_IMPL(jax_attn, CPU, m) {
   m.impl("paged_decode_split", &jax_attn_cpu::paged_decode_split);
   m.impl("ragged_paged_attention", &jax_attn_cpu::ragged_paged_attention_op);
   m.impl("store_split", &jax_attn_cpu::store_split);
+  m.impl("store_token_major", &jax_attn_cpu::store_token_major);
   m.impl("copy_blocks", &jax_attn_cpu::copy_blocks_op);
 }

@@ -1,0 +1,283 @@
+"""The vLLM plugin's pieces without an engine (torch_backends/vllm_plugin.py, vllm_v1.py): the
+switch (`JAX_ATTN_VLLM`), the builder and impl against the float64 oracle over vLLM-shaped,
+NaN-poisoned caches (a cached prefix written by an earlier step, then one mixed step: prefill,
+chunk over the prefix, decodes, padding rows), encoder-only attention, and the refusals, each
+naming the feature. Runs in the vllm env (vLLM 0.32); engine runs: test_vllm_v1_engine.py."""
+
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+# vLLM 0.32 (the vllm env); elsewhere none, or vLLM 0.8.5 (the vllm085 env), whose vllm.v1 lacks
+# what this imports.
+pytest.importorskip("vllm", minversion="0.32", reason="vLLM 0.32 is not installed here")
+
+import vllm
+from tolerances import assert_close
+from torch_cases import reference_attention
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec, FullAttentionSpec
+
+from torch_backends import native, vllm_plugin, vllm_v1
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not vllm.__version__.startswith("0.32."),
+        reason=f"vLLM 0.32 is needed (this is vLLM {vllm.__version__})",
+    ),
+    pytest.mark.skipif(
+        native.unavailable_reason() is not None,
+        reason=f"native torch ops not available: {native.unavailable_reason()}",
+    ),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# The switch
+
+
+def test_entry_point_is_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    plugins = project["entry-points"]["vllm.general_plugins"]
+    assert plugins == {"jax_attn": "torch_backends.vllm_plugin:register"}
+
+
+def test_register_only_with_the_variable(monkeypatch):
+    cpu_attn = AttentionBackendEnum.CPU_ATTN
+    cpu_attn.clear_override()
+    try:
+        for value in (None, "0", "", "true"):
+            if value is None:
+                monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+            else:
+                monkeypatch.setenv(vllm_plugin.ENV, value)
+            vllm_plugin.register()
+            assert not cpu_attn.is_overridden(), value
+        monkeypatch.setenv(vllm_plugin.ENV, "1")
+        vllm_plugin.register()
+        vllm_plugin.register()  # vLLM may call it again
+        assert cpu_attn.get_class() is vllm_v1.NativeCPUAttentionBackend
+        assert cpu_attn.get_class().get_name() == "CPU_ATTN"
+    finally:
+        cpu_attn.clear_override()
+    assert cpu_attn.get_path() == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+
+
+# ---------------------------------------------------------------------------------------------
+# Builder and impl against the oracle
+
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0xFF}
+
+
+def _builder(block_size, num_kv_heads, head_size, dtype, spec=FullAttentionSpec):
+    kv_spec = spec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
+    )
+    return vllm_v1.NativeCPUAttentionMetadataBuilder(
+        kv_spec, ["layer"], VllmConfig(), torch.device("cpu")
+    )
+
+
+def _common(q_lens, seq_lens, block_table, slots, pad_tokens, causal=True):
+    """vLLM's CommonAttentionMetadata for one step (the query padded by `pad_tokens` rows)."""
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    num_tokens = sum(q_lens)
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(q_lens),
+        num_actual_tokens=num_tokens,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=torch.cat([slots, torch.full((pad_tokens,), -1, dtype=torch.int64)]),
+        causal=causal,
+    )
+
+
+def _slots(block_table, seq, positions, block_size):
+    """slot = page * BS + offset: positions [30, 31, 32] of a row [3, 8] with block size 32 are
+    slots [126, 127, 256]."""
+    positions = torch.as_tensor(positions)
+    return block_table[seq, positions // block_size].long() * block_size + positions % block_size
+
+
+CASES = {
+    "f32-gqa4-bs16": dict(dtype=torch.float32, block_size=16),
+    "bf16-gqa4-bs32": dict(dtype=torch.bfloat16, block_size=32),
+    "f16-mqa-bs16": dict(dtype=torch.float16, block_size=16, num_kv_heads=1),
+    "f32-window": dict(dtype=torch.float32, block_size=16, sliding_window=11),
+    "f32-alibi-softcap": dict(dtype=torch.float32, block_size=32, alibi=True, soft_cap=9.0),
+    "bf16-fp8-e4m3": dict(dtype=torch.bfloat16, block_size=32, kv_cache_dtype="fp8"),
+    "f32-fp8-e5m2-bs16": dict(dtype=torch.float32, block_size=16, kv_cache_dtype="fp8_e5m2"),
+    "f32-non-causal": dict(dtype=torch.float32, block_size=16, causal=False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_step_matches_the_oracle(case, seed):
+    kw = CASES[case]
+    dtype, block_size = kw["dtype"], kw["block_size"]
+    num_heads, num_kv_heads, head_size = 8, kw.get("num_kv_heads", 2), 64
+    kv_cache_dtype = kw.get("kv_cache_dtype", "auto")
+    causal = kw.get("causal", True)
+    k_scale, v_scale = (0.8, 1.3) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    gen = torch.Generator().manual_seed(seed)
+    # A prefill, a chunk of 9 over a 31-token prefix, two decodes (one at a block's first slot).
+    q_lens, seq_lens = [17, 9, 1, 1], [17, 40, 33, 2 * block_size + 1]
+    pad_tokens = 3
+
+    nb_used = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(nb_used) + 3
+    ids = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(len(q_lens), max(nb_used) + 1, dtype=torch.int32)
+    start = 0
+    for s, nb in enumerate(nb_used):
+        block_table[s, :nb] = ids[start : start + nb].to(torch.int32)
+        start += nb
+    cache_dtype = torch.uint8 if kv_cache_dtype in FP8 else dtype
+    fill = NAN_BYTE[FP8[kv_cache_dtype]] if kv_cache_dtype in FP8 else float("nan")
+    kv_cache = torch.full(
+        (num_blocks, num_kv_heads, block_size, 2 * head_size), fill, dtype=cache_dtype
+    )
+    alibi = (
+        torch.linspace(0.05, 0.5, num_heads).tolist() if kw.get("alibi") else None
+    )  # fmt: skip
+    impl = vllm_v1.NativeCPUAttentionImpl(
+        num_heads, head_size, head_size**-0.5, num_kv_heads, alibi, kw.get("sliding_window"),
+        kv_cache_dtype, kw.get("soft_cap"),
+    )  # fmt: skip
+    layer = types.SimpleNamespace(_k_scale_float=k_scale, _v_scale_float=v_scale)
+    keys = [torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype) for n in seq_lens]
+    values = [torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype) for n in seq_lens]
+
+    # An earlier step wrote each cached prefix (the tokens before this step's queries).
+    prefix = [
+        (s, torch.arange(n - q)) for s, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True))
+    ]
+    slots = torch.cat([_slots(block_table, s, p, block_size) for s, p in prefix])
+    impl.do_kv_cache_update(
+        layer,
+        torch.cat([keys[s][p] for s, p in prefix]),
+        torch.cat([values[s][p] for s, p in prefix]),
+        kv_cache,
+        slots,
+    )
+    # This step: its rows, then padding rows the engine may add (slot -1, never written).
+    new = [
+        (s, torch.arange(n - q, n)) for s, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True))
+    ]
+    slots = torch.cat([_slots(block_table, s, p, block_size) for s, p in new])
+    pad = torch.randn(pad_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    step_keys = torch.cat([*(keys[s][p] for s, p in new), pad])
+    step_values = torch.cat([*(values[s][p] for s, p in new), pad])
+    common = _common(q_lens, seq_lens, block_table, slots, pad_tokens, causal=causal)
+    metadata = _builder(block_size, num_kv_heads, head_size, cache_dtype).build(0, common)
+    impl.do_kv_cache_update(layer, step_keys, step_values, kv_cache, common.slot_mapping)
+    query = torch.randn(sum(q_lens) + pad_tokens, num_heads, head_size, generator=gen).to(dtype)
+    output = torch.full_like(query, 7.0)
+    impl.forward(layer, query, step_keys, step_values, kv_cache, metadata, output)
+
+    def as_stored(x, scale):  # what the cache holds, read back as float64
+        if kv_cache_dtype in FP8:
+            fp8 = FP8[kv_cache_dtype]
+            limit = torch.finfo(fp8).max
+            return (x.float() / scale).clamp(-limit, limit).to(fp8).double() * scale
+        return x.double()
+
+    expected = reference_attention(
+        query[: sum(q_lens)],
+        as_stored(torch.cat(keys), k_scale),
+        as_stored(torch.cat(values), v_scale),
+        q_lens,
+        seq_lens,
+        causal=causal,
+        scale=head_size**-0.5,
+        alibi_slopes=alibi,
+        sliding_window=kw.get("sliding_window"),
+        logits_soft_cap=kw.get("soft_cap"),
+    )
+    fp8 = FP8.get(kv_cache_dtype)
+    assert_close(output[: sum(q_lens)].double(), expected, dtype, fp8)
+    assert (output[sum(q_lens) :] == 7.0).all()  # padding rows are left alone
+
+
+@pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER])
+def test_encoder_attention_reads_the_step_itself(attn_type, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads, head_size, q_lens = 4, 2, 32, [5, 1, 12]
+    impl = vllm_v1.NativeCPUAttentionImpl(
+        num_heads, head_size, 0.2, num_kv_heads, None, None, "auto", attn_type=attn_type
+    )
+    layer = types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    T = sum(q_lens)
+    query = torch.randn(T + 2, num_heads, head_size, generator=gen)
+    key = torch.randn(T + 2, num_kv_heads, head_size, generator=gen)
+    value = torch.randn(T + 2, num_kv_heads, head_size, generator=gen)
+    common = _common(q_lens, q_lens, torch.zeros(3, 1, dtype=torch.int32),
+                     torch.full((T,), -1, dtype=torch.int64), 2, causal=False)  # fmt: skip
+    builder = _builder(16, num_kv_heads, head_size, torch.float32, EncoderOnlyAttentionSpec)
+    metadata = builder.build(0, common)
+    output = torch.zeros_like(query)
+    empty = torch.empty(0)  # encoder layers have no cache
+    impl.do_kv_cache_update(layer, key, value, empty, common.slot_mapping)
+    impl.forward(layer, query, key, value, empty, metadata, output)
+    expected = reference_attention(query[:T], key[:T], value[:T], q_lens, q_lens, causal=False,
+                                   scale=0.2)  # fmt: skip
+    assert_close(output[:T], expected, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals, by name
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(sinks=torch.zeros(8)), "attention sinks"),
+        (dict(attn_type=AttentionType.ENCODER_DECODER), r"cross-attention"),
+        (dict(head_size=512), "head size 512"),
+        (dict(kv_cache_dtype="fp8_inc"), "kv_cache_dtype='fp8_inc'"),
+        (dict(use_alibi_sqrt=True), r"attention arguments \['use_alibi_sqrt'\]"),
+    ],
+    ids=["sinks", "cross-attention", "head-512", "fp8-inc", "extra-argument"],
+)
+def test_refuses_what_it_cannot_run(kw, match):
+    args = dict(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2) | kw
+    with pytest.raises(NotImplementedError, match=f"JAX_ATTN_VLLM=1.*{match}"):
+        vllm_v1.NativeCPUAttentionImpl(**args)
+
+
+def test_refuses_block_size_not_a_multiple_of_16():
+    with pytest.raises(ValueError, match="block size 8 is not supported"):
+        _builder(8, 2, 64, torch.float32)
+    assert vllm_v1.NativeCPUAttentionBackend.supports_block_size(16)
+    assert not vllm_v1.NativeCPUAttentionBackend.supports_block_size(8)
+
+
+def test_refuses_per_request_causal_masks():
+    common = _common([3], [3], torch.zeros(1, 1, dtype=torch.int32),
+                     torch.arange(3, dtype=torch.int64), 0)  # fmt: skip
+    common.causal = torch.ones(1, dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="per-request causal masks"):
+        _builder(16, 2, 64, torch.float32).build(0, common)
+
+
+def test_refuses_a_cache_that_is_not_dense_pages():
+    impl = vllm_v1.NativeCPUAttentionImpl(4, 32, 0.1, 2)
+    layer = types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    # LBNHC seen through vLLM's logical [NB, Hkv, BS, 2D] view: not dense in that order.
+    kv_cache = torch.zeros(3, 16, 2, 64).permute(0, 2, 1, 3)
+    key = torch.zeros(1, 2, 32)
+    with pytest.raises(ValueError, match=r"dense pages .* \(the LBHNC layout\)"):
+        impl.do_kv_cache_update(layer, key, key, kv_cache, torch.zeros(1, dtype=torch.int64))
