@@ -9,9 +9,11 @@ so the key of token `offset` in block `b`, head `h`, dim `d` is
 
 fp8 caches (`kv_cache_dtype` "fp8" / "fp8_e4m3" / "fp8_e5m2") are stored as uint8 bit
 patterns of `float8_e4m3fn` / `float8_e5m2` holding `saturate(x / scale)`; reads multiply by
-the scale. Decode on CPU runs the project's native kernel (`torch_backends.native`, the C++
-shared with `jax_attn.cpu`) where it is built; everything else, and decode where it is not,
-is vectorized torch: the layout's writes and gathers (`layouts.SplitLayout`), then float32
+the scale. Decode and the prefix prefill on CPU run the project's native kernels
+(`torch_backends.native`, the C++ shared with `jax_attn.cpu`: decode over this layout in place,
+`forward_prefix` on the ragged kernel over the step's blocks copied token-major,
+`ragged_prefill`) where they are built; everything else, and those where they are not, is
+vectorized torch: the layout's writes and gathers (`layouts.SplitLayout`), then float32
 attention math (`masked_attention`).
 
 Where this differs from vLLM V0: `forward_decode` and `forward_prefix` take optional
@@ -24,7 +26,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from torch_backends import native
+from torch_backends import native, ragged_prefill
 from torch_backends.layouts import PagedCache, Scale, SplitLayout
 from torch_backends.masked_attention import masked_attention, ragged_masked_attention
 from torch_backends.shapes import BlockTables, KeysValues, Queries, SlotMapping
@@ -149,7 +151,9 @@ class PagedAttention:
         scale: float | None = None,
         logits_soft_cap: float | None = None,
     ) -> Queries:
-        """Chunked prefill: new tokens over their cached prefix plus themselves, causally.
+        """Chunked prefill: new tokens over their cached prefix plus themselves, causally: on
+        the native ragged kernel (`ragged_prefill.from_split_cache`) where it takes them, else
+        a torch gather and `masked_attention`.
 
         vLLM's prefix kernel always used `head_size ** -0.5`; `scale=` overrides it.
 
@@ -166,6 +170,29 @@ class PagedAttention:
                     f"sequence {i} has {q_lens[i]} new tokens but "
                     f"seq_lens_tensor[{i}]={seq_lens[i]}"
                 )
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        if ragged_prefill.unsupported(query, q_lens, seq_lens) is None:
+            return ragged_prefill.from_split_cache(
+                torch.empty_like(query),
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                q_lens,
+                seq_lens,
+                ctx_lens,
+                key,
+                value,
+                kv_cache_dtype=kv_cache_dtype,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                round_new=False,
+                scale=scale,
+                causal=True,
+                alibi_slopes=alibi_slopes,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
         cache = _cache(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
         ctx_k, ctx_v = cache.gather(block_tables, max(ctx_lens, default=0))
         starts = query_start_loc.long().tolist()
@@ -179,7 +206,7 @@ class PagedAttention:
             torch.cat(values),
             q_lens,
             seq_lens,
-            scale=query.shape[-1] ** -0.5 if scale is None else scale,
+            scale=scale,
             causal=True,
             alibi_slopes=alibi_slopes,
             sliding_window=sliding_window,

@@ -1,8 +1,15 @@
 """TORCH_SDPA: vLLM V0's CPU attention backend, standalone.
 
-Prefill runs `torch.nn.functional.scaled_dot_product_attention` per sequence (with an additive
-mask for ALiBi and sliding windows); prefill with a cached prefix (chunked prefill) and decode
-read the paged cache through `PagedAttention`. Every attention type: DECODER (causal, paged),
+On the CPU every step runs the project's native kernels as torch ops: prefill, prefill over a
+cached prefix (chunked prefill) and the prefills of a mixed step on the ragged kernel
+(`ragged_prefill`: the step's own K/V read in place, or this step's blocks copied out of the
+split cache token-major), decodes on the split-layout decode kernel (`PagedAttention`).
+Where the native kernel cannot take a prefill (`ragged_prefill.unsupported`: the library not
+built or `JAX_ATTN_CPU_DISABLE=1`, a device other than the CPU, another query dtype, a head size
+above 256, cross attention with more decoder queries than encoder keys; the reason in
+`impl.prefill_fallback`), it runs as vLLM's did: `torch.nn.functional.scaled_dot_product_attention`
+per sequence (with an additive mask for ALiBi and sliding windows), a cached prefix through
+`PagedAttention.forward_prefix`. Every attention type: DECODER (causal, paged),
 ENCODER and ENCODER_ONLY (bidirectional, no cache), ENCODER_DECODER (decoder queries over the
 encoder's keys, cached through `cross_slot_mapping` / `cross_block_tables`).
 
@@ -23,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from torch_backends import ragged_prefill
 from torch_backends.abstract import (
     AttentionMetadata,
     AttentionType,
@@ -232,9 +240,10 @@ class TorchSDPAMetadataBuilder(HostBatchBuilder[TorchSDPAMetadata]):
 
 
 class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
-    """Prefills through `scaled_dot_product_attention`, chunked prefill through
-    `PagedAttention.forward_prefix`, decodes through `PagedAttention.forward_decode` (the
-    math behind `cpu_paged_attn`, the ops file vLLM's TORCH_SDPA used)."""
+    """Prefills on the native ragged kernel (`native_prefill`), else through
+    `scaled_dot_product_attention` and chunked prefill through `PagedAttention.forward_prefix`;
+    decodes through `PagedAttention.forward_decode` (the math behind `cpu_paged_attn`, the ops
+    file vLLM's TORCH_SDPA used)."""
 
     backend_name = "Torch SPDA"  # vLLM's spelling, kept so its error messages match
     layout_cls = SplitLayout
@@ -245,19 +254,75 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
         (`vllm/attention/ops/ipex_attn.py`), whose list lacks 120."""
         return CpuPagedAttention.get_supported_head_sizes()
 
+    def configure(self) -> None:
+        # Why the last step's prefills ran in torch rather than the native kernel (None: they
+        # ran natively, or no step has run).
+        self.prefill_fallback: str | None = None
+
     @property
     def need_mask(self) -> bool:
         return self.alibi_slopes is not None or self.sliding_window is not None
 
     def attend(self, step: Step) -> Queries:
         plan, out = step.plan, step.out
-        if plan.num_prefill_tokens and plan.has_cached_prefix:
+        if plan.num_prefill_tokens and self.native_prefill(step):
+            pass  # written into out[prefill_tokens] by the native kernel
+        elif plan.num_prefill_tokens and plan.has_cached_prefix:
             out[plan.prefill_tokens] = self._prefix(step)
         elif plan.num_prefill_tokens:
             out[plan.prefill_tokens] = self.prefill(step.prefill_query, *step.prefill_kv(), plan)
         if plan.num_decode_tokens:
             forward_decode(self, step)
         return out
+
+    def native_prefill(self, step: Step) -> bool:
+        """The step's prefills on the native ragged kernel (`ragged_prefill`), into their rows
+        of `step.out`; False (nothing written) where the kernel cannot take them, the reason
+        kept in `self.prefill_fallback` (None after a native step): then SDPA and
+        `masked_attention` run them, as before the kernel was bound.
+
+            |<- prefill_0 ->|<- prefill_1 ->|d0|d1|   the prefills here, decodes after
+
+        A prefill with no cached prefix reads the step's own K/V in place; one over a cached
+        prefix, or cross attention over the cached encoder, copies this step's blocks out
+        of the split cache into token-major blocks first."""
+        plan = step.plan
+        reason = ragged_prefill.unsupported(step.query, plan.q_lens, plan.kv_lens)
+        self.prefill_fallback = reason
+        if reason is not None:
+            return False
+        attn = dict(
+            scale=self.scale,
+            causal=plan.causal,
+            alibi_slopes=self.alibi_slopes,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )
+        out, query = step.out[plan.prefill_tokens], step.prefill_query
+        if step.key is not None and not plan.has_cached_prefix:
+            kv = slice(0, sum(plan.kv_lens))  # the prefills' keys lead; decode tokens' follow
+            ragged_prefill.from_kv(
+                out, query, step.key[kv], step.value[kv], plan.q_lens, plan.kv_lens, **attn
+            )
+            return True
+        cache, new = step.cache, step.key is not None
+        ragged_prefill.from_split_cache(
+            out,
+            query,
+            cache.key_cache,
+            cache.value_cache,
+            plan.prefill_block_tables,
+            plan.q_lens,
+            plan.kv_lens,
+            plan.ctx_lens if new else plan.kv_lens,
+            step.key[plan.prefill_tokens] if new else None,
+            step.value[plan.prefill_tokens] if new else None,
+            kv_cache_dtype=self.kv_cache_dtype,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+            **attn,
+        )
+        return True
 
     def _prefix(self, step: Step) -> Queries:
         """Chunked prefill: the step's prefills over their cached prefix and themselves."""

@@ -1,0 +1,266 @@
+"""TORCH_SDPA's prefills on the native ragged kernel (`torch_backends.ragged_prefill`): plain,
+chunked over a cached prefix, mixed with decodes, encoder and cross attention, against the
+float64 reference on NaN-poisoned caches; the kernel is what runs (SDPA and the torch math
+would raise here), and each case the kernel cannot take falls back explicitly, with its
+reason, and stays correct; `JAX_ATTN_CPU_DISABLE=1` runs the torch path."""
+
+import numpy as np
+import pytest
+import torch
+from tolerances import assert_close
+from torch_cases import CASES, alibi, case_dtypes, make_decoder_step, reference_attention, run_case
+
+from torch_backends import (
+    AttentionLayer,
+    AttentionType,
+    native,
+    paged_backend,
+    ragged_prefill,
+    torch_sdpa,
+)
+from torch_backends import paged_attn as paged_attn_module
+from torch_backends.paged_attn import PagedAttention
+from torch_backends.torch_sdpa import TorchSDPABackend
+
+pytestmark = pytest.mark.skipif(
+    native.unavailable_reason() is not None,
+    reason=f"native torch ops not available: {native.unavailable_reason()}",
+)
+
+
+@pytest.fixture
+def native_only(monkeypatch):
+    """Counts the ragged kernel's calls; SDPA and the torch attention math raise if reached."""
+    calls = []
+    kernel = native.ragged_paged_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[0])  # query rows
+        return kernel(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a prefill fell back to torch while the native kernel is available")
+
+    monkeypatch.setattr(native, "ragged_paged_attention", counted)
+    monkeypatch.setattr(torch_sdpa.F, "scaled_dot_product_attention", refuse)
+    monkeypatch.setattr(paged_attn_module, "ragged_masked_attention", refuse)
+    monkeypatch.setattr(paged_backend, "ragged_masked_attention", refuse)
+    return calls
+
+
+def _forward(step, impl, layer):
+    return impl.forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)
+
+
+PREFILL_CASES = [c for c in CASES if c[1]]  # every decoder case with a prefill
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[c[0] for c in PREFILL_CASES])
+def test_decoder_prefills_run_native(case, rng, native_only):
+    """Plain, chunked and mixed steps (GQA / MQA, ALiBi, windows, soft cap, fp8 with scales,
+    bf16) through one kernel call for the prefills; decodes stay on the decode kernel."""
+    step, impl, layer = run_case(case, rng, TorchSDPABackend)
+    out = _forward(step, impl, layer)
+    assert native_only == [sum(q for q, _ in case[1])]
+    assert impl.prefill_fallback is None
+    assert_close(out.view(step.expected.shape).float(), step.expected, *case_dtypes(case))
+
+
+# (prefills [(q_len, ctx_len)], decodes, Hq, Hkv, D, BS, dtype, cache, extras): the step's K/V
+# viewed in place (lengths sharing a divisor >= 16, one above the 256 cap), copied to blocks
+# of 16 (17 and 3), and long chunks over long prefixes, ragged against the block size.
+LONG = [
+    ("view-b64", [(64, 0), (192, 0)], [], 8, 2, 128, 16, torch.float32, "auto", {}),
+    ("view-b150", [(300, 0), (600, 0)], [5], 4, 1, 64, 16, torch.bfloat16, "auto", {"alibi": 1}),
+    ("copy-b1", [(17, 0), (3, 0), (40, 0)], [9], 8, 8, 64, 8, torch.float16, "auto", {}),
+    (
+        "chunk-long",
+        [(100, 157), (2, 300), (33, 0)],
+        [64, 1],
+        8,
+        2,
+        128,
+        16,
+        torch.bfloat16,
+        "auto",
+        {"sliding_window": 90, "logits_soft_cap": 8.0},
+    ),
+    ("chunk-fp8-bs128", [(70, 200), (16, 128)], [300], 8, 2, 128, 128, torch.bfloat16, "fp8", {}),
+]
+
+
+@pytest.mark.parametrize("case", LONG, ids=[c[0] for c in LONG])
+def test_long_prefills_run_native(case, rng, native_only):
+    _name, prefills, decodes, hq, hkv, d, bs, dtype, cache_dtype, extras = case
+    fp8 = cache_dtype != "auto"
+    k_scale, v_scale = (0.45, 0.7) if fp8 else (1.0, 1.0)
+    bias = dict(
+        alibi_slopes=alibi(hq) if extras.get("alibi") else None,
+        sliding_window=extras.get("sliding_window"),
+        logits_soft_cap=extras.get("logits_soft_cap"),
+    )
+    step = make_decoder_step(
+        rng,
+        TorchSDPABackend.get_builder_cls()(None),
+        prefills=prefills,
+        decodes=decodes,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_size=d,
+        block_size=bs,
+        dtype=dtype,
+        kv_cache_dtype=cache_dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        scale=0.1,
+        **bias,
+    )
+    impl = TorchSDPABackend.get_impl_cls()(hq, d, 0.1, hkv, kv_cache_dtype=cache_dtype, **bias)
+    out = _forward(step, impl, AttentionLayer(k_scale, v_scale))
+    assert len(native_only) == 1 and impl.prefill_fallback is None
+    fp8_dtype = None if not fp8 else torch.float8_e4m3fn
+    assert_close(out.view(step.expected.shape).float(), step.expected, dtype, fp8_dtype)
+
+
+@pytest.mark.parametrize("attn_type", [AttentionType.ENCODER, AttentionType.ENCODER_ONLY])
+@pytest.mark.parametrize(
+    "lens, bias",
+    [([32, 48], {"sliding_window": 5}), ([5, 1, 12], {"alibi": True, "logits_soft_cap": 3.0})],
+    ids=["view-window", "copy-alibi-softcap"],
+)
+def test_encoder_runs_native(attn_type, lens, bias, rng, native_only):
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    hq, hkv, d = 8, 2, 64
+    q, k, v = (torch.randn(sum(lens), h, d, generator=gen) for h in (hq, hkv, hkv))
+    bias = dict(
+        alibi_slopes=alibi(hq) if bias.get("alibi") else None,
+        sliding_window=bias.get("sliding_window"),
+        logits_soft_cap=bias.get("logits_soft_cap"),
+    )
+    impl = TorchSDPABackend.get_impl_cls()(
+        hq, d, 0.1, hkv, kv_cache_dtype="auto", attn_type=attn_type, **bias
+    )
+    md = TorchSDPABackend.get_builder_cls()(None).build(
+        [], [], -1, -1, block_tables=[], block_size=16, encoder_seq_lens=lens
+    )
+    flat = [x.reshape(len(x), -1) for x in (q, k, v)]
+    out = impl.forward(AttentionLayer(), *flat, torch.empty(0), md)
+    expected = reference_attention(q, k, v, lens, lens, causal=False, scale=0.1, **bias)
+    assert len(native_only) == 1 and impl.prefill_fallback is None
+    assert_close(out.view(-1, hq, d).float(), expected, torch.float32)
+
+
+def _cross_step(rng, dec_lens, enc_lens, dtype=torch.float32, block_size=8):
+    """Cross attention: the encoder K/V written by a first decoder prefill, then a second
+    prefill (key=None) that reads them from the NaN-poisoned cache. Returns both outputs and
+    their references, and the impl."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    hq, hkv, d, bs = 4, 2, 64, block_size
+    cross_tables = [[2, 5], [0]]
+    kv_cache = torch.full(
+        TorchSDPABackend.get_kv_cache_shape(7, bs, hkv, d), float("nan"), dtype=dtype
+    )
+    enc_k, enc_v = (torch.randn(sum(enc_lens), hkv, d, generator=gen).to(dtype) for _ in "kv")
+    impl = TorchSDPABackend.get_impl_cls()(
+        hq, d, d**-0.5, hkv, attn_type=AttentionType.ENCODER_DECODER,
+        alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
+    )  # fmt: skip
+    builder = TorchSDPABackend.get_builder_cls()(None)
+    tables = dict(block_size=bs, encoder_seq_lens=enc_lens, cross_block_tables=cross_tables)
+    results = []
+    for given in (True, False):
+        md = builder.build(dec_lens, dec_lens, -1, -1, block_tables=[[1], [3]], **tables)
+        q = torch.randn(sum(dec_lens), hq, d, generator=gen).to(dtype)
+        kv = [x.view(len(x), -1) for x in (enc_k, enc_v)] if given else [None, None]
+        out = impl.forward(AttentionLayer(), q.view(len(q), -1), *kv, kv_cache, md)
+        expected = reference_attention(
+            q, enc_k, enc_v, dec_lens, enc_lens, causal=False, scale=d**-0.5
+        )
+        results.append((out.view(-1, hq, d).float(), expected))
+    return results, impl
+
+
+def test_cross_attention_runs_native(rng, native_only):
+    """The first step over the given encoder K/V, the second over the cached ones."""
+    results, impl = _cross_step(rng, [3, 2], [11, 4])
+    assert native_only == [5, 5] and impl.prefill_fallback is None
+    for out, expected in results:
+        assert_close(out, expected, torch.float32)
+
+
+def test_cross_attention_longer_decoder_falls_back(rng):
+    """More decoder queries than encoder keys: the kernel needs q_len <= kv_len, so this
+    prefill runs in torch, says why, and is still correct."""
+    results, impl = _cross_step(rng, [3, 6], [11, 4])
+    assert impl.prefill_fallback == (
+        "sequence 1 has 6 queries over 4 keys (the kernel needs q <= kv)"
+    )
+    for out, expected in results:
+        assert_close(out, expected, torch.float32)
+
+
+def test_disabled_native_runs_torch(rng, monkeypatch):
+    """`JAX_ATTN_CPU_DISABLE=1`: the vectorized torch path, never the kernel, same results."""
+    monkeypatch.setenv("JAX_ATTN_CPU_DISABLE", "1")
+    monkeypatch.setattr(native, "_state", {"warned": True, **native._state})  # warned already
+    monkeypatch.setattr(native, "ragged_paged_attention", None)  # a call would raise
+    for case in [c for c in PREFILL_CASES if c[0] in ("chunked-gqa8", "alibi", "fp8-e4m3")]:
+        step, impl, layer = run_case(case, rng, TorchSDPABackend)
+        out = _forward(step, impl, layer)
+        assert impl.prefill_fallback == "native kernels unavailable: disabled by " + (
+            "JAX_ATTN_CPU_DISABLE=1"
+        )
+        assert_close(out.view(step.expected.shape).float(), step.expected, *case_dtypes(case))
+
+
+def test_unsupported_reasons():
+    q = torch.zeros(4, 2, 64)
+    assert ragged_prefill.unsupported(q, [4], [4]) is None
+    assert "float64" in ragged_prefill.unsupported(q.double(), [4], [4])
+    assert "head size 512" in ragged_prefill.unsupported(torch.zeros(4, 2, 512), [4], [4])
+    assert "3 queries over 2 keys" in ragged_prefill.unsupported(q, [1, 3], [1, 2])
+
+
+def test_forward_prefix_runs_native(rng, native_only):
+    """vLLM's `PagedAttention.forward_prefix` (the split-layout ops file) on the kernel."""
+    case = next(c for c in CASES if c[0] == "window-chunked-alibi")
+    step, impl, layer = run_case(case, rng, TorchSDPABackend)
+    _name, prefills, _decodes, hq, hkv, d, _bs, dtype, cache_dtype, extras = case
+    impl.forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)  # write
+    native_only.clear()
+    key_cache, value_cache = PagedAttention.split_kv_cache(step.kv_cache, hkv, d)
+    n = sum(q for q, _ in prefills)
+    md = step.metadata
+    out = PagedAttention.forward_prefix(
+        step.query[:n].view(n, hq, d),
+        step.key[:n].view(n, hkv, d),
+        step.value[:n].view(n, hkv, d),
+        cache_dtype,
+        key_cache,
+        value_cache,
+        md.prefill_block_tables,
+        md.query_start_loc,
+        torch.tensor(md.seq_lens),
+        md.max_query_len,
+        torch.tensor(alibi(hq)),
+        extras["sliding_window"],
+        1.0,
+        1.0,
+        scale=impl.scale,
+    )
+    assert native_only == [n]
+    assert_close(out.float(), step.expected[:n], dtype)
+
+
+def test_out_rows_of_a_mixed_step_written_in_place(rng):
+    """The caller's `output` receives the prefill rows straight from the kernel; poison in it
+    never shows (every row is written)."""
+    case = next(c for c in CASES if c[0] == "mixed-gqa4")
+    step, impl, layer = run_case(case, rng, TorchSDPABackend)
+    output = torch.full_like(step.query, float("nan"))
+    out = impl.forward(
+        layer, step.query, step.key, step.value, step.kv_cache, step.metadata, output=output
+    )
+    assert out.data_ptr() == output.data_ptr()
+    assert_close(output.view(step.expected.shape).float(), step.expected, torch.float32)
+    assert not np.isnan(output.numpy()).any()
