@@ -70,8 +70,9 @@ stage_done "vllm085 stage"
 echo "== vllm environment (vLLM 0.32 on torch 2.13): tests marked vllm"
 set +e
 # JAX_ATTN_REQUIRE_VLLM=1: fail unless vLLM 0.32's CPU attention kernels import and the vllm
-# tests (the bench's vllm-cpu-attn peer against jax-xla) pass, none skipped
-# (tests/benchmarks/conftest.py).
+# tests (the bench's vllm-cpu-attn peer against jax-xla; the vLLM plugin's pieces and its engine
+# runs with and without JAX_ATTN_VLLM=1, tests/torch/test_vllm_v1_*.py) pass, none skipped
+# (tests/benchmarks/conftest.py, tests/conftest.py).
 JAX_ATTN_REQUIRE_VLLM=1 JAX_ATTN_ENV=vllm bash scripts/run.sh python -m pytest -m vllm "${timing[@]}" tests "$@"
 rc=$?
 set -e

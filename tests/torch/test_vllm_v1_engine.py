@@ -1,0 +1,183 @@
+"""vLLM 0.32's engine with and without the plugin (JAX_ATTN_VLLM=1), on saved random-weight
+tiny models (the vllm env; test_vllm_v1_plugin.py has the pieces without an engine).
+
+Each side is one child process (vllm_v1_engine_run.py) started from a scratch directory with
+the checkout off its path, so vLLM finds the plugin through the installed entry point as a user's
+environment would, and runs three engines in turn (in-process engine core, one thread pool):
+
+    llama-f32   block 32, prefix caching on, a step budget of 64 tokens: a 7-token prompt
+                (plain), a 150-token one (chunked prefill, mixed with the others' decodes),
+                then a prompt sharing its first 96 tokens (three cached blocks)
+    window-f32  the same with a 24-token sliding window (Mistral), prompts of 60 and 100
+    llama-bf16  round one of llama-f32 in bfloat16
+
+float32: greedy tokens identical and logprobs within 1e-4 (a near tie, runner-up within 1e-4
+in vLLM's own run, may end the comparison there); bfloat16: logprobs within the magnitude-aware
+bound against vLLM's (peer, interop.tolerances), tokens identical up to a near tie within it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# vLLM 0.32 (the vllm env); elsewhere none, or vLLM 0.8.5 (the vllm085 env).
+pytest.importorskip("vllm", minversion="0.32", reason="vLLM 0.32 is not installed here")
+
+import torch
+from tolerances import error_bound
+
+from torch_backends import native
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        native.unavailable_reason() is not None,
+        reason=f"native torch ops not available: {native.unavailable_reason()}",
+    ),
+]
+
+RUNNER = Path(__file__).with_name("vllm_v1_engine_run.py")
+PLUGIN_IMPL = "torch_backends.vllm_v1.NativeCPUAttentionImpl"
+VLLM_IMPL = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"
+VOCAB, WINDOW, MAX_TOKENS = 512, 24, 12
+F32_LOGPROB_TOL = 1e-4
+
+
+def _save_model(path: Path, seed: int, **extra) -> str:
+    """A random-weight 2-layer model (Hq 4, Hkv 2, D 32), weights wide enough that greedy
+    choices are rarely near ties."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind = "mistral" if "sliding_window" in extra else "llama"
+    config = AutoConfig.for_model(
+        kind, vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        initializer_range=0.2, **extra,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    return str(path)
+
+
+def _spec(models: dict, rng: np.random.Generator) -> dict:
+    def prompt(n):
+        return rng.integers(0, VOCAB, n).tolist()
+
+    long = prompt(150)
+    round_one = [prompt(7), prompt(40), long]
+    round_two = [long[:96] + prompt(20)]
+    engine = dict(block_size=32, max_model_len=512, max_num_batched_tokens=64)
+    return {
+        "runs": [
+            dict(name="llama-f32", model=models["llama"], dtype="float32",
+                 engine=engine | dict(enable_prefix_caching=True),
+                 rounds=[round_one, round_two], max_tokens=MAX_TOKENS),
+            dict(name="window-f32", model=models["window"], dtype="float32",
+                 engine=engine | dict(enable_prefix_caching=False),
+                 rounds=[[prompt(60), prompt(100)]], max_tokens=MAX_TOKENS),
+            dict(name="llama-bf16", model=models["llama"], dtype="bfloat16",
+                 engine=engine | dict(enable_prefix_caching=False),
+                 rounds=[round_one], max_tokens=MAX_TOKENS),
+        ]
+    }  # fmt: skip
+
+
+def _run_engines(spec_path: Path, out_path: Path, plugin: bool, scratch: Path) -> dict:
+    env = dict(os.environ)
+    env.pop("JAX_ATTN_VLLM", None)
+    if plugin:
+        env["JAX_ATTN_VLLM"] = "1"
+    # The checkout off the path: the installed package (its entry point) is what vLLM sees.
+    env.pop("PYTHONPATH", None)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in this process: one at a time
+        VLLM_CPU_KVCACHE_SPACE="1",  # GiB
+        VLLM_CPU_OMP_THREADS_BIND="nobind",  # on a 2-core machine vLLM would keep one core
+    )
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
+        cwd=scratch, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"engine run (plugin={plugin}) failed:\n{proc.stderr[-6000:]}"
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, run_seed):
+    root = tmp_path_factory.mktemp("vllm_v1_engine")
+    models = {
+        "llama": _save_model(root / "llama", run_seed),
+        "window": _save_model(root / "window", run_seed + 1, sliding_window=WINDOW),
+    }
+    spec_path = root / "spec.json"
+    spec_path.write_text(json.dumps(_spec(models, np.random.default_rng(run_seed))))
+    assert native.available()  # built once here, not inside either engine run
+    plugin = _run_engines(spec_path, root / "plugin.json", True, root)
+    own = _run_engines(spec_path, root / "own.json", False, root)
+    return plugin, own
+
+
+def _compare(plugin: dict, own: dict, tol) -> None:
+    """Greedy tokens identical and logprobs within `tol(own logprobs)`, up to a near tie in
+    vLLM's own run (its runner-up within the tolerance of the chosen token), where two correct
+    runs may part; the first token always counts."""
+    for i, (mine, theirs) in enumerate(zip(plugin, own, strict=True)):
+        for t, (a, b) in enumerate(zip(mine["tokens"], theirs["tokens"], strict=True)):
+            lp_a, lp_b = mine["logprobs"][t], theirs["logprobs"][t]
+            bound = float(tol(np.array([lp_b]))[0])
+            runner_up = theirs["runner_up"][t]
+            if a != b:
+                near_tie = runner_up is not None and lp_b - runner_up <= 2 * bound
+                assert near_tie and t > 0, (
+                    f"request {i}: token {t} is {a} with the plugin, {b} without; logprobs "
+                    f"{lp_a} vs {lp_b}, runner-up {runner_up}"
+                )
+                break
+            assert abs(lp_a - lp_b) <= bound, (
+                f"request {i} token {t}: logprob {lp_a} with the plugin, {lp_b} without "
+                f"(bound {bound:.2e})"
+            )
+
+
+def _f32(expected):
+    return np.full_like(expected, F32_LOGPROB_TOL)
+
+
+def _bf16(expected):
+    return error_bound(expected, "bfloat16", peer=True)
+
+
+def test_layers_hold_the_plugin_impl(engines):
+    plugin, own = engines
+    for name in plugin:
+        assert [impl for impl, _ in plugin[name]["impls"]] == [PLUGIN_IMPL], name
+        assert [impl for impl, _ in own[name]["impls"]] == [VLLM_IMPL], name
+
+
+def test_plain_and_chunked_prefill_f32(engines):
+    plugin, own = engines
+    # Round one: a 7-token prompt, a 40-token one, and a 150-token one over a 64-token budget.
+    _compare(plugin["llama-f32"]["rounds"][0], own["llama-f32"]["rounds"][0], _f32)
+
+
+def test_prefix_caching_f32(engines):
+    plugin, own = engines
+    mine, theirs = plugin["llama-f32"]["rounds"][1], own["llama-f32"]["rounds"][1]
+    assert mine[0]["cached_tokens"] == theirs[0]["cached_tokens"] == 96
+    _compare(mine, theirs, _f32)
+
+
+def test_sliding_window_f32(engines):
+    plugin, own = engines
+    assert plugin["window-f32"]["impls"] == [[PLUGIN_IMPL, WINDOW]]
+    _compare(plugin["window-f32"]["rounds"][0], own["window-f32"]["rounds"][0], _f32)
+
+
+def test_bf16_within_the_magnitude_aware_bound(engines):
+    plugin, own = engines
+    _compare(plugin["llama-bf16"]["rounds"][0], own["llama-bf16"]["rounds"][0], _bf16)

@@ -1,0 +1,74 @@
+"""Runs vLLM 0.32's engine over a list of runs and writes what it generated, for
+test_vllm_v1_engine.py (which starts this twice, with and without JAX_ATTN_VLLM=1).
+
+    python vllm_v1_engine_run.py SPEC.json OUT.json
+
+SPEC: {"runs": [{"name", "model", "dtype", "engine": {LLM keywords}, "rounds": [[prompt token
+ids, ...], ...], "max_tokens"}]}; each round is one `generate` call, after the previous one
+(a later round can hit the prefix cache an earlier one filled). OUT: per run, the attention
+impls the model's layers hold (class path, sliding window), and per request the greedy tokens,
+their logprobs, the runner-up's logprobs and the prompt tokens served from the prefix cache.
+"""
+
+import gc
+import json
+import sys
+
+
+def _impls(model):
+    from vllm.model_executor.layers.attention import Attention
+
+    return sorted(
+        {
+            (f"{type(m.impl).__module__}.{type(m.impl).__name__}", m.impl.sliding_window)
+            for m in model.modules()
+            if isinstance(m, Attention)
+        },
+        key=str,
+    )
+
+
+def _run(run: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=run["model"], dtype=run["dtype"], skip_tokenizer_init=True, seed=0,
+              enforce_eager=True, **run["engine"])  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], logprobs=2)
+    result = {"impls": llm.apply_model(_impls)[0]}  # the one worker's
+    rounds = []
+    for prompts in run["rounds"]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        requests = []
+        for out in outs:
+            completion = out.outputs[0]
+            chosen, runner_up = [], []
+            for token, logprobs in zip(completion.token_ids, completion.logprobs, strict=True):
+                chosen.append(logprobs[token].logprob)
+                others = [lp.logprob for t, lp in logprobs.items() if t != token]
+                runner_up.append(max(others) if others else None)
+            requests.append(
+                {
+                    "tokens": list(completion.token_ids),
+                    "logprobs": chosen,
+                    "runner_up": runner_up,
+                    "cached_tokens": out.num_cached_tokens or 0,
+                }
+            )
+        rounds.append(requests)
+    result["rounds"] = rounds
+    del llm
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    spec_path, out_path = sys.argv[1:3]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out = {run["name"]: _run(run) for run in spec["runs"]}
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()
