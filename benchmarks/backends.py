@@ -6,8 +6,10 @@
 | jax-reference | the same entry with impl="reference" (the dense oracle), where it fits     |
 | jax-cpu       | the same entry with impl="cpu": the native CPU kernels through XLA's FFI   |
 | TORCH_SDPA    | this project's `TorchSDPABackendImpl.forward` (`torch_backends`, vLLM V0's |
-|               | API, not vLLM's code): prefills through torch's SDPA over their contiguous |
-|               | K/V, decodes through this project's native kernel as a torch op            |
+|               | API, not vLLM's code): prefills on the native ragged kernel as a torch op  |
+|               | (`torch.ops.jax_attn.ragged_paged_attention`) over their contiguous K/V    |
+|               | (a chunk's cached prefix: its blocks copied token-major from the paged     |
+|               | cache), decodes on the native split-layout decode                          |
 |               | (`torch.ops.jax_attn.paged_decode_split`) over the paged cache             |
 | IPEX          | IPEX 2.8's kernels directly: `PagedAttention.flash_attn_varlen_func` for   |
 |               | prefills, `PagedAttention.single_query_cached_kv_attention` for decodes    |
@@ -276,8 +278,9 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
 
         reason = native.unavailable_reason()
         info["decode"] = "native op" if reason is None else "vectorized torch"
+        info["prefill"] = "native ragged op" if reason is None else "torch SDPA"
         if reason is not None:
-            info["note"] = f"decode in vectorized torch: native ops {reason}"
+            info["note"] = f"decode in vectorized torch, prefill in SDPA: native ops {reason}"
     return Prepared(call, _torch_output, info)
 
 

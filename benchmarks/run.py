@@ -572,6 +572,13 @@ def amx_not_here(amx_peak: dict | None) -> str | None:
 TORCH_DECODES = tuple(
     f"decode-{dtype}-bs{bs}" for bs in (16, 128) for dtype in ("f32", "bf16", "fp8")
 )
+# Issue 36: the torch half's prefill and mixed steps (TORCH_SDPA's prefills on the native ragged
+# kernel, fed from vLLM's split layout; the mixed step's decodes on the split-layout decode).
+TORCH_PREFILLS = tuple(
+    f"{w}-bs{bs}"
+    for bs in (16, 128)
+    for w in ("prefill-8x512", "prefill-bf16", "mixed", "mixed-bf16")
+)
 # Issue 21 (block 16, vLLM's vec16 there): (workload, least vLLM 0.32 time / jax-cpu time).
 VLLM_BS16_TARGETS = (
     ("decode-f32-bs16", 1.6),
@@ -631,8 +638,9 @@ def check_targets(
     for w in ("decode-f32-bs16", "decode-bf16-bs16"):
         targets.append(_time_ratio(r, (w, VLLM085), (w, "TORCH_SDPA"), 3.0))
     # Issue 37: the torch half's decode (vLLM's split layout) within 1.25x of jax-cpu's
-    # (token-major) in every cache dtype, at vLLM 0.8.5's CPU default block size and at 128.
-    for w in TORCH_DECODES:
+    # (token-major) in every cache dtype, at vLLM 0.8.5's CPU default block size and at 128;
+    # issue 36: its prefill and mixed steps too (TORCH_PREFILLS).
+    for w in TORCH_DECODES + TORCH_PREFILLS:
         slower = _ratio(r, (w, "TORCH_SDPA"), (w, CPU))
         targets.append(
             _target(

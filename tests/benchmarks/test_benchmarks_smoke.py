@@ -253,7 +253,7 @@ def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
         f"{w}: TORCH_SDPA time / jax-cpu time": (
             (pytest.approx(1.2), True) if w in decodes else unmeasured
         )
-        for w in run.TORCH_DECODES
+        for w in run.TORCH_DECODES + run.TORCH_PREFILLS
     }
     slow = issue20(run.check_targets(results(vllm=0.090, torch_sdpa=0.400, jax_cpu=0.010)))
     assert {met for _, met in slow.values()} == {False, None}
@@ -262,6 +262,30 @@ def test_issue20_targets_compare_torch_sdpa_with_vllm_and_jax_cpu():
     }
     missing = run.check_targets({"decode-f32-bs16": rows(**{"TORCH_SDPA": 0.01})})
     assert all(t["met"] is None for t in missing if "TORCH_SDPA time" in t["target"])
+
+
+def test_issue36_targets_compare_torch_sdpa_prefill_and_mixed_with_jax_cpu():
+    def results(torch_sdpa, jax_cpu):
+        peers = {"TORCH_SDPA": torch_sdpa, "jax-cpu": jax_cpu}
+        return {
+            w: {"backends": {p: dict(status="ok", median_s=s) for p, s in peers.items()}}
+            for w in run.TORCH_PREFILLS
+        }
+
+    def issue36(targets):
+        names = {f"{w}: TORCH_SDPA time / jax-cpu time" for w in run.TORCH_PREFILLS}
+        return {t["target"]: (t["value"], t["met"]) for t in targets if t["target"] in names}
+
+    assert set(run.TORCH_PREFILLS) == {
+        f"{w}-bs{b}" for w in ("prefill-8x512", "prefill-bf16", "mixed", "mixed-bf16")
+        for b in (16, 128)
+    }  # fmt: skip
+    met = issue36(run.check_targets(results(torch_sdpa=0.090, jax_cpu=0.080)))
+    assert len(met) == 8 and all(v == (pytest.approx(1.125), True) for v in met.values())
+    slow = issue36(run.check_targets(results(torch_sdpa=0.450, jax_cpu=0.073)))
+    assert len(slow) == 8 and {m for _, m in slow.values()} == {False}
+    missing = issue36(run.check_targets({}))
+    assert len(missing) == 8 and set(missing.values()) == {(None, None)}
 
 
 def test_issue21_targets_compare_jax_cpu_with_vllm_032_at_block_16():
