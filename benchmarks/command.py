@@ -72,6 +72,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--gpu", action="store_true", help="the GPU suite (benchmarks/gpu_decode.py) instead"
     )
     bench.add_argument(
+        "--engine",
+        action="store_true",
+        help="vLLM 0.32's engine with its CPU_ATTN, with the jax-attn plugin and with no "
+        "attention, A/B alternated, tokens/s (benchmarks/engine_v1.py; the vllm env)",
+    )
+    bench.add_argument(
         "--mesh",
         help="strong scaling of a decode step over a mesh, e.g. tp=4 or tp=4,dp=2 "
         "(benchmarks/mesh.py; simulated CPU devices where the host has too few)",
@@ -98,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if given
     ]
-    other = next((f for f in ("gpu", "mesh", "plot") if getattr(args, f, None)), None)
+    other = next((f for f in ("gpu", "mesh", "plot", "engine") if getattr(args, f, None)), None)
     if cpu_only and other:
         print(f"{cpu_only[0]} is for the CPU suite, not with --{other}")
         return 2
@@ -110,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
         from benchmarks import mesh
 
         return mesh.run(args)
+    if getattr(args, "engine", False):
+        from benchmarks import engine_v1
+
+        return engine_v1.run(args)
     if getattr(args, "gpu", False):
         from benchmarks import gpu_decode
 

@@ -1,0 +1,220 @@
+"""`jax-attn bench --engine`: vLLM 0.32's V1 engine on CPU with its own CPU_ATTN and with this
+project's plugin (JAX_ATTN_VLLM=1), and with no attention at all (the upper bound a perfect
+kernel could reach), A/B alternated, in the vllm environment:
+
+    JAX_ATTN_ENV=vllm bash scripts/run.sh jax-attn bench --engine --rounds 3 --json out.json
+    ... --engine --quick                                   # a small smoke run
+
+The model is issue 36's attention-heavy tiny Llama (Hq 32 / Hkv 8 / D 128, hidden 256, 4
+layers, random weights: `config.json` and `load_format="dummy"`), served 32 prompts x 1024
+tokens + 64 greedy tokens each, block 128, in bfloat16 and float32 (`--quick`: 4 x 256 + 8).
+Each peer runs in a child process of its own (a deployment runs one backend; vLLM's plugins
+and thread pools are per process), started in a rotated order each round. Per child: an engine
+(in-process core, `VLLM_CPU_OMP_THREADS_BIND=nobind`: every core, as the kernels' own bench),
+one untimed warm-up generation, then two timed ones on fresh prompts (no prefix caching):
+`max_tokens=1` (the prefill) and the whole run.
+
+Reported per dtype and peer: medians over rounds of prefill tokens/s (prompt tokens / prefill
+time) and whole-run tokens/s ((prompt + generated tokens) / time), the plugin's speed-up over
+vLLM's CPU_ATTN, and the no-attention run's (the ceiling).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PEERS = ("vllm-cpu-attn", "jax-attn-plugin", "no-attention")
+MODEL = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=256,
+    intermediate_size=512, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+    hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16",
+)  # fmt: skip
+FULL = dict(prompts=32, prompt_len=1024, generated=64, block_size=128)
+QUICK = dict(prompts=4, prompt_len=256, generated=8, block_size=128)
+
+
+# ---------------------------------------------------------------------------------------------
+# The child: one engine, one peer
+
+
+def _no_attention_backend():
+    """CPU_ATTN with neither attention nor cache writes: the engine's time without attention."""
+    from torch_backends import vllm_v1
+
+    class NoAttentionImpl(vllm_v1.NativeCPUAttentionImpl):
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            return None
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):
+            return output
+
+    class NoAttentionBackend(vllm_v1.NativeCPUAttentionBackend):
+        @staticmethod
+        def get_impl_cls():
+            return NoAttentionImpl
+
+    return NoAttentionBackend
+
+
+# The child's module-level name for the no-attention backend (vLLM resolves it by path).
+NoAttentionBackend = None
+
+
+def _child(args: argparse.Namespace) -> None:
+    global NoAttentionBackend
+    if args.child == "no-attention":
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        NoAttentionBackend = _no_attention_backend()
+        register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.NoAttentionBackend")
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    size = json.loads(args.size)
+    llm = LLM(model=args.model, dtype=args.dtype, load_format="dummy", skip_tokenizer_init=True,
+              block_size=size["block_size"], enable_prefix_caching=False, enforce_eager=True,
+              max_model_len=size["prompt_len"] + size["generated"] + 8, seed=0)  # fmt: skip
+    impl = llm.apply_model(lambda m: sorted({type(x.impl).__name__ for x in m.modules()
+                                             if hasattr(x, "impl")}))[0]  # fmt: skip
+    rng = np.random.default_rng(0)
+
+    def prompts(n):
+        return [{"prompt_token_ids": rng.integers(100, 30000, size["prompt_len"]).tolist()}
+                for _ in range(n)]  # fmt: skip
+
+    def timed(batch, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    timed(prompts(2), 2)  # warm-up
+    prefill, _ = timed(prompts(size["prompts"]), 1)
+    whole, generated = timed(prompts(size["prompts"]), size["generated"])
+    print("RESULT " + json.dumps(dict(impl=impl, prefill_s=prefill, whole_s=whole,
+                                      generated=generated)), flush=True)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: rounds, medians, the record
+
+
+def _run_child(peer: str, model: str, dtype: str, size: dict) -> dict:
+    env = dict(os.environ)
+    env.pop("JAX_ATTN_VLLM", None)
+    if peer == "jax-attn-plugin":
+        env["JAX_ATTN_VLLM"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    # Started beside the model, with no checkout on its path: vLLM finds the plugin through the
+    # installed package's entry point (a stale `jax_attn.egg-info` in a checkout would hide it).
+    env.pop("PYTHONPATH", None)
+    cmd = [sys.executable, "-m", "benchmarks.engine_v1", "--child", peer, "--model", model,
+           "--dtype", dtype, "--size", json.dumps(size)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=model, capture_output=True, text=True, timeout=3600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{peer} ({dtype}) failed:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+EXPECTED_IMPL = {
+    "vllm-cpu-attn": ["CPUAttentionBackendImpl"],
+    "jax-attn-plugin": ["NativeCPUAttentionImpl"],
+    "no-attention": ["NoAttentionImpl"],
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    size = QUICK if args.quick else FULL
+    rounds = args.reps or (1 if args.quick else 3)
+    dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else ["bfloat16", "float32"]
+    record = dict(
+        cpu=_cpu_model(), cores=os.cpu_count(), date=datetime.datetime.now().isoformat(),
+        size=size, rounds=rounds, model=MODEL, load_before=os.getloadavg(), results={},
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as model:
+        Path(model, "config.json").write_text(json.dumps(MODEL))
+        for dtype in dtypes:
+            runs = {peer: [] for peer in PEERS}
+            for r in range(rounds):
+                order = PEERS[r % len(PEERS) :] + PEERS[: r % len(PEERS)]
+                for peer in order:
+                    result = _run_child(peer, model, dtype, size)
+                    if result["impl"] != EXPECTED_IMPL[peer]:
+                        raise RuntimeError(f"{peer}: the layers hold {result['impl']}")
+                    runs[peer].append(result)
+                    print(f"{dtype} round {r} {peer}: prefill {result['prefill_s']:.2f} s, "
+                          f"whole {result['whole_s']:.2f} s", flush=True)  # fmt: skip
+            record["results"][dtype] = _summary(runs, size)
+    record["load_after"] = os.getloadavg()
+    _print(record)
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+def _summary(runs: dict, size: dict) -> dict:
+    prompt_tokens = size["prompts"] * size["prompt_len"]
+    out = {}
+    for peer, results in runs.items():
+        prefill = statistics.median(prompt_tokens / r["prefill_s"] for r in results)
+        whole = statistics.median((prompt_tokens + r["generated"]) / r["whole_s"] for r in results)
+        out[peer] = dict(prefill_tok_s=prefill, whole_tok_s=whole, rounds=results)
+    own = out["vllm-cpu-attn"]
+    for peer in ("jax-attn-plugin", "no-attention"):
+        out[peer]["prefill_speedup"] = out[peer]["prefill_tok_s"] / own["prefill_tok_s"]
+        out[peer]["whole_speedup"] = out[peer]["whole_tok_s"] / own["whole_tok_s"]
+    return out
+
+
+def _print(record: dict) -> None:
+    print(f"\n{record['cpu']}, {record['cores']} cores, {record['date'][:16]}, "
+          f"{record['rounds']} rounds (medians), load {record['load_before']}")  # fmt: skip
+    for dtype, peers in record["results"].items():
+        for peer, r in peers.items():
+            ratio = (f"  {r['prefill_speedup']:.2f}x / {r['whole_speedup']:.2f}x vs vllm"
+                     if "prefill_speedup" in r else "")  # fmt: skip
+            print(f"  {dtype:9} {peer:16} prefill {r['prefill_tok_s']:8.0f} tok/s  "
+                  f"whole {r['whole_tok_s']:8.0f} tok/s{ratio}")  # fmt: skip
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", choices=PEERS)
+    parser.add_argument("--model")
+    parser.add_argument("--dtype")
+    parser.add_argument("--size")
+    parser.add_argument("--rounds", dest="reps", type=int)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtypes")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
