@@ -14,8 +14,8 @@ prefetches off (on vLLM's split layout, N sets their distance in kv-head tiles f
 values twice as far; jax_attn's own cache prefetches the next tile),
 `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen bf16 and fp8 keys (under bf16 queries) to
 float32 instead of dotting them with vdpbf16ps (both read per call: for A/B timing),
-`JAX_ATTN_CPU_AMX=0` keeps the ragged kernel's bf16 products off the AMX tiles (read once per
-process). `isa()` names what the kernels run here: the bf16 products' instruction set (AMX
+`JAX_ATTN_CPU_AMX=0` keeps the bf16 products of the ragged kernel and of decode off the AMX
+tiles (read once per process; `decode_path(...)` says what decode runs). `isa()` names what the kernels run here: the bf16 products' instruction set (AMX
 tiles where the CPU has them and Linux grants the tile state) and the prefetch level.
 `python -m jax_attn.cpu.build` builds eagerly. `fma_peak.measure()` times the vector FMA peak
 on the kernels' workers (what `jax-attn bench` reports compute against), `amx_peak.measure()`
@@ -26,7 +26,7 @@ the AMX tiles' bf16 peak beside it (where they run: `amx_peak.unavailable_reason
 from jax_attn.cpu import amx_peak, fma_peak, read_floor
 from jax_attn.cpu._build import isa, unavailable_reason
 from jax_attn.cpu._shapes import shape_problem
-from jax_attn.cpu.paged_decode import paged_decode
+from jax_attn.cpu.paged_decode import decode_path, paged_decode
 from jax_attn.cpu.ragged_paged_attention import ragged_paged_attention
 
 
@@ -38,6 +38,7 @@ def available() -> bool:
 __all__ = [
     "amx_peak",
     "available",
+    "decode_path",
     "fma_peak",
     "isa",
     "paged_decode",

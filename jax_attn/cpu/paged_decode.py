@@ -4,6 +4,7 @@ Tested against `jax_attn.reference.paged_decode` (the float64 oracle) in
 tests/jax/test_cpu_decode.py. Same semantics as `jax_attn.paged_decode` (SPEC section 1).
 """
 
+import ctypes
 import functools
 
 import jax
@@ -11,9 +12,23 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jax_attn.cpu import _ffi
+from jax_attn.cpu import _build, _ffi
 
 TARGET = "jax_attn_cpu_paged_decode"
+
+
+def decode_path(cache_dtype, query_dtype, block_size: int) -> str:
+    """Which code `paged_decode` runs here for caches of `cache_dtype` under queries of
+    `query_dtype` at `block_size` (jax_attn's token-major layout): "amx" (bf16 queries on a
+    bf16 or fp8 cache, block size a multiple of 16, on a CPU whose AMX tiles this process may use),
+    "vector" (AVX-512 or the portable code), or "unavailable" (no native kernels)."""
+    fn = _build.c_function("jax_attn_cpu_decode_on_amx")
+    if fn is None:
+        return "unavailable"
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int64]
+    names = (jnp.dtype(cache_dtype).name.encode(), jnp.dtype(query_dtype).name.encode())
+    return "amx" if fn(*names, 0, int(block_size)) else "vector"
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -61,9 +76,11 @@ def paged_decode(
     The native kernel: per sequence (split into parts of whole blocks for long contexts, merged
     in float32), each block read once for all kv heads: float32 and bf16 caches in address
     order, 4 tokens of every kv head at a time, keys and values read in place (widened in
-    registers); float16 and fp8 caches kv head by kv head through widened copies. Online
-    softmax in float32. Rows with `seq_lens[i] == 0` give zeros. `scale` defaults to
-    `head_size ** -0.5`. `split_tokens` (keys per split-K part; None: chosen from the batch)
+    registers); float16 and fp8 caches kv head by kv head through widened copies. bf16 queries
+    on a bf16 or fp8 cache whose block size is a multiple of 16 run both products on AMX tiles
+    where the CPU has them (`decode_path` says which code runs). Online softmax in float32.
+    Rows with `seq_lens[i] == 0` give zeros. `scale` defaults to `head_size ** -0.5`.
+    `split_tokens` (keys per split-K part; None: chosen from the batch)
     exists for tests.
 
     Bad values (block ids outside [0, num_blocks) among the blocks a sequence reads,

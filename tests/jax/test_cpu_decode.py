@@ -189,6 +189,93 @@ def test_every_fp8_code_is_read_exactly(cache_dtype, query_dtype, dot, rng, monk
     np.testing.assert_array_equal(got[finite], expected[finite])
 
 
+# The AMX path (bf16 queries on a token-major bf16 or fp8 cache, block size a multiple of 16,
+# on CPUs with AMX tiles): query row groups of 1-16 (padded to 1/2/4/8/16 lanes) and over 16 (two
+# groups), head sizes that pad the last 32 dims, block sizes of one to eight key tiles, windows
+# that start inside a key tile or a 128-key step, ALiBi, soft cap, split-K parts.
+AMX = cpu.decode_path("bfloat16", "bfloat16", 16) == "amx"
+amx_only = pytest.mark.skipif(
+    not AMX, reason=f"decode runs no AMX tiles here (bf16 products: {cpu.isa()})"
+)
+AMX_CASES = [
+    *(
+        Case(dtype="bfloat16", num_heads=h, num_kv_heads=kv, block_size=bs)
+        for h, kv, bs in [(4, 4, 16), (8, 4, 32), (32, 8, 128), (7, 1, 48), (16, 1, 16),
+                          (40, 2, 64), (32, 1, 128), (12, 2, 256)]
+    ),
+    *(Case(dtype="bfloat16", head_size=d, block_size=32) for d in (64, 72, 80, 96, 112, 120, 256)),
+    *(Case(dtype="bfloat16", sliding_window=w, block_size=16) for w in (1, 5, 40, 130)),
+    Case(dtype="bfloat16", alibi=True, soft_cap=3.0, sliding_window=100, block_size=128),
+    Case(dtype="bfloat16", num_heads=20, num_kv_heads=1, alibi=True, block_size=32),
+    *(
+        Case(dtype="bfloat16", block_size=bs, split_tokens=t)
+        for bs, t in [(16, 16), (32, 96), (128, 128)]
+    ),
+    # fp8 caches (scales from the case), converted to bf16 as the tiles are staged.
+    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", num_heads=32, num_kv_heads=8, block_size=128),
+    Case(dtype="bfloat16", cache_dtype="float8_e5m2", head_size=80, num_heads=7, num_kv_heads=1),
+    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=72, alibi=True, sliding_window=40),
+    Case(dtype="bfloat16", cache_dtype="float8_e5m2", head_size=120, soft_cap=3.0, block_size=32),
+    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=256, num_heads=40, num_kv_heads=2),
+]
+
+
+@amx_only
+@pytest.mark.parametrize("case", AMX_CASES, ids=str)
+def test_cpu_paged_decode_amx_matches_float64(case: Case, rng):
+    assert cpu.decode_path(case.cache_dtype or case.dtype, case.dtype, case.block_size) == "amx"
+    _check_against_float64(case, rng)
+
+
+def test_decode_path_names_amx_exactly_where_it_runs():
+    """AMX for bf16 on bf16 at block sizes that are multiples of 16, where the ragged kernel's
+    tiles run too (the CPU has them and the process may use them); never for other dtypes."""
+    tiles = "amx-bf16" in (cpu.isa() or "")
+    for cache in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        for bs in (16, 32, 128, 256):
+            assert (cpu.decode_path(cache, "bfloat16", bs) == "amx") == tiles, (cache, bs)
+    for cache, query, bs in [
+        ("bfloat16", "bfloat16", 8),
+        ("bfloat16", "bfloat16", 24),
+        ("float32", "float32", 16),
+        ("bfloat16", "float32", 16),
+        ("float16", "float16", 16),
+        ("float8_e4m3fn", "float32", 16),
+        ("float8_e5m2", "bfloat16", 8),
+    ]:
+        assert cpu.decode_path(cache, query, bs) == "vector", (cache, query, bs)
+
+
+def test_bf16_decode_without_amx_matches_float64():
+    """JAX_ATTN_CPU_AMX=0 (read once per process): the vector path, in a fresh process, on cases
+    the AMX path takes here."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        import test_cpu_decode as t
+        from jax_attn import cpu
+        assert cpu.decode_path("bfloat16", "bfloat16", 128) == "vector"
+        for case in (t.Case(dtype="bfloat16", num_heads=32, num_kv_heads=8, block_size=128),
+                     t.Case(dtype="bfloat16", head_size=80, alibi=True, sliding_window=40),
+                     t.Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", block_size=32)):
+            t._check_against_float64(case, np.random.default_rng(7))
+        print("ok")
+        """
+    )
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, JAX_ATTN_CPU_AMX="0")
+    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
 def test_threads_and_splits_agree(rng, monkeypatch):
     """One worker, the default workers, and split-K parts of one block give the same rows."""
     query, kc, vc, tables, seq_lens, kwargs, expected = _run(Case(block_size=8), rng)

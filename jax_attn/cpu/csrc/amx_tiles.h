@@ -64,6 +64,12 @@ inline bool amx_available() {
   __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"((const void*)(base)),         \
                    "r"(static_cast<long>(stride))                                          \
                    : "memory")
+// TILESTORED with the memory it writes declared (GCC 12's _tile_stored declares none, so reads
+// of the destination may be moved before it).
+#define JAX_ATTN_TILE_STORE(tile, base, stride)                                           \
+  __asm__ volatile("tilestored %%tmm" #tile ", (%0,%1,1)" ::"r"((void*)(base)),            \
+                   "r"(static_cast<long>(stride))                                          \
+                   : "memory")
 struct alignas(64) TileConfig {
   uint8_t bytes[64];
 };

@@ -4,6 +4,9 @@
 #include "amx_tiles.h"
 #include "cpu_features.h"
 #include "kernel_common.h"
+#include "paged_decode.h"
+
+#include <cstring>
 
 extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa() {
   using namespace jax_attn_cpu;
@@ -18,4 +21,21 @@ extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa()
   static const std::string text =
       std::string("bf16 products: ") + products + "; prefetch: " + (prefetch_to_l2() ? "L2" : "NTA");
   return text.c_str();
+}
+
+// Whether jax_attn.cpu.paged_decode runs a step of this kind on the AMX tiles here (dtypes by
+// name, as dtype_name spells them; layout 0 token-major, 1 vLLM's split): 1, else 0.
+extern "C" __attribute__((visibility("default"))) int jax_attn_cpu_decode_on_amx(
+    const char* cache_dtype, const char* query_dtype, int split_layout, int64_t block_size) {
+  using namespace jax_attn_cpu;
+  const auto parse = [](const char* name) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2}) {
+      if (std::strcmp(name, dtype_name(dt)) == 0) return dt;
+    }
+    return DType::kOther;
+  };
+  return decode_on_amx(split_layout ? CacheLayout::kSplit : CacheLayout::kTokenMajor,
+                       parse(cache_dtype), parse(query_dtype), block_size)
+             ? 1
+             : 0;
 }

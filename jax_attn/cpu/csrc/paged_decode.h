@@ -39,6 +39,11 @@ struct DecodeArgs {
   int64_t split_tokens = 0;      // keys per split-K part; 0: chosen from the batch
 };
 
+// Whether a step of this kind runs on the AMX tiles here (bf16 queries on a token-major bf16
+// cache, block size a multiple of 16, on a CPU whose tiles this process may use); else on
+// AVX-512 (or the portable code).
+bool decode_on_amx(CacheLayout layout, DType cache_type, DType query_type, int64_t block_size);
+
 // Runs the step on `workers`. Returns "" on success, else a message naming the argument and
 // the rule (sizes, dtypes, seq_lens outside [0, max_blocks * block_size], a block id outside
 // [0, num_blocks) among the blocks a sequence reads): then nothing was read or written.
