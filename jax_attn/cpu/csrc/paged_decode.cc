@@ -1479,8 +1479,9 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
   // vectors (lane l: row l % W).
   FloatBuffer o_buf(static_cast<size_t>(Hkv * groups * W * DO));
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  std::vector<__m512> row_max(static_cast<size_t>(Hkv * groups), neg_inf);
-  std::vector<__m512> row_sum(static_cast<size_t>(Hkv * groups), _mm512_setzero_ps());
+  FloatBuffer row_max(static_cast<size_t>(Hkv * groups * 16));  // 16 lanes per (head, group)
+  FloatBuffer row_sum(static_cast<size_t>(Hkv * groups * 16));
+  for (int64_t i = 0; i < Hkv * groups; ++i) _mm512_store_ps(row_max.get() + 16 * i, neg_inf);
   // Per step: logits / probabilities [128][W] float32, P [4][W][32] bf16, packed values
   // [4][2 Dc][16][32] bf16, two staged key tiles [16][DO] bf16.
   const int64_t logits_size = kAmxStepTiles * 16 * W;           // per (kv head, group)
@@ -1644,7 +1645,7 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
           _mm512_store_ps(x_all + 16 * z, x);
           step_max = _mm512_max_ps(step_max, x);
         }
-        const __m512 old_max = row_max[hg];
+        const __m512 old_max = _mm512_load_ps(row_max.get() + 16 * hg);
         const __m512 new_max = _mm512_max_ps(old_max, fold(step_max, true));
         const __mmask16 seen = _mm512_cmp_ps_mask(old_max, neg_inf, _CMP_NEQ_OQ);
         const __m512 alpha = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(old_max, new_max)));
@@ -1656,8 +1657,9 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
           _mm512_store_ps(x_all + 16 * z, e);
           sum = _mm512_add_ps(sum, e);
         }
-        row_max[hg] = new_max;
-        row_sum[hg] = _mm512_fmadd_ps(row_sum[hg], alpha, fold(sum, false));
+        _mm512_store_ps(row_max.get() + 16 * hg, new_max);
+        float* sums = row_sum.get() + 16 * hg;
+        _mm512_store_ps(sums, _mm512_fmadd_ps(_mm512_load_ps(sums), alpha, fold(sum, false)));
 
         // P chunks [W][32] bf16: row g, key j = flat element (32 c + j) W + g.
         for (int64_t c = 0; c < chunks; ++c) {
@@ -1765,9 +1767,8 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
   for (int64_t h = 0; h < Hkv; ++h) {
     for (int64_t grp = 0; grp < groups; ++grp) {
       const int64_t hg = h * groups + grp;
-      alignas(64) float mx[16], sm[16];
-      _mm512_store_ps(mx, row_max[hg]);
-      _mm512_store_ps(sm, row_sum[hg]);
+      const float* mx = row_max.get() + 16 * hg;
+      const float* sm = row_sum.get() + 16 * hg;
       const float* o = o_buf.get() + hg * W * DO;
       for (int64_t r = 0; r < std::min<int64_t>(16, G - 16 * grp); ++r) {
         const int64_t row = h * G + 16 * grp + r;
