@@ -6,9 +6,15 @@
   its new tokens written through `write_kv`, padding tokens with NaN queries, the float64 oracle.
 - `stored` / `nan_paged_cache`: the Pallas tests' own paged cache, NaN in every unused block
   and tail slot and junk (in-range) ids in unused block-table entries.
+- `run_fresh`: a script in a fresh Python process (for settings read once per process, such as
+  `JAX_ATTN_CPU_AMX`), these test modules importable.
 """
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -165,3 +171,19 @@ def assert_native_output(out, query, expected, case, caches, caches_before):
     np.testing.assert_array_equal(np.asarray(out[num_real:], np.float32), 0.0)
     for cache, before in zip(caches, caches_before, strict=True):
         np.testing.assert_array_equal(np.asarray(cache).view(np.uint8), before.view(np.uint8))
+
+
+def run_fresh(script: str, **env: str) -> None:
+    """Runs `script` (dedented) in a fresh Python process with `env` added, this directory and
+    the repository on its path; asserts it exits 0 and prints "ok" last."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    full = dict(os.environ, **env)
+    full["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), full.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_cases import CaseId, assert_native_output, bias_and_expected, workload
+from paged_cases import CaseId, assert_native_output, bias_and_expected, run_fresh, workload
 from tolerances import assert_close
 
 import jax_attn
@@ -200,8 +200,16 @@ amx_only = pytest.mark.skipif(
 AMX_CASES = [
     *(
         Case(dtype="bfloat16", num_heads=h, num_kv_heads=kv, block_size=bs)
-        for h, kv, bs in [(4, 4, 16), (8, 4, 32), (32, 8, 128), (7, 1, 48), (16, 1, 16),
-                          (40, 2, 64), (32, 1, 128), (12, 2, 256)]
+        for h, kv, bs in [
+            (4, 4, 16),
+            (8, 4, 32),
+            (32, 8, 128),
+            (7, 1, 48),
+            (16, 1, 16),
+            (40, 2, 64),
+            (32, 1, 128),
+            (12, 2, 256),
+        ]
     ),
     *(Case(dtype="bfloat16", head_size=d, block_size=32) for d in (64, 72, 80, 96, 112, 120, 256)),
     *(Case(dtype="bfloat16", sliding_window=w, block_size=16) for w in (1, 5, 40, 130)),
@@ -212,11 +220,17 @@ AMX_CASES = [
         for bs, t in [(16, 16), (32, 96), (128, 128)]
     ),
     # fp8 caches (scales from the case), converted to bf16 as the tiles are staged.
-    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", num_heads=32, num_kv_heads=8, block_size=128),
+    Case(
+        dtype="bfloat16", cache_dtype="float8_e4m3fn", num_heads=32, num_kv_heads=8, block_size=128
+    ),
     Case(dtype="bfloat16", cache_dtype="float8_e5m2", head_size=80, num_heads=7, num_kv_heads=1),
-    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=72, alibi=True, sliding_window=40),
+    Case(
+        dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=72, alibi=True, sliding_window=40
+    ),
     Case(dtype="bfloat16", cache_dtype="float8_e5m2", head_size=120, soft_cap=3.0, block_size=32),
-    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=256, num_heads=40, num_kv_heads=2),
+    Case(
+        dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=256, num_heads=40, num_kv_heads=2
+    ),
 ]
 
 
@@ -249,12 +263,7 @@ def test_decode_path_names_amx_exactly_where_it_runs():
 def test_bf16_decode_without_amx_matches_float64():
     """JAX_ATTN_CPU_AMX=0 (read once per process): the vector path, in a fresh process, on cases
     the AMX path takes here."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(
+    run_fresh(
         """
         import numpy as np
         import test_cpu_decode as t
@@ -265,15 +274,9 @@ def test_bf16_decode_without_amx_matches_float64():
                      t.Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", block_size=32)):
             t._check_against_float64(case, np.random.default_rng(7))
         print("ok")
-        """
+        """,
+        JAX_ATTN_CPU_AMX="0",
     )
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, JAX_ATTN_CPU_AMX="0")
-    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 def test_threads_and_splits_agree(rng, monkeypatch):

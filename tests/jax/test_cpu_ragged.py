@@ -19,6 +19,7 @@ from paged_cases import (
     assert_native_output,
     bias_and_expected,
     padded_ragged_inputs,
+    run_fresh,
     workload,
 )
 from tolerances import assert_close
@@ -367,14 +368,10 @@ def test_cpu_ragged_amx_non_positive_scale(scale, rng):
     assert_close(out, expected, case.dtype)
 
 
-def test_cpu_ragged_bf16_without_amx_matches_float64(tmp_path):
+def test_cpu_ragged_bf16_without_amx_matches_float64():
     """JAX_ATTN_CPU_AMX=0 (read once per process): the vdpbf16ps path, in a fresh process, on a
     case the AMX path would take here."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(
+    run_fresh(
         """
         import numpy as np
         import test_cpu_ragged as t
@@ -386,14 +383,6 @@ def test_cpu_ragged_bf16_without_amx_matches_float64(tmp_path):
             out = t._call(query, kc, vc, md, **kwargs)
             t.assert_native_output(out, query, expected, case, (kc, vc), (kc, vc))
         print("ok")
-        """
+        """,
+        JAX_ATTN_CPU_AMX="0",
     )
-    import os
-
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, JAX_ATTN_CPU_AMX="0")
-    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
