@@ -15,8 +15,9 @@ values twice as far; jax_attn's own cache prefetches the next tile),
 `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen bf16 and fp8 keys (under bf16 queries) to
 float32 instead of dotting them with vdpbf16ps (both read per call: for A/B timing),
 `JAX_ATTN_CPU_AMX=0` keeps the bf16 products of the ragged kernel and of decode off the AMX
-tiles (read once per process; `decode_path(...)` says what decode runs). `isa()` names what the kernels run here: the bf16 products' instruction set (AMX
-tiles where the CPU has them and Linux grants the tile state) and the prefetch level.
+tiles (read once per process; `decode_path(...)` says what decode runs). `isa()` names what
+the kernels run here: the bf16 products' instruction set (AMX tiles where the CPU has them and
+Linux grants the tile state) and the prefetch level.
 `python -m jax_attn.cpu.build` builds eagerly. `fma_peak.measure()` times the vector FMA peak
 on the kernels' workers (what `jax-attn bench` reports compute against), `amx_peak.measure()`
 the AMX tiles' bf16 peak beside it (where they run: `amx_peak.unavailable_reason()`),
