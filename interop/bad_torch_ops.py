@@ -9,6 +9,10 @@ breaks 0-3 things:
 - store_split: a slot (int64 extremes, -2, NB * BS), the slot tensor's dtype or length, a
   tensor's dtype, rank or shape, a view that is not contiguous, a value cache that shares
   memory with the key cache, head sizes that do not fill 16 bytes;
+- store_token_major (the vLLM V1 plugin's write): the same slot and tensor breaks, over the
+  plugin's pages (key block then value block), pages with a gap block, or two dense caches;
+  value blocks over key blocks (the same cache, or shifted by part of a block), a cache that
+  is not dense inside a block, another block stride, another shape;
 - copy_blocks: a block id (extremes, -1, NB), a destination given twice, the pairs' dtype or
   shape, lists of different lengths, a cache of another dtype, block shape or leading size,
   destination caches that overlap; and, valid or not, caches that are views of one buffer at
@@ -24,8 +28,8 @@ paged_cache.h, paged_decode.h), then checked:
 
 - predicted bad: the op raises ValueError whose message names one of the broken arguments, and
   every byte of every tensor it was given is as before;
-- predicted good: it runs, and the result matches a plain torch reference (store_split and
-  copy_blocks bit for bit over whole buffers, paged_decode_split against float64 on a
+- predicted good: it runs, and the result matches a plain torch reference (store_split,
+  store_token_major and copy_blocks bit for bit over whole buffers, paged_decode_split against float64 on a
   NaN-poisoned cache, for finite, moderate scales).
 
 A crash ends the process: run long sessions in a child (`jax-attn fuzz --torch-ops`, with
@@ -44,7 +48,7 @@ from collections import Counter
 
 import torch
 
-OPS = ("store_split", "copy_blocks", "paged_decode_split")
+OPS = ("store_split", "store_token_major", "copy_blocks", "paged_decode_split")
 SLICE_EXAMPLES = 300  # per op in the test suite (tests/torch/test_torch_ops_bad_inputs.py)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -278,6 +282,153 @@ def _store_rules(a: dict) -> list:
     if d * es % 16 != 0:
         return ["head_size"]
     if es not in (1, 2, 4):
+        return ["element size"]
+    return []
+
+
+# --------------------------------------------------------------------------------------------
+# store_token_major
+
+
+def draw_store_tm(gen: torch.Generator, kinds: Counter) -> Call:
+    dtype = _pick(gen, [torch.float32, torch.bfloat16, torch.float16, torch.uint8])
+    hkv, bs, nb = _pick(gen, [0, 1, 2, 3]), _pick(gen, [1, 2, 5, 16]), _pick(gen, [1, 2, 3, 6])
+    d, t = _pick(gen, [0, 1, 3, 8, 16]), _pick(gen, [0, 1, 5, 17])
+    # The caches: the plugin's pages [NB, 2, BS, Hkv, D] (key block, value block), pages with
+    # a gap block between them, or two dense caches.
+    layout = _pick(gen, ["pages", "pages", "gap", "dense"])
+    kinds[f"layout-{layout}"] += 1
+    if layout == "dense":
+        buf = _random(gen, (2, nb, bs, hkv, d), dtype)
+        key_cache, value_cache = buf[0], buf[1]
+    else:
+        buf = _random(gen, (nb, 3 if layout == "gap" else 2, bs, hkv, d), dtype)
+        key_cache, value_cache = buf[:, 0], buf[:, -1]
+    rows = _random(gen, (2, t, hkv, d), dtype)
+    slots = torch.randint(-1, nb * bs, (t,), generator=gen)
+    if t > 1 and _chance(gen, 0.3):
+        slots[-1] = slots[0]  # a slot given twice: the later row wins
+    args = {"key": rows[0], "value": rows[1], "key_cache": key_cache,
+            "value_cache": value_cache, "slot_mapping": slots}  # fmt: skip
+    for _ in range(_pick(gen, [0, 1, 1, 2, 3])):
+        kind = _pick(gen, ["slot", "slot", "slot-tensor", "tensor", "alias", "layout"])
+        sm = args["slot_mapping"]
+        if kind == "slot" and sm.numel() and sm.dtype in (torch.int64, torch.int32):
+            kinds["slot"] += 1
+            bits = 64 if sm.dtype == torch.int64 else 32
+            sm.view(-1)[_int(gen, 0, sm.numel())] = _garbage(gen, nb * bs, bits=bits)
+        elif kind == "slot-tensor":
+            kinds["slot-tensor"] += 1
+            how = _pick(gen, ["int32", "length", "2-d"])
+            args["slot_mapping"] = {"int32": slots.to(torch.int32),
+                                    "length": torch.cat([slots, slots[:1] * 0]),
+                                    "2-d": slots.reshape(1, -1)}[how]  # fmt: skip
+        elif kind == "tensor":
+            name = _pick(gen, list(args))
+            args[name] = _break_tensor(gen, args[name], name, kinds)
+        elif kind == "alias":
+            # value blocks over key blocks: the same cache, or shifted by part of a block
+            kinds["caches-overlap"] += 1
+            flat = buf.reshape(-1)
+            shift = _pick(gen, [0, 1, d, hkv * d, bs * hkv * d // 2])
+            kc = args["key_cache"]
+            if kc.dtype == buf.dtype and kc.dim() == 4 and kc.data_ptr() == buf.data_ptr():
+                need = shift + (nb - 1) * kc.stride(0) + bs * hkv * d if nb else 0
+                if need <= flat.numel():
+                    args["value_cache"] = flat.as_strided(kc.shape, kc.stride(), shift)
+        elif kind == "layout":
+            how = _pick(gen, ["transposed", "stride", "shape"])
+            kinds[f"cache-{how}"] += 1
+            name = _pick(gen, ["key_cache", "value_cache"])
+            c = args[name]
+            if c.dim() != 4:
+                continue
+            if how == "transposed":  # not dense inside a block
+                args[name] = c.transpose(1, 2).contiguous().transpose(1, 2)
+            elif how == "stride":  # a dense copy: another block stride than the other's
+                args[name] = c.contiguous() if layout != "dense" else c.clone()[:, :, :, :]
+            else:
+                args[name] = c.reshape(c.shape[0] * c.shape[1], 1, *c.shape[2:])
+    call = Call(list(args.values()), [buf, rows, slots], _store_tm_rules(args))
+    if not call.broken:
+        call.check = _store_tm_reference(args, buf)
+    return call
+
+
+def _store_tm_reference(a: dict, buf: torch.Tensor):
+    """The rows written in token order into copies: of `buf` where a cache views it (so the
+    rest of it, a gap block included, must be as before), else of the cache."""
+    ref_buf = buf.clone()
+    refs = []
+    for name in ("key_cache", "value_cache"):
+        c = a[name]
+        if c.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            refs.append(ref_buf.as_strided(c.shape, c.stride(), c.storage_offset()))
+        else:
+            refs.append(c.clone())
+    bs = a["key_cache"].shape[1]
+    try:
+        for i, slot in enumerate(a["slot_mapping"].tolist()):
+            if slot >= 0:
+                b, o = divmod(slot, bs)
+                refs[0][b, o] = a["key"][i]
+                refs[1][b, o] = a["value"][i]
+    except (IndexError, RuntimeError, TypeError) as e:  # a wrong prediction: a failure
+        return lambda args: f"the reference cannot take a call predicted valid: {e}"
+
+    def check(args, refs=refs, ref_buf=ref_buf) -> str | None:
+        if not torch.equal(_bytes(buf), _bytes(ref_buf)):
+            return "the cache buffer differs from the reference write"
+        for got, want in zip(args[2:4], refs, strict=True):
+            if not torch.equal(_bytes(got), _bytes(want)):
+                return "a cache differs from the reference write"
+        return None
+
+    return check
+
+
+def _store_tm_rules(a: dict) -> list:
+    """The rules store_token_major's arguments break, in the order torch_ops.cc checks them
+    (regexes of the error that names the first)."""
+    key, value, kc, vc, slots = (a[n] for n in ("key", "value", "key_cache", "value_cache",
+                                                "slot_mapping"))  # fmt: skip
+    if key.dim() != 3:
+        return ["key must be"]
+    if value.shape != key.shape:
+        return ["value"]
+    t, hkv, d = key.shape
+    if kc.dim() != 4 or kc.shape[2] != hkv or kc.shape[3] != d or vc.shape != kc.shape:
+        return ["key_cache and value_cache must be"]
+    broken = []
+    if not _cpu_contiguous([(key, "key"), (value, "value"), (slots, "slot_mapping")], broken):
+        return broken
+    nb, bs = kc.shape[0], kc.shape[1]
+    block = bs * hkv * d
+    for c, name in ((kc, "key_cache"), (vc, "value_cache")):
+        dense = ((d == 1 or c.stride(3) == 1) and (hkv == 1 or c.stride(2) == d)
+                 and (bs == 1 or c.stride(1) == hkv * d))  # fmt: skip
+        if not dense:
+            return [f"{name} must be dense"]
+    stride = kc.stride(0) if nb > 1 else block
+    if nb > 1 and vc.stride(0) != stride:
+        return ["one block stride"]
+    if nb > 1 and block and stride < block:
+        return ["block stride"]
+    if any(x.dtype != kc.dtype for x in (key, value, vc)):
+        return ["one dtype"]
+    if block and nb:
+        elem = kc.element_size()
+        gap = vc.data_ptr() - kc.data_ptr()
+        if gap % elem:
+            return ["whole number of elements"]
+        if any(abs(gap // elem + m * stride) < block for m in range(-(nb - 1), nb)):
+            return ["must not overlap"]
+    if slots.dim() != 1 or slots.shape[0] != t or slots.dtype != torch.int64:
+        return ["slot_mapping must be int64"]
+    bad = [i for i, s in enumerate(slots.tolist()) if not -1 <= s < nb * bs]
+    if bad:
+        return [rf"slot_mapping\[{bad[0]}\]"]
+    if kc.element_size() not in (1, 2, 4):
         return ["element size"]
     return []
 
@@ -655,7 +806,8 @@ def _check_decode(a: dict) -> str | None:
 # --------------------------------------------------------------------------------------------
 # Running
 
-DRAW = {"store_split": draw_store, "copy_blocks": draw_copy, "paged_decode_split": draw_decode}
+DRAW = {"store_split": draw_store, "store_token_major": draw_store_tm, "copy_blocks": draw_copy,
+        "paged_decode_split": draw_decode}  # fmt: skip
 
 
 def run_example(op: str, seed: int, index: int, report: Report) -> None:
