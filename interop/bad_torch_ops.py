@@ -29,8 +29,8 @@ paged_cache.h, paged_decode.h), then checked:
 - predicted bad: the op raises ValueError whose message names one of the broken arguments, and
   every byte of every tensor it was given is as before;
 - predicted good: it runs, and the result matches a plain torch reference (store_split,
-  store_token_major and copy_blocks bit for bit over whole buffers, paged_decode_split against float64 on a
-  NaN-poisoned cache, for finite, moderate scales).
+  store_token_major and copy_blocks bit for bit over whole buffers, paged_decode_split
+  against float64 on a NaN-poisoned cache, for finite, moderate scales).
 
 A crash ends the process: run long sessions in a child (`jax-attn fuzz --torch-ops`, with
 `--sanitize` under ASan + UBSan, where an out-of-bounds access aborts the child). Only torch
@@ -374,7 +374,8 @@ def _store_tm_reference(a: dict, buf: torch.Tensor):
                 refs[0][b, o] = a["key"][i]
                 refs[1][b, o] = a["value"][i]
     except (IndexError, RuntimeError, TypeError) as e:  # a wrong prediction: a failure
-        return lambda args: f"the reference cannot take a call predicted valid: {e}"
+        problem = f"the reference cannot take a call predicted valid: {e}"
+        return lambda args, problem=problem: problem
 
     def check(args, refs=refs, ref_buf=ref_buf) -> str | None:
         if not torch.equal(_bytes(buf), _bytes(ref_buf)):
