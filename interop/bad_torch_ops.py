@@ -366,8 +366,8 @@ def _store_tm_reference(a: dict, buf: torch.Tensor):
             refs.append(ref_buf.as_strided(c.shape, c.stride(), c.storage_offset()))
         else:
             refs.append(c.clone())
-    bs = a["key_cache"].shape[1]
     try:
+        bs = a["key_cache"].shape[1]
         for i, slot in enumerate(a["slot_mapping"].tolist()):
             if slot >= 0:
                 b, o = divmod(slot, bs)
