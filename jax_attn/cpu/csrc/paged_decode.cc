@@ -1320,9 +1320,10 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
 // ---------------------------------------------------------------------------------------------
 // The AMX decode: bf16 queries on a token-major bf16 or fp8 cache, on CPUs with AMX-BF16
 // (amx_tiles.h; block sizes that are multiples of 16). fp8 codes are converted to bf16 (exact)
-// by table lookups as they are staged or packed. vdpbf16ps costs four FMAs' time on Sapphire Rapids,
-// and the vector decode was bound by its math there, not by memory (decode-bf16 32 x 1024 at
-// block 128: ~60 ns of one core per key and kv head against ~47 ns to read it; NOTES.md).
+// by table lookups as they are staged or packed. vdpbf16ps costs four FMAs' time on Sapphire
+// Rapids, and there the vector decode's math alone took about what reading the cache takes
+// (decode-bf16 from L2: 36 ns of one core per key and kv head; here 25-27). From DRAM both are
+// bound by the memory: measured, AMX gains 10-15% on bf16 and nothing on fp8 (NOTES.md).
 //
 // An item walks its keys in steps of up to 128 (8 key tiles of 16, each inside one block); per
 // step and kv head, for each group of up to 16 of its query rows (W lanes: G rounded up to a
@@ -1343,8 +1344,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
 // current step's work.
 // Tiles: one configuration for the logits, another for the values (loaded once per step each).
 // Operands come in two sets used on alternate chunks, so that the next chunk's loads need not
-// wait for the products still reading the current one (tile registers are not renamed: with
-// one set, each key tile's load from L2 waited for the product before it).
+// wait for the products still reading the current one (tile registers are not renamed; the
+// change measured within the noise, from L2).
 //   logits  0, 1  S^T of two key tiles              16 rows x 4W bytes
 //           2-5   key tiles (A), [tile][set]        16 x 64
 //           6, 7  a Qt2 chunk (B), per set          16 x 4W
