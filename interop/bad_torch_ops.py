@@ -174,6 +174,34 @@ def _cpu_contiguous(named: list, broken: list) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# store_split and store_token_major: the breaks they share
+
+
+def _break_row_args(gen, kind: str, args: dict, slots, num_slots: int, kinds: Counter) -> bool:
+    """One break of a cache write's rows and slots (kind "slot": a garbage slot value;
+    "slot-tensor": the slots' dtype, length or rank; "tensor": any argument's dtype, rank or
+    contiguity), in place in `args`; False for the other kinds (or a slot break with nothing
+    to break), which the caller handles."""
+    sm = args["slot_mapping"]  # (what the other breaks left of it)
+    if kind == "slot" and sm.numel() and sm.dtype in (torch.int64, torch.int32):
+        kinds["slot"] += 1
+        bits = 64 if sm.dtype == torch.int64 else 32
+        sm.view(-1)[_int(gen, 0, sm.numel())] = _garbage(gen, num_slots, bits=bits)
+    elif kind == "slot-tensor":
+        kinds["slot-tensor"] += 1
+        how = _pick(gen, ["int32", "length", "2-d"])
+        args["slot_mapping"] = {"int32": slots.to(torch.int32),
+                                "length": torch.cat([slots, slots[:1] * 0]),
+                                "2-d": slots.reshape(1, -1)}[how]  # fmt: skip
+    elif kind == "tensor":
+        name = _pick(gen, list(args))
+        args[name] = _break_tensor(gen, args[name], name, kinds)
+    else:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
 # store_split
 
 
@@ -203,21 +231,9 @@ def draw_store(gen: torch.Generator, kinds: Counter) -> Call:
             "slot_mapping": slots}  # fmt: skip
     for _ in range(_pick(gen, [0, 1, 1, 2, 3])):
         kind = _pick(gen, ["slot", "slot", "slot-tensor", "tensor", "alias", "shape"])
-        sm = args["slot_mapping"]  # (what the other kinds left of it)
-        if kind == "slot" and sm.numel() and sm.dtype in (torch.int64, torch.int32):
-            kinds["slot"] += 1
-            bits = 64 if sm.dtype == torch.int64 else 32
-            sm.view(-1)[_int(gen, 0, sm.numel())] = _garbage(gen, num_slots, bits=bits)
-        elif kind == "slot-tensor":
-            kinds["slot-tensor"] += 1
-            how = _pick(gen, ["int32", "length", "2-d"])
-            args["slot_mapping"] = {"int32": slots.to(torch.int32),
-                                    "length": torch.cat([slots, slots[:1] * 0]),
-                                    "2-d": slots.reshape(1, -1)}[how]  # fmt: skip
-        elif kind == "tensor":
-            name = _pick(gen, list(args))
-            args[name] = _break_tensor(gen, args[name], name, kinds)
-        elif kind == "alias" and nb * hkv * d * bs > 0:
+        if _break_row_args(gen, kind, args, slots, num_slots, kinds):
+            continue
+        if kind == "alias" and nb * hkv * d * bs > 0:
             kinds["caches-share-memory"] += 1
             args["value_cache"] = kv[0].view(-1)[: nb * hkv * d * bs].view(nb, hkv, d, bs)
         elif kind == "shape":
@@ -312,21 +328,9 @@ def draw_store_tm(gen: torch.Generator, kinds: Counter) -> Call:
             "value_cache": value_cache, "slot_mapping": slots}  # fmt: skip
     for _ in range(_pick(gen, [0, 1, 1, 2, 3])):
         kind = _pick(gen, ["slot", "slot", "slot-tensor", "tensor", "alias", "layout"])
-        sm = args["slot_mapping"]
-        if kind == "slot" and sm.numel() and sm.dtype in (torch.int64, torch.int32):
-            kinds["slot"] += 1
-            bits = 64 if sm.dtype == torch.int64 else 32
-            sm.view(-1)[_int(gen, 0, sm.numel())] = _garbage(gen, nb * bs, bits=bits)
-        elif kind == "slot-tensor":
-            kinds["slot-tensor"] += 1
-            how = _pick(gen, ["int32", "length", "2-d"])
-            args["slot_mapping"] = {"int32": slots.to(torch.int32),
-                                    "length": torch.cat([slots, slots[:1] * 0]),
-                                    "2-d": slots.reshape(1, -1)}[how]  # fmt: skip
-        elif kind == "tensor":
-            name = _pick(gen, list(args))
-            args[name] = _break_tensor(gen, args[name], name, kinds)
-        elif kind == "alias":
+        if _break_row_args(gen, kind, args, slots, nb * bs, kinds):
+            continue
+        if kind == "alias":
             # value blocks over key blocks: the same cache, or shifted by part of a block
             kinds["caches-overlap"] += 1
             flat = buf.reshape(-1)
