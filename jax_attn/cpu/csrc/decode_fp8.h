@@ -1,0 +1,219 @@
+// Part of the decode kernel (paged_decode.cc), not a header of its own: included by that file
+// inside its namespaces and inside its `#if JAX_ATTN_AVX512`, right after decode_vec.h (it uses
+// JAX_ATTN_DECODE_BF16_DOT and the kernel's TilePrefetcher). It includes nothing itself.
+//
+// The fp8 conversions of the vdpbf16ps path: fp8 codes (e4m3fn, e5m2) to bf16 by lookup tables
+// (vpermi2b, AVX512_VBMI), 64 codes at a time. Defines JAX_ATTN_DECODE_FP8_DOT: 1 where
+// JAX_ATTN_DECODE_BF16_DOT is 1 and the build has __AVX512VBMI__, and then compiles what
+// follows; else 0.
+// The interface the kernel calls: fp8_tables<F8> (once per item, kept in registers);
+// convert_tile_fp8_bf16 and widen_tile_fp8 (token-major keys and values), split_keys_fp8_bf16
+// and split_values_fp8 (the split layout's) from decode_item; fp8_to_bf16_64 and
+// fp8_chunk_mask from decode_amx.h's decode_item_amx.
+#pragma once
+
+#if JAX_ATTN_DECODE_BF16_DOT && defined(__AVX512VBMI__)
+#define JAX_ATTN_DECODE_FP8_DOT 1
+// fp8 caches under bf16 queries: every fp8 value (e4m3fn, e5m2; NaN and inf included) is
+// exact in bf16, so the keys go into the bf16 tile of the vdpbf16ps path and the values into
+// the float32 tile, converted 64 at a time by table lookups (vpermi2b over the 128 magnitude
+// codes, the sign ORed back) instead of 16 at a time through the fp16 converter.
+struct Fp8Tables {
+  __m512i lo0, lo1, hi0, hi1;  // low / high byte of the bf16 pattern of codes 0..63, 64..127
+  __m512i spread;              // kFp8Spread
+};
+
+// Byte order that makes the in-lane unpacks below produce codes in order: lane L (16 bytes)
+// gets codes 8L..8L+7, then 32+8L..32+8L+7.
+alignas(64) constexpr uint8_t kFp8Spread[64] = {
+    0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39,  //
+    8,  9,  10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,  //
+    16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,  //
+    24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
+
+template <typename F8>
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables = [] {
+    alignas(64) uint8_t lo[128], hi[128];
+    for (int code = 0; code < 128; ++code) {
+      const uint32_t bits = float_to_bits(widen(F8{static_cast<uint8_t>(code)}));
+      lo[code] = static_cast<uint8_t>(bits >> 16);  // exact: the low 16 bits are zero
+      hi[code] = static_cast<uint8_t>(bits >> 24);
+    }
+    return Fp8Tables{_mm512_load_si512(lo), _mm512_load_si512(lo + 64), _mm512_load_si512(hi),
+                     _mm512_load_si512(hi + 64), _mm512_load_si512(kFp8Spread)};
+  }();
+  return tables;
+}
+
+// The 64 fp8 codes at src (lanes outside m read nothing: zeros) as bf16 bit patterns, in
+// order: out[0] codes 0..31, out[1] codes 32..63.
+// `x`: 64 codes already in kFp8Spread order (x[i] = code kFp8Spread[i]).
+inline void fp8_spread_codes_to_bf16(__m512i x, const Fp8Tables& t, __m512i* out) {
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, x, t.lo1);  // index bits 0..6: magnitude
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, x, t.hi1), x,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)),
+                                               0xF8);  // hi | (x & 0x80): the sign
+  out[0] = _mm512_unpacklo_epi8(lo, hi);
+  out[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+inline void fp8_to_bf16_64(const uint8_t* src, __mmask64 m, const Fp8Tables& t, __m512i* out) {
+  fp8_spread_codes_to_bf16(_mm512_permutexvar_epi8(t.spread, _mm512_maskz_loadu_epi8(m, src)), t,
+                           out);
+}
+
+inline __mmask64 fp8_chunk_mask(int64_t t, int64_t n, int64_t left) {
+  if (t >= n || left <= 0) return 0;
+  return left >= 64 ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << left) - 1;
+}
+
+// Walks one kv head's fp8 rows [0, n) of a tile, 64 codes at a time up to `row_elems` (rows
+// >= n and codes past head_size: zeros); store(t, c, out) puts row t's codes c..c+63 (as
+// bf16, out[0] and out[1]).
+template <typename F8, int NC, typename Store>
+inline void convert_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
+                             int64_t n, int64_t head_size, int64_t row_elems, Store&& store) {
+  for (int64_t t = 0; t < 16; ++t) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * row_stride);
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < row_elems; c += 64) {
+      __m512i out[2];
+      fp8_to_bf16_64(row + c, fp8_chunk_mask(t, n, head_size - c), tables, out);
+      store(t, c, out);
+    }
+  }
+}
+
+// Keys: into the bf16 tile dst [16, NC2 * 32] of the vdpbf16ps path.
+template <typename F8, int NC>
+inline void convert_tile_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t row_stride,
+                                  int64_t n, int64_t head_size, bf16_t* dst) {
+  constexpr int64_t DP2 = (NC + 1) / 2 * 32;
+  convert_tile_fp8<F8, NC>(tables, src, row_stride, n, head_size, DP2,
+                           [dst](int64_t t, int64_t c, const __m512i* out) {
+                             _mm512_store_si512(dst + t * DP2 + c, out[0]);
+                             if (c + 32 < DP2) _mm512_store_si512(dst + t * DP2 + c + 32, out[1]);
+                           });
+}
+
+// bf16 bit patterns (32 per register) -> 16 float32 lanes each half.
+inline __m512 bf16_half_to_f32(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Values: widened into the float32 tile dst [16, NC * 16].
+template <typename F8, int NC>
+inline void widen_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
+                           int64_t n, int64_t head_size, float* dst) {
+  constexpr int64_t DP = NC * 16;
+  convert_tile_fp8<F8, NC>(tables, src, row_stride, n, head_size, DP,
+                           [dst](int64_t t, int64_t c, const __m512i* out) {
+                             float* d = dst + t * DP + c;
+#pragma GCC unroll 4
+                             for (int q = 0; q < 4; ++q) {  // codes c + 16q .. c + 16q + 15
+                               if (c + 16 * q >= DP) break;
+                               const __m256i half =
+                                   q % 2 == 0 ? _mm512_castsi512_si256(out[q / 2])
+                                              : _mm512_extracti64x4_epi64(out[q / 2], 1);
+                               _mm512_store_ps(d + 16 * q, bf16_half_to_f32(half));
+                             }
+                           });
+}
+
+// The split layout's fp8 keys of tokens [t0, t0 + n) of one head's block ([D / 16, BS, 16])
+// into the bf16 tile dst [16, DP2]: per 16-dim piece, 4 tokens' codes (64 contiguous bytes)
+// converted at once. Rows >= n get zeros; columns >= D are not written (the caller keeps them
+// zero). Requires D % 16 == 0.
+template <typename F8>
+inline void split_keys_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t block_size,
+                                int64_t t0, int64_t n, int64_t head_size, int64_t dp2,
+                                bf16_t* dst) {
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t c = 0; c < head_size / 16; ++c) {
+    const uint8_t* piece = codes + c * block_size * 16 + t0 * 16;
+#pragma GCC unroll 4
+    for (int64_t t = 0; t < 16; t += 4) {
+      // Tokens t .. t + 3 of this piece, those past n masked to zero codes.
+      __m512i out[2];
+      fp8_to_bf16_64(piece + 16 * t, fp8_chunk_mask(t, n, 16 * (n - t)), tables, out);
+      bf16_t* row = dst + t * dp2 + 16 * c;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(row), _mm512_castsi512_si256(out[0]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(row + dp2), _mm512_extracti64x4_epi64(out[0], 1));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(row + 2 * dp2), _mm512_castsi512_si256(out[1]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(row + 3 * dp2), _mm512_extracti64x4_epi64(out[1], 1));
+    }
+  }
+}
+
+// The split layout's fp8 values: a 16 x 16 piece (16 dims of 16 tokens) as 4 registers,
+// register q holding dims 4q .. 4q + 3 (one 128-bit lane each, tokens in order), is transposed
+// as bytes into 4 registers of 4 tokens x 16 dims each, already in kFp8Spread order for the
+// conversion: register p, byte i = the code of token 4p + u, dim e, where (u, e) is kFp8Spread[i]
+// as (16u + e). Bytes of dims 0..7 come from registers 0 and 1, of dims 8..15 from 2 and 3, by
+// one vpermi2b each with the same index (a pair of registers is one 128-byte table).
+struct SplitValueShuffle {
+  __m512i index[4];   // per p
+  __mmask64 from_hi;  // bytes of dims 8..15
+};
+
+inline const SplitValueShuffle& split_value_shuffle() {
+  static const SplitValueShuffle shuffle = [] {
+    SplitValueShuffle s{};
+    alignas(64) uint8_t index[64];
+    for (int p = 0; p < 4; ++p) {
+      for (int i = 0; i < 64; ++i) {
+        const int u = kFp8Spread[i] / 16, e = kFp8Spread[i] % 16;
+        // Dim e sits in register e / 4, lane e % 4, at token 4p + u; the pair's second
+        // register from byte 64.
+        index[i] = static_cast<uint8_t>((e / 4 % 2) * 64 + 16 * (e % 4) + 4 * p + u);
+        if (p == 0 && e >= 8) s.from_hi |= __mmask64{1} << i;
+      }
+      s.index[p] = _mm512_load_si512(index);
+    }
+    return s;
+  }();
+  return shuffle;
+}
+
+// Values of tokens [t0, t0 + n) of one head's fp8 block `src` ([D, BS]) as float32 rows into
+// the tile dst [16, NC * 16] (rows >= n and columns >= D: zeros), like transpose_split_values,
+// the transpose done on the codes before they are converted. Only the n tokens' bytes are read.
+template <typename F8, int NC>
+inline void split_values_fp8(const Fp8Tables& tables, const F8* src, int64_t block_size,
+                             int64_t t0, int64_t n, int64_t head_size, float* dst,
+                             TilePrefetcher& pf, int64_t per_step) {
+  const SplitValueShuffle& shuffle = split_value_shuffle();
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(src) + t0;
+  const __mmask16 m = tail_mask(n);
+#pragma GCC unroll 1
+  for (int j = 0; j < NC; ++j) {
+    pf.issue(per_step);
+    __m512i x[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      x[q] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const int64_t d = 16 * j + 4 * q + k;
+        if (d < head_size) {
+          x[q] = _mm512_inserti32x4(x[q], _mm_maskz_loadu_epi8(m, codes + d * block_size), k);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {  // tokens 4p .. 4p + 3
+      const __m512i lo = _mm512_permutex2var_epi8(x[0], shuffle.index[p], x[1]);
+      const __m512i hi = _mm512_permutex2var_epi8(x[2], shuffle.index[p], x[3]);
+      __m512i out[2];
+      fp8_spread_codes_to_bf16(_mm512_mask_blend_epi8(shuffle.from_hi, lo, hi), tables, out);
+      float* row = dst + 4 * p * NC * 16 + 16 * j;
+      _mm512_store_ps(row, bf16_half_to_f32(_mm512_castsi512_si256(out[0])));
+      _mm512_store_ps(row + NC * 16, bf16_half_to_f32(_mm512_extracti64x4_epi64(out[0], 1)));
+      _mm512_store_ps(row + 2 * NC * 16, bf16_half_to_f32(_mm512_castsi512_si256(out[1])));
+      _mm512_store_ps(row + 3 * NC * 16, bf16_half_to_f32(_mm512_extracti64x4_epi64(out[1], 1)));
+    }
+  }
+}
+#else
+#define JAX_ATTN_DECODE_FP8_DOT 0
+#endif

@@ -1,0 +1,195 @@
+// Part of the decode kernel (paged_decode.cc), not a header of its own: included by that file
+// inside its namespaces (jax_attn_cpu and the anonymous one) and inside its
+// `#if JAX_ATTN_AVX512`, after TilePrefetcher, which it uses. It includes nothing itself.
+//
+// The AVX-512 tile helpers of the vector decode (JAX_ATTN_AVX512, kernel_common.h: built with
+// AVX-512F/BW/VL): widen_tile (a kv head's rows of a tile widened to float32),
+// gather_split_keys and transpose_split_values (vLLM's split layout into token rows, through
+// transpose16x16), accumulate_values (acc = acc * factor + P V, FMAs for 4 rows x 4 chunks).
+// Then the bf16 key dot: defines JAX_ATTN_DECODE_BF16_DOT, 1 where the build has
+// __AVX512BF16__, and then compiles dot_keys_bf16 (one query row against a bf16 key tile by
+// vdpbf16ps); else 0.
+// The interface the kernel calls: accumulate_values and dot_keys_bf16 from attend_tile;
+// widen_tile, gather_split_keys and transpose_split_values from decode_item.
+#pragma once
+
+// Widen one kv head's rows [0, n) of a tile into dst [16, DP] float32 (rows >= n: zeros, so
+// unused cache bytes never reach the math).
+template <typename KV, int NC>
+inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 last_mask,
+                       float* dst) {
+  constexpr int64_t DP = NC * 16;
+  const bool full = n == 16 && last_mask == static_cast<__mmask16>(0xffff);
+  for (int64_t t = 0; t < 16; ++t) {
+    const KV* row = src + t * row_stride;
+    if (full) {
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        _mm512_store_ps(dst + t * DP + 16 * c, load16<KV>(row + 16 * c, 0xffff));
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        const __mmask16 m = t >= n ? static_cast<__mmask16>(0)
+                            : c == NC - 1 ? last_mask
+                                          : static_cast<__mmask16>(0xffff);
+        _mm512_store_ps(dst + t * DP + 16 * c, load16<KV>(row + 16 * c, m));
+      }
+    }
+  }
+}
+
+// Split layout (vLLM's), one kv head of one block: keys [D / x, BS, x] with x elements per 16
+// bytes, values [D, BS]. The kernel's tiles are token rows, so a tile's keys are gathered
+// (16 bytes of x dims per token and chunk) and its values transposed.
+
+// Keys of tokens [t0, t0 + n) of one head's block `src` into rows of dst (dst_stride elements
+// apart): row t gets the D elements of token t0 + t; rows [n, 16) get zeros. Columns past D are
+// not written (the caller keeps them zero). Requires D % x == 0.
+template <typename T>
+inline void gather_split_keys(const T* src, int64_t block_size, int64_t t0, int64_t n,
+                              int64_t head_size, T* dst, int64_t dst_stride) {
+  constexpr int64_t x = 16 / sizeof(T);
+  const int64_t chunks = head_size / x;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* from = src + (t0 + t) * x;
+    T* to = dst + t * dst_stride;
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(to + c * x),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + c * block_size * x)));
+    }
+  }
+  for (int64_t t = n; t < 16; ++t) std::memset(dst + t * dst_stride, 0, head_size * sizeof(T));
+}
+
+// r[i][j] <- r[j][i] for a 16 x 16 float32 block in 16 registers (64 shuffles).
+inline void transpose16x16(__m512* r) {
+  __m512 t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: t[2i] = a[4L], b[4L], a[4L+1], b[4L+1]
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // r[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  __m512 u[16];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {  // a 4 x 4 transpose of 128-bit lanes over r[k], r[4 + k], ...
+    u[4 * k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44);
+    u[4 * k + 1] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xee);
+    u[4 * k + 2] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44);
+    u[4 * k + 3] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xee);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_f32x4(u[4 * k], u[4 * k + 2], 0x88);
+    r[4 + k] = _mm512_shuffle_f32x4(u[4 * k], u[4 * k + 2], 0xdd);
+    r[8 + k] = _mm512_shuffle_f32x4(u[4 * k + 1], u[4 * k + 3], 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(u[4 * k + 1], u[4 * k + 3], 0xdd);
+  }
+}
+
+// Values of tokens [t0, t0 + n) of one head's block `src` ([D, BS]) widened and transposed
+// into the float32 tile dst [16, NC * 16] (rows >= n and columns >= D: zeros; only the n
+// tokens' elements are read).
+template <typename KV, int NC>
+inline void transpose_split_values(const KV* src, int64_t block_size, int64_t t0, int64_t n,
+                                   int64_t head_size, float* dst, TilePrefetcher& pf,
+                                   int64_t per_step) {
+  const __mmask16 m = tail_mask(n);
+#pragma GCC unroll 1
+  for (int j = 0; j < NC; ++j) {
+    pf.issue(per_step);
+    __m512 r[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const int64_t d = 16 * j + i;
+      r[i] = d < head_size ? load16<KV>(src + d * block_size + t0, m) : _mm512_setzero_ps();
+    }
+    transpose16x16(r);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) _mm512_store_ps(dst + t * NC * 16 + 16 * j, r[t]);
+  }
+}
+
+// acc[r] = acc[r] * factor[r] + sum_t probs[r][t] * v[t] for RG query rows at once, so each
+// value chunk is loaded (and widened) once per RG rows: 4 chunks x RG rows of accumulators in
+// registers. Values: rows [0, n) of a float32 tile at v_rows, `stride` elements apart; only the
+// first lanes of the last chunk (last_mask) are read. Each token's step also requests
+// `per_step` lines of a later tile (pf).
+template <int NC, int RG>
+inline void accumulate_values(const float* v_rows, int64_t stride, __mmask16 last_mask, int64_t n,
+                              const float (*probs)[16], const float* factor, float* const* acc,
+                              TilePrefetcher& pf, int64_t per_step) {
+#pragma GCC unroll 4
+  for (int cb = 0; cb < NC; cb += 4) {
+    constexpr int kMaxCB = 4;
+    __m512 o[RG][kMaxCB];
+#pragma GCC unroll 4
+    for (int r = 0; r < RG; ++r) {
+      const __m512 f = _mm512_set1_ps(factor[r]);
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) o[r][j] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (cb + j)), f);
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      pf.issue(per_step);
+      __m512 v[kMaxCB];
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) {
+          const __mmask16 m = cb + j == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
+          v[j] = load16<float>(v_rows + t * stride + 16 * (cb + j), m);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < RG; ++r) {
+        const __m512 pr = _mm512_set1_ps(probs[r][t]);
+#pragma GCC unroll 4
+        for (int j = 0; j < kMaxCB; ++j) {
+          if (cb + j < NC) o[r][j] = _mm512_fmadd_ps(pr, v[j], o[r][j]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RG; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) _mm512_store_ps(acc[r] + 16 * (cb + j), o[r][j]);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+#define JAX_ATTN_DECODE_BF16_DOT 1
+// Logits of one query row against a bf16 key tile: dots[t] = sum over d pairs of q[d] * k[t][d]
+// by vdpbf16ps (bf16 products are exact, accumulated in float32): half the instructions of the
+// float32 dot, on half the tile. q2: the row's unscaled bf16 query, ktile2: [16, NC2 * 32]
+// (fp8 keys converted by convert_tile_fp8_bf16), both zero beyond the head size. Each chunk
+// after the first also requests `per_step` lines of a later tile (pf).
+template <int NC2>
+inline void dot_keys_bf16(const bf16_t* q2, const bf16_t* ktile2, __m512* dots,
+                          TilePrefetcher& pf, int64_t per_step) {
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < NC2; ++c) {
+    if (c > 0) pf.issue(per_step);
+    const __m512bh qc = (__m512bh)_mm512_load_si512(q2 + 32 * c);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      const __m512bh kc = (__m512bh)_mm512_load_si512(ktile2 + (t * NC2 + c) * 32);
+      dots[t] = _mm512_dpbf16_ps(dots[t], qc, kc);
+    }
+  }
+}
+#else
+#define JAX_ATTN_DECODE_BF16_DOT 0
+#endif
