@@ -11,7 +11,10 @@ tokens + 64 greedy tokens each, block 128, in bfloat16 and float32 (`--quick`: 4
 Each peer runs in a child process of its own (a deployment runs one backend; vLLM's plugins
 and thread pools are per process), started in a rotated order each round. Per child: an engine
 (in-process core, `VLLM_CPU_OMP_THREADS_BIND=nobind`: every core, as the kernels' own bench),
-one untimed warm-up generation, then two timed ones on fresh prompts (no prefix caching):
+one untimed warm-up generation at full size (every prompt, 2 tokens: the engine's first batch
+of that size allocates its activations and pages in its buffers, about a second of the first
+timed prefill otherwise, in every peer alike; before, the no-attention run's prefill alone took
+longer than its whole run), then two timed ones on fresh prompts (no prefix caching):
 `max_tokens=1` (the prefill) and the whole run.
 
 Reported per dtype and peer: medians over rounds of prefill tokens/s (prompt tokens / prefill
@@ -98,7 +101,7 @@ def _child(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - start
         return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
 
-    timed(prompts(2), 2)  # warm-up
+    timed(prompts(size["prompts"]), 2)  # warm-up at full size (the module docstring)
     prefill, _ = timed(prompts(size["prompts"]), 1)
     whole, generated = timed(prompts(size["prompts"]), size["generated"])
     print("RESULT " + json.dumps(dict(impl=impl, prefill_s=prefill, whole_s=whole,
