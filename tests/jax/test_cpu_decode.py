@@ -241,6 +241,15 @@ def test_cpu_paged_decode_amx_matches_float64(case: Case, rng):
     _check_against_float64(case, rng)
 
 
+@pytest.mark.parametrize("case", AMX_CASES, ids=str)
+def test_cpu_paged_decode_bf16_grid_matches_float64(case: Case, rng):
+    """The AMX grid through whichever path this CPU runs (on AVX-512 machines without AMX the
+    vector path: for a bf16 cache, keys by vdpbf16ps and values in token pairs by vdpbf16ps,
+    accumulate_value_pairs; odd token counts and head sizes that end inside a 32-element chunk
+    exercise the pairs' tails)."""
+    _check_against_float64(case, rng)
+
+
 def test_decode_path_names_amx_exactly_where_it_runs():
     """AMX for bf16 on bf16 at block sizes that are multiples of 16, where the ragged kernel's
     tiles run too (the CPU has them and the process may use them); never for other dtypes."""

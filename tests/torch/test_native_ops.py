@@ -90,6 +90,10 @@ GRID = [
     (torch.bfloat16, "fp8", 64, 64, 2, "window"),
     (torch.bfloat16, "fp8_e5m2", 80, 32, 4, "softcap"),  # an odd number of 16-dim pieces
     (torch.float16, "auto", 80, 128, 2, None),
+    # bf16 values as token pairs (transpose_split_value_pairs): 3 and 5 query rows per kv head
+    # (a partial group of 4), head sizes of 5 and 7 16-dim pieces.
+    (torch.bfloat16, "auto", 80, 32, 3, "softcap"),
+    (torch.bfloat16, "auto", 112, 16, 5, None),
 ]
 
 

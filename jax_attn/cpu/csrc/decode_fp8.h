@@ -7,17 +7,19 @@
 // JAX_ATTN_DECODE_BF16_DOT is 1 and the build has __AVX512VBMI__, and then compiles what
 // follows; else 0.
 // The interface the kernel calls: fp8_tables<F8> (once per item, kept in registers);
-// convert_tile_fp8_bf16 and widen_tile_fp8 (token-major keys and values), split_keys_fp8_bf16
-// and split_values_fp8 (the split layout's) from decode_item; fp8_to_bf16_64 and
-// fp8_chunk_mask from decode_amx.h's decode_item_amx.
+// convert_tile_fp8_bf16 and convert_value_pairs_fp8 (token-major keys, and values as the bf16
+// pair tile of decode_vec.h's accumulate_pairs), split_keys_fp8_bf16 and split_value_pairs_fp8
+// (the split layout's) from decode_item; fp8_to_bf16_64 and fp8_chunk_mask from decode_amx.h's
+// decode_item_amx.
 #pragma once
 
 #if JAX_ATTN_DECODE_BF16_DOT && defined(__AVX512VBMI__)
 #define JAX_ATTN_DECODE_FP8_DOT 1
 // fp8 caches under bf16 queries: every fp8 value (e4m3fn, e5m2; NaN and inf included) is
 // exact in bf16, so the keys go into the bf16 tile of the vdpbf16ps path and the values into
-// the float32 tile, converted 64 at a time by table lookups (vpermi2b over the 128 magnitude
-// codes, the sign ORed back) instead of 16 at a time through the fp16 converter.
+// the bf16 pair tile of accumulate_pairs, converted 64 at a time by table lookups (vpermi2b
+// over the 128 magnitude codes, the sign ORed back) instead of 16 at a time through the fp16
+// converter.
 struct Fp8Tables {
   __m512i lo0, lo1, hi0, hi1;  // low / high byte of the bf16 pattern of codes 0..63, 64..127
   __m512i spread;              // kFp8Spread
@@ -96,28 +98,49 @@ inline void convert_tile_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_
                            });
 }
 
-// bf16 bit patterns (32 per register) -> 16 float32 lanes each half.
-inline __m512 bf16_half_to_f32(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// Values: widened into the float32 tile dst [16, NC * 16].
+// Values of one kv head's fp8 rows [0, n) of a tile as the pair tile of accumulate_pairs
+// (dst [8][NC * 16] words (v[2k][d], v[2k + 1][d]) in bf16, zeros past n and past head_size):
+// per token pair and 64 dimensions, the two rows' codes interleaved and put in kFp8Spread order
+// by one vpermt2b each half, then looked up as fp8_to_bf16_64 does: the bf16 words come out
+// already paired, with no float32 tile between.
 template <typename F8, int NC>
-inline void widen_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
-                           int64_t n, int64_t head_size, float* dst) {
+inline void convert_value_pairs_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
+                                    int64_t n, int64_t head_size, uint32_t* dst) {
   constexpr int64_t DP = NC * 16;
-  convert_tile_fp8<F8, NC>(tables, src, row_stride, n, head_size, DP,
-                           [dst](int64_t t, int64_t c, const __m512i* out) {
-                             float* d = dst + t * DP + c;
+  // Interleaved element e (e even: row a's code e / 2, odd: row b's) for the lanes in
+  // kFp8Spread order; the second table for elements 64..127. vpermt2b: index bit 6 picks b.
+  alignas(64) static const auto kIndex = [] {
+    std::array<uint8_t, 128> idx{};
+    for (int half = 0; half < 2; ++half) {
+      for (int j = 0; j < 64; ++j) {
+        const int e = 64 * half + kFp8Spread[j];
+        idx[64 * half + j] = static_cast<uint8_t>((e % 2) * 64 + e / 2);
+      }
+    }
+    return idx;
+  }();
+  const __m512i idx0 = _mm512_load_si512(kIndex.data());
+  const __m512i idx1 = _mm512_load_si512(kIndex.data() + 64);
+  for (int64_t k = 0; 2 * k < n; ++k) {
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(src + 2 * k * row_stride);
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(src + (2 * k + 1) * row_stride);
+    uint32_t* row = dst + k * DP;
 #pragma GCC unroll 4
-                             for (int q = 0; q < 4; ++q) {  // codes c + 16q .. c + 16q + 15
-                               if (c + 16 * q >= DP) break;
-                               const __m256i half =
-                                   q % 2 == 0 ? _mm512_castsi512_si256(out[q / 2])
-                                              : _mm512_extracti64x4_epi64(out[q / 2], 1);
-                               _mm512_store_ps(d + 16 * q, bf16_half_to_f32(half));
-                             }
-                           });
+    for (int64_t c = 0; c < DP; c += 64) {
+      const __m512i x = _mm512_maskz_loadu_epi8(fp8_chunk_mask(2 * k, n, head_size - c), a + c);
+      const __m512i y =
+          _mm512_maskz_loadu_epi8(fp8_chunk_mask(2 * k + 1, n, head_size - c), b + c);
+      __m512i out[2];
+      fp8_spread_codes_to_bf16(_mm512_permutex2var_epi8(x, idx0, y), tables, out);
+      _mm512_store_si512(row + c, out[0]);
+      if (c + 16 < DP) _mm512_store_si512(row + c + 16, out[1]);
+      if (c + 32 < DP) {
+        fp8_spread_codes_to_bf16(_mm512_permutex2var_epi8(x, idx1, y), tables, out);
+        _mm512_store_si512(row + c + 32, out[0]);
+        if (c + 48 < DP) _mm512_store_si512(row + c + 48, out[1]);
+      }
+    }
+  }
 }
 
 // The split layout's fp8 keys of tokens [t0, t0 + n) of one head's block ([D / 16, BS, 16])
@@ -148,9 +171,11 @@ inline void split_keys_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t 
 // The split layout's fp8 values: a 16 x 16 piece (16 dims of 16 tokens) as 4 registers,
 // register q holding dims 4q .. 4q + 3 (one 128-bit lane each, tokens in order), is transposed
 // as bytes into 4 registers of 4 tokens x 16 dims each, already in kFp8Spread order for the
-// conversion: register p, byte i = the code of token 4p + u, dim e, where (u, e) is kFp8Spread[i]
-// as (16u + e). Bytes of dims 0..7 come from registers 0 and 1, of dims 8..15 from 2 and 3, by
-// one vpermi2b each with the same index (a pair of registers is one 128-byte table).
+// conversion and in token pairs interleaved by dim: register p, byte i = the code of token
+// 4p + u, dim e, where code c = kFp8Spread[i] is 32 * (u / 2) + 2e + u % 2. Converted, register
+// p is the pair vectors of tokens (4p, 4p + 1) and (4p + 2, 4p + 3) (accumulate_pairs). Bytes of
+// dims 0..7 come from registers 0 and 1, of dims 8..15 from 2 and 3, by one vpermi2b each with
+// the same index (a pair of registers is one 128-byte table).
 struct SplitValueShuffle {
   __m512i index[4];   // per p
   __mmask64 from_hi;  // bytes of dims 8..15
@@ -162,7 +187,8 @@ inline const SplitValueShuffle& split_value_shuffle() {
     alignas(64) uint8_t index[64];
     for (int p = 0; p < 4; ++p) {
       for (int i = 0; i < 64; ++i) {
-        const int u = kFp8Spread[i] / 16, e = kFp8Spread[i] % 16;
+        const int c = kFp8Spread[i];
+        const int u = 2 * (c / 32) + c % 2, e = c % 32 / 2;
         // Dim e sits in register e / 4, lane e % 4, at token 4p + u; the pair's second
         // register from byte 64.
         index[i] = static_cast<uint8_t>((e / 4 % 2) * 64 + 16 * (e % 4) + 4 * p + u);
@@ -175,13 +201,16 @@ inline const SplitValueShuffle& split_value_shuffle() {
   return shuffle;
 }
 
-// Values of tokens [t0, t0 + n) of one head's fp8 block `src` ([D, BS]) as float32 rows into
-// the tile dst [16, NC * 16] (rows >= n and columns >= D: zeros), like transpose_split_values,
-// the transpose done on the codes before they are converted. Only the n tokens' bytes are read.
+// Values of tokens [t0, t0 + n) of one head's fp8 block `src` ([D, BS]) as the pair tile of
+// accumulate_pairs (dst [8][NC * 16] words (v[2k][d], v[2k + 1][d]) in bf16; columns >= D
+// zeros, tokens >= n zeros or not written), the transpose done on the codes before they are
+// converted (split_value_shuffle), with no float32 tile between. Only the n tokens' bytes are
+// read.
 template <typename F8, int NC>
-inline void split_values_fp8(const Fp8Tables& tables, const F8* src, int64_t block_size,
-                             int64_t t0, int64_t n, int64_t head_size, float* dst,
-                             TilePrefetcher& pf, int64_t per_step) {
+inline void split_value_pairs_fp8(const Fp8Tables& tables, const F8* src, int64_t block_size,
+                                  int64_t t0, int64_t n, int64_t head_size, uint32_t* dst,
+                                  TilePrefetcher& pf, int64_t per_step) {
+  constexpr int64_t DP = NC * 16;
   const SplitValueShuffle& shuffle = split_value_shuffle();
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(src) + t0;
   const __mmask16 m = tail_mask(n);
@@ -201,16 +230,14 @@ inline void split_values_fp8(const Fp8Tables& tables, const F8* src, int64_t blo
       }
     }
 #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {  // tokens 4p .. 4p + 3
+    for (int p = 0; p < 4; ++p) {  // tokens 4p .. 4p + 3: pairs 2p and 2p + 1
+      if (4 * p >= n) break;
       const __m512i lo = _mm512_permutex2var_epi8(x[0], shuffle.index[p], x[1]);
       const __m512i hi = _mm512_permutex2var_epi8(x[2], shuffle.index[p], x[3]);
       __m512i out[2];
       fp8_spread_codes_to_bf16(_mm512_mask_blend_epi8(shuffle.from_hi, lo, hi), tables, out);
-      float* row = dst + 4 * p * NC * 16 + 16 * j;
-      _mm512_store_ps(row, bf16_half_to_f32(_mm512_castsi512_si256(out[0])));
-      _mm512_store_ps(row + NC * 16, bf16_half_to_f32(_mm512_extracti64x4_epi64(out[0], 1)));
-      _mm512_store_ps(row + 2 * NC * 16, bf16_half_to_f32(_mm512_castsi512_si256(out[1])));
-      _mm512_store_ps(row + 3 * NC * 16, bf16_half_to_f32(_mm512_extracti64x4_epi64(out[1], 1)));
+      _mm512_store_si512(dst + 2 * p * DP + 16 * j, out[0]);
+      _mm512_store_si512(dst + (2 * p + 1) * DP + 16 * j, out[1]);
     }
   }
 }

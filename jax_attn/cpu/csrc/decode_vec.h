@@ -1,16 +1,20 @@
 // Part of the decode kernel (paged_decode.cc), not a header of its own: included by that file
 // inside its namespaces (jax_attn_cpu and the anonymous one) and inside its
-// `#if JAX_ATTN_AVX512`, after TilePrefetcher, which it uses. It includes nothing itself.
+// `#if JAX_ATTN_AVX512`, after TilePrefetcher, Problem and RowsState, which it uses. It includes
+// nothing itself.
 //
 // The AVX-512 tile helpers of the vector decode (JAX_ATTN_AVX512, kernel_common.h: built with
 // AVX-512F/BW/VL): widen_tile (a kv head's rows of a tile widened to float32),
 // gather_split_keys and transpose_split_values (vLLM's split layout into token rows, through
 // transpose16x16), accumulate_values (acc = acc * factor + P V, FMAs for 4 rows x 4 chunks).
-// Then the bf16 key dot: defines JAX_ATTN_DECODE_BF16_DOT, 1 where the build has
+// Then the bf16 products: defines JAX_ATTN_DECODE_BF16_DOT, 1 where the build has
 // __AVX512BF16__, and then compiles dot_keys_bf16 (one query row against a bf16 key tile by
-// vdpbf16ps); else 0.
-// The interface the kernel calls: accumulate_values and dot_keys_bf16 from attend_tile;
-// widen_tile, gather_split_keys and transpose_split_values from decode_item.
+// vdpbf16ps), accumulate_pairs (P V by vdpbf16ps from a tile of token pairs),
+// transpose_split_value_pairs (the split layout's bf16 values into that tile) and
+// accumulate_value_pairs (P V by vdpbf16ps straight from a token-major bf16 tile); else 0.
+// The interface the kernel calls: accumulate_values, accumulate_pairs and dot_keys_bf16 from
+// attend_tile; accumulate_value_pairs from attend_tile_rows; widen_tile, gather_split_keys,
+// transpose_split_values and transpose_split_value_pairs from decode_item.
 #pragma once
 
 // Widen one kv head's rows [0, n) of a tile into dst [16, DP] float32 (rows >= n: zeros, so
@@ -187,6 +191,178 @@ inline void dot_keys_bf16(const bf16_t* q2, const bf16_t* ktile2, __m512* dots,
     for (int t = 0; t < 16; ++t) {
       const __m512bh kc = (__m512bh)_mm512_load_si512(ktile2 + (t * NC2 + c) * 32);
       dots[t] = _mm512_dpbf16_ps(dots[t], qc, kc);
+    }
+  }
+}
+
+// Values as bf16 pairs (the vdpbf16ps path's p.v on a tile): acc[r] = acc[r] * factor[r] +
+// sum over token pairs k of p[r][2k] v[2k] + p[r][2k + 1] v[2k + 1], RG query rows at once.
+// vpairs: [8][NC * 16] words (v[2k][d], v[2k + 1][d]), pairs k < (n + 1) / 2 read;
+// pp[r][k]: the probability pair (p[2k], p[2k + 1]) rounded to bf16. Half the instructions of
+// accumulate_values' float32 FMAs on half the tile bytes. Each pair's step also requests
+// `per_step` lines of a later tile (pf).
+template <int NC, int RG>
+inline void accumulate_pairs(const uint32_t* vpairs, int64_t n, const uint32_t (*pp)[8],
+                             const float* factor, float* const* acc, TilePrefetcher& pf,
+                             int64_t per_step) {
+  constexpr int64_t DP = NC * 16;
+  const int64_t num_pairs = (n + 1) / 2;
+#pragma GCC unroll 4
+  for (int cb = 0; cb < NC; cb += 4) {
+    constexpr int kMaxCB = 4;
+    __m512 o[RG][kMaxCB];
+#pragma GCC unroll 4
+    for (int r = 0; r < RG; ++r) {
+      const __m512 f = _mm512_set1_ps(factor[r]);
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) o[r][j] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (cb + j)), f);
+      }
+    }
+    for (int64_t k = 0; k < num_pairs; ++k) {
+      pf.issue(per_step);
+      __m512bh v[kMaxCB];
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) v[j] = (__m512bh)_mm512_load_si512(vpairs + k * DP + 16 * (cb + j));
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < RG; ++r) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][k]));
+#pragma GCC unroll 4
+        for (int j = 0; j < kMaxCB; ++j) {
+          if (cb + j < NC) o[r][j] = _mm512_dpbf16_ps(o[r][j], pb, v[j]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RG; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < kMaxCB; ++j) {
+        if (cb + j < NC) _mm512_store_ps(acc[r] + 16 * (cb + j), o[r][j]);
+      }
+    }
+  }
+}
+
+// The split layout's bf16 values of tokens [t0, t0 + n) of one head's block ([D, BS]) as the
+// pair tile of accumulate_pairs: in that layout a token pair of one dimension is already one
+// 32-bit word, so per 16 dimensions the 16 rows' 8 words are transposed (16 x 16 with the
+// upper half zero) into the 8 pairs' vectors. Tokens >= n read as zeros (masked loads).
+template <int NC>
+inline void transpose_split_value_pairs(const bf16_t* src, int64_t block_size, int64_t t0,
+                                        int64_t n, int64_t head_size, uint32_t* dst,
+                                        TilePrefetcher& pf, int64_t per_step) {
+  constexpr int64_t DP = NC * 16;
+  const __mmask16 m = tail_mask(n);
+  const int64_t num_pairs = (n + 1) / 2;
+#pragma GCC unroll 1
+  for (int j = 0; j < NC; ++j) {
+    pf.issue(per_step);
+    __m512 r[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const int64_t d = 16 * j + i;
+      r[i] = d < head_size ? _mm512_castsi512_ps(_mm512_zextsi256_si512(
+                                 _mm256_maskz_loadu_epi16(m, src + d * block_size + t0)))
+                           : _mm512_setzero_ps();
+    }
+    transpose16x16(r);
+    for (int64_t k = 0; k < num_pairs; ++k) {
+      _mm512_store_ps(reinterpret_cast<float*>(dst + k * DP + 16 * j), r[k]);
+    }
+  }
+}
+
+
+// Values of a bf16 token-major tile under bf16 queries (attend_tile_rows' kDot path), by
+// vdpbf16ps: acc[row] = acc[row] * factor[row] + sum_t p[row][t] v[t], the tile's tokens taken
+// in pairs. Two tokens' value rows are interleaved by vpermt2w into (v[2k][d], v[2k+1][d])
+// words, so one vdpbf16ps adds p[2k] v[2k][d] + p[2k+1] v[2k+1][d] for 16 d, against the
+// probability pair broadcast as one 32-bit word (pairs: [Hq][16] floats' room, the first 8 words
+// of a row the row's pairs, rounded to bf16 as the ragged kernel's p.v and the AMX paths round
+// them; the row sums stay float32). Per kv head and 4 query rows, 64 dimensions at a time: 16
+// accumulators held in registers over the whole tile (the float32 path reloads them every 4
+// tokens), each pair of rows loaded once for the 4 query rows. Half the instructions of
+// widening the values and one FMA per token (2-core Zen 5 VM, NOTES.md).
+// v_rows: the tile's first token (kv head 0); rows of tokens >= n are never read (zero_row).
+template <int NC>
+inline void accumulate_value_pairs(const Problem& p, RowsState& st, const bf16_t* v_rows,
+                                   int64_t row_stride, int64_t n, const bf16_t* zero_row,
+                                   const uint32_t* pairs, const float* factor,
+                                   TilePrefetcher& pf, int64_t per_step) {
+  constexpr int64_t DP = NC * 16;
+  constexpr int NC2 = (NC + 1) / 2;
+  const int64_t D = p.head_size, G = p.group, Hkv = p.num_kv_heads;
+  const int64_t tail2 = D - (NC2 - 1) * 32;
+  const __mmask32 last_mask2 = tail2 >= 32 ? static_cast<__mmask32>(0xffffffffu)
+                                           : static_cast<__mmask32>((1u << tail2) - 1u);
+  // Words 2i, 2i + 1 of a pair vector: a[i], b[i] (dims 0-15 of a 32-element chunk), and
+  // a[16 + i], b[16 + i] (dims 16-31).
+  alignas(64) static const uint16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                               37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                               11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                               53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                               27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  const int64_t num_pairs = (n + 1) / 2;
+  // kv head h: its tile rows [16][D], Hkv * D elements apart; 64 dimensions per block.
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const bf16_t* v[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) v[i] = i < n ? v_rows + i * row_stride + h * D : zero_row;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int rg = static_cast<int>(std::min<int64_t>(4, G - g0));
+      const int64_t row0 = h * G + g0;
+#pragma GCC unroll 4
+      for (int cb = 0; cb < NC; cb += 4) {
+        __m512 o[4][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          if (r >= rg) break;
+          const float* a = st.acc.get() + (row0 + r) * DP + 16 * cb;
+          const __m512 f = _mm512_set1_ps(factor[row0 + r]);
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            if (cb + j < NC) o[r][j] = _mm512_mul_ps(_mm512_load_ps(a + 16 * j), f);
+          }
+        }
+        for (int64_t k = 0; k < num_pairs; ++k) {
+          pf.issue(per_step);
+          __m512i x[4];
+#pragma GCC unroll 2
+          for (int c = 0; c < 2; ++c) {
+            const int c2 = cb / 2 + c;  // the 32-element chunk
+            if (2 * c2 < NC) {
+              const __mmask32 m = c2 == NC2 - 1 ? last_mask2 : static_cast<__mmask32>(~0u);
+              const __m512i a = _mm512_maskz_loadu_epi16(m, v[2 * k] + 32 * c2);
+              const __m512i b = _mm512_maskz_loadu_epi16(m, v[2 * k + 1] + 32 * c2);
+              x[2 * c] = _mm512_permutex2var_epi16(a, lo, b);
+              if (2 * c2 + 1 < NC) x[2 * c + 1] = _mm512_permutex2var_epi16(a, hi, b);
+            }
+          }
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r) {
+            if (r >= rg) break;
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(
+                static_cast<int>(pairs[(row0 + r) * 16 + k]));
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+              if (cb + j < NC) o[r][j] = _mm512_dpbf16_ps(o[r][j], pb, (__m512bh)x[j]);
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          if (r >= rg) break;
+          float* a = st.acc.get() + (row0 + r) * DP + 16 * cb;
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            if (cb + j < NC) _mm512_store_ps(a + 16 * j, o[r][j]);
+          }
+        }
+      }
     }
   }
 }

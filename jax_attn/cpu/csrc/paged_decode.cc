@@ -17,12 +17,19 @@
 //   of a tile at once, in address order, 4 tokens at a time: the 16 accumulators of a kv
 //   head's 4 query rows x 4 tokens make one tree; keys and values are read in place and
 //   widened in registers (bf16 queries on a bf16 cache, on CPUs with AVX512_BF16: keys dotted
-//   as bf16 pairs by vdpbf16ps, half the instructions; $JAX_ATTN_CPU_BF16_DOT=0 widens them).
+//   as bf16 pairs by vdpbf16ps, half the instructions, and values taken in token pairs, two
+//   rows interleaved by a permute into (v[t][d], v[t+1][d]) words for vdpbf16ps against the
+//   probabilities rounded to bf16: accumulate_value_pairs; $JAX_ATTN_CPU_BF16_DOT=0 widens
+//   both).
 // - Other caches and vLLM's split layout (attend_tile): kv heads in turn; a head's 16 key rows
 //   go once into an L1-resident tile (widened to float32: fp16 by the converter; bf16 pairs for
 //   the vdpbf16ps path), which serves all G query rows of its GQA group. bf16 queries on an fp8
-//   cache (AVX512_VBMI too) take the vdpbf16ps path: keys to bf16 and values to float32 by
-//   table lookups (vpermi2b), 64 codes at a time, every fp8 value being exact in bf16.
+//   cache (AVX512_VBMI too) take the vdpbf16ps path: keys to bf16 by table lookups (vpermi2b),
+//   64 codes at a time, every fp8 value being exact in bf16, and values to a bf16 pair tile
+//   (token pairs interleaved by dim: accumulate_pairs), the same way; bf16 values of the split
+//   layout, whose token pairs are already 32-bit words, go to that pair tile by a transpose.
+//   The vdpbf16ps values took the bf16 decode's math from L2 from 2.57 to 1.93 ms and the fp8
+//   decode's from 2.83 to 2.13 (32 x 1024 keys, block 128, 2-core Zen 5 VM; NOTES.md).
 // - bf16 queries on a token-major bf16 or fp8 cache at block sizes that are multiples of 16,
 //   on CPUs with AMX-BF16: both products on AMX tiles (decode_item_amx).
 // Keys outside the visible range (past seq_len, before the sliding window) are never loaded:
@@ -69,6 +76,7 @@
 // [0, max_blocks * BS], wrong sizes or dtypes) returns a message before anything is read or
 // written.
 
+#include <array>
 #include <cstdio>
 #include <type_traits>
 #include <vector>
@@ -371,7 +379,8 @@ template <int NC, bool kDot>
 inline void split_logits(const Problem& p, const Queries& q, const void* keys, int64_t t0,
                          int64_t n, int64_t row0, int rg, __m512* logits, TilePrefetcher& pf,
                          int64_t per_step) {
-  constexpr int64_t DP = NC * 16, DP2 = (NC + 1) / 2 * 32;
+  constexpr int64_t DP = NC * 16;
+  [[maybe_unused]] constexpr int64_t DP2 = (NC + 1) / 2 * 32;  // the kDot rows (bf16 builds)
   const int64_t BS = p.block_size;
   __m512 acc[4][4];
 #pragma GCC unroll 4
@@ -453,17 +462,21 @@ inline void split_logits(const Problem& p, const Queries& q, const void* keys, i
 // end.
 template <int NC, bool kDot>
 __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, RowsState& st,
-                                           const float* ktile, const bf16_t* ktile2,
+                                           const float* ktile,
+                                           [[maybe_unused]] const bf16_t* ktile2,
                                            const float* v_rows, int64_t v_stride, int64_t h,
                                            int64_t n, __m512 distance,
                                            TilePrefetcher& prefetcher,
-                                           const __m512* pre = nullptr) {
+                                           const __m512* pre = nullptr,
+                                           const uint32_t* vpairs = nullptr) {
   constexpr int64_t DP = NC * 16;
   constexpr int NC2 = (NC + 1) / 2;
   const int64_t G = p.group;
   TilePrefetcher pf = prefetcher;  // a local copy: kept in registers
   const int64_t key_steps = pre ? 0 : G * (kDot ? NC2 : NC);
-  const int64_t steps = std::max<int64_t>(1, key_steps + (G + 3) / 4 * ((NC + 3) / 4) * n);
+  const int64_t value_steps = vpairs ? (n + 1) / 2 : n;  // per group of 4 rows and 4 chunks
+  const int64_t steps =
+      std::max<int64_t>(1, key_steps + (G + 3) / 4 * ((NC + 3) / 4) * value_steps);
   const int64_t per_step = (pf.remaining() + steps - 1) / steps;
   const __mmask16 valid = tail_mask(n);
   const __mmask16 last_mask = tail_mask(p.head_size - (NC - 1) * 16);
@@ -516,6 +529,22 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
       _mm512_store_ps(probs[r], pr);
       acc[r] = st.acc.get() + row * DP;
     }
+#if JAX_ATTN_DECODE_BF16_DOT
+    if (vpairs) {  // kDot with a pair tile: the probabilities as bf16 pairs
+      alignas(64) uint32_t pp[4][8];
+      for (int r = 0; r < rg; ++r) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]),
+                           (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(probs[r])));
+      }
+      switch (rg) {
+        case 4: accumulate_pairs<NC, 4>(vpairs, n, pp, factor, acc, pf, per_step); break;
+        case 3: accumulate_pairs<NC, 3>(vpairs, n, pp, factor, acc, pf, per_step); break;
+        case 2: accumulate_pairs<NC, 2>(vpairs, n, pp, factor, acc, pf, per_step); break;
+        default: accumulate_pairs<NC, 1>(vpairs, n, pp, factor, acc, pf, per_step); break;
+      }
+      continue;
+    }
+#endif
     switch (rg) {
       case 4:
         accumulate_values<NC, 4>(v_rows, v_stride, last_mask, n, probs, factor, acc, pf,
@@ -562,20 +591,25 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
                                                 float* logits, float* probs) {
   constexpr int64_t DP = NC * 16;
   constexpr int NC2 = (NC + 1) / 2;
-  constexpr int64_t DP2 = NC2 * 32;
+  [[maybe_unused]] constexpr int64_t DP2 = NC2 * 32;  // kDot (bf16 builds)
   constexpr int kKeyChunks = kDot ? NC2 : NC;
   constexpr int kValueBlocks = (NC + 3) / 4;
+  constexpr bool kPairs = kDot && std::is_same_v<KV, bf16_t>;  // values by accumulate_value_pairs
   const int64_t D = p.head_size, G = p.group, Hkv = p.num_kv_heads, Hq = p.num_heads;
   TilePrefetcher pf = prefetcher;  // a local copy: kept in registers
   const int64_t groups = (n + 3) / 4, row_groups = (G + 3) / 4;
+  const int64_t pairs = (n + 1) / 2;  // kPairs: the values' token pairs
+  const int64_t value_steps = kPairs ? Hkv * row_groups * kValueBlocks * pairs
+                                   : groups * Hkv * row_groups * 4 * kValueBlocks;
   const int64_t steps =
-      std::max<int64_t>(1, groups * Hkv * row_groups * (kKeyChunks + 4 * kValueBlocks) + Hq);
+      std::max<int64_t>(1, groups * Hkv * row_groups * kKeyChunks + value_steps + Hq);
   const int64_t per_step = (pf.remaining() + steps - 1) / steps;
   const __mmask16 valid = tail_mask(n);
   const __mmask16 last_mask = tail_mask(D - (NC - 1) * 16);
   const int64_t tail2 = D - (NC2 - 1) * 32;  // bf16 elements in the last 32-element chunk
-  const __mmask32 last_mask2 = tail2 >= 32 ? static_cast<__mmask32>(0xffffffffu)
-                                           : static_cast<__mmask32>((1u << tail2) - 1u);
+  [[maybe_unused]] const __mmask32 last_mask2 =
+      tail2 >= 32 ? static_cast<__mmask32>(0xffffffffu)
+                  : static_cast<__mmask32>((1u << tail2) - 1u);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
   // Logits: lane 4r + i of the tree's sum is query row g0 + r, token t0 + i.
@@ -652,7 +686,23 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
     const __m512 pr =
         _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, _mm512_set1_ps(state.max))));
     state.add_sum(_mm512_reduce_add_ps(pr));
-    _mm512_store_ps(probs + row * 16, pr);
+    if constexpr (kPairs) {  // (p[2k], p[2k+1]) rounded to bf16: 8 words of 32 bits per row
+#if JAX_ATTN_DECODE_BF16_DOT
+      _mm256_store_si256(reinterpret_cast<__m256i*>(probs + row * 16),
+                         (__m256i)_mm512_cvtneps_pbh(pr));
+#endif
+    } else {
+      _mm512_store_ps(probs + row * 16, pr);
+    }
+  }
+
+  if constexpr (kPairs) {
+#if JAX_ATTN_DECODE_BF16_DOT
+    accumulate_value_pairs<NC>(p, st, v_rows, row_stride, n, zero_row,
+                               reinterpret_cast<const uint32_t*>(probs), factor, pf, per_step);
+#endif
+    pf.issue(pf.remaining());
+    return;
   }
 
   // Values: acc[row] = acc[row] * factor[row] (first group) + sum_t probs[row][t] * v[t].
@@ -818,31 +868,44 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       // The prefetches, spread over every step here and in attend_tile (its value steps: per
       // group of 4 rows, 4 chunks x n tokens).
       const int64_t G = p.group;
+      const int64_t value_steps = kDot ? (n + 1) / 2 : n;  // attend_tile's, per 4 chunks
       const int64_t steps = (G + 3) / 4 * (D * static_cast<int64_t>(sizeof(KV)) / 16 +
-                                           (NC + 3) / 4 * n) + NC;
+                                           (NC + 3) / 4 * value_steps) + NC;
       const int64_t per_step = (pf.remaining() + steps - 1) / steps;
       for (int64_t g0 = 0; g0 < G; g0 += 4) {
         split_logits<NC, kDot>(p, queries, kc + head, t0, n, h * G + g0,
                                static_cast<int>(std::min<int64_t>(4, G - g0)),
                                split_pre + g0, pf, per_step);
       }
-      transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, pf, per_step);
-      attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
-                            pf, split_pre);
+      if constexpr (kDot) {  // bf16 values as pairs (transpose_split_value_pairs)
+#if JAX_ATTN_DECODE_BF16_DOT
+        uint32_t* vpairs = reinterpret_cast<uint32_t*>(vtile_split);
+        transpose_split_value_pairs<NC>(vc + head, BS, t0, n, D, vpairs, pf, per_step);
+        attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
+                              pf, split_pre, vpairs);
+#endif
+      } else {
+        transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, pf, per_step);
+        attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
+                              pf, split_pre);
+      }
     } else {
       TilePrefetcher none;  // these paths leave the prefetches to attend_tile
       if constexpr (kDot) {  // fp8 under bf16 queries: converted 64 codes at a time
 #if JAX_ATTN_DECODE_FP8_DOT
         split_keys_fp8_bf16(fp8, kc + head, BS, t0, n, D, DP2, ktile2);
-        split_values_fp8<KV, NC>(fp8, vc + head, BS, t0, n, D, vtile_split, none, 0);
+        uint32_t* vpairs = reinterpret_cast<uint32_t*>(vtile_split);
+        split_value_pairs_fp8<KV, NC>(fp8, vc + head, BS, t0, n, D, vpairs, none, 0);
+        attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
+                              pf, nullptr, vpairs);
 #endif
       } else {
         gather_split_keys(kc + head, BS, t0, n, D, knative, D);
         widen_tile<KV, NC>(knative, D, n, last_mask, ktile);
         transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, none, 0);
+        attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
+                              pf);
       }
-      attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
-                            pf);
     }
   };
   // Split layout, head-major: kv head blocks in turn ((block, head) in table then head order);
@@ -931,13 +994,16 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           if constexpr (kDot) {  // fp8 under bf16 queries
 #if JAX_ATTN_DECODE_FP8_DOT
             convert_tile_fp8_bf16<KV, NC>(fp8, kc + offset, row_stride, n, D, ktile2);
-            widen_tile_fp8<KV, NC>(fp8, vc + offset, row_stride, n, D, vtile);
+            uint32_t* vpairs = reinterpret_cast<uint32_t*>(vtile);  // values as bf16 pairs
+            convert_value_pairs_fp8<KV, NC>(fp8, vc + offset, row_stride, n, D, vpairs);
+            attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance, pf,
+                                  nullptr, vpairs);
 #endif
           } else {
             widen_tile<KV, NC>(kc + offset, row_stride, n, last_mask, ktile);
             widen_tile<KV, NC>(vc + offset, row_stride, n, last_mask, vtile);
+            attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance, pf);
           }
-          attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile, DP, h, n, distance, pf);
         }
       }
     }
