@@ -297,15 +297,7 @@ inline void accumulate_value_pairs(const Problem& p, RowsState& st, const bf16_t
   const int64_t tail2 = D - (NC2 - 1) * 32;
   const __mmask32 last_mask2 = tail2 >= 32 ? static_cast<__mmask32>(0xffffffffu)
                                            : static_cast<__mmask32>((1u << tail2) - 1u);
-  // Words 2i, 2i + 1 of a pair vector: a[i], b[i] (dims 0-15 of a 32-element chunk), and
-  // a[16 + i], b[16 + i] (dims 16-31).
-  alignas(64) static const uint16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                               37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                               11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
-                                               53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
-                                               27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  const __m512i lo = pair_index(false), hi = pair_index(true);
   const int64_t num_pairs = (n + 1) / 2;
   // kv head h: its tile rows [16][D], Hkv * D elements apart; 64 dimensions per block.
   for (int64_t h = 0; h < Hkv; ++h) {

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -336,6 +337,21 @@ inline void prefault_output(const Workers& workers, void* data, size_t bytes) {
 // AVX-512 vector helpers (16 floats per register).
 // ---------------------------------------------------------------------------------------------
 #if JAX_ATTN_AVX512
+
+// The vpermt2w index that interleaves two rows' 32 bf16 elements a, b into pairs: words 2i and
+// 2i + 1 of the result are a[i] and b[i] for i < 16 (hi: a[16 + i] and b[16 + i]). The p.v of
+// the vdpbf16ps paths takes two keys' values as such (a, b) words.
+inline __m512i pair_index(bool hi) {
+  alignas(64) static constexpr auto kIndex = [] {
+    std::array<uint16_t, 64> idx{};
+    for (int i = 0; i < 32; ++i) {
+      idx[2 * i] = static_cast<uint16_t>(i);  // a[i]: table words 0..31
+      idx[2 * i + 1] = static_cast<uint16_t>(32 + i);  // b[i]: 32..63
+    }
+    return idx;
+  }();
+  return _mm512_load_si512(kIndex.data() + (hi ? 32 : 0));
+}
 
 inline __mmask16 tail_mask(int64_t n) {  // lanes [0, n) of 16
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);

@@ -129,14 +129,7 @@ JAX_ATTN_HOT void pv_block_bf16(float* __restrict O, int64_t ldo, const uint32_t
 // into Vp[d] = (a[d], b[d]) for d in [0, Dp) (zeros past D).
 inline void pack_value_pair(const bf16_t* a, const bf16_t* b, int64_t D, int64_t Dp,
                             uint32_t* __restrict Vp) {
-  // Words 2k and 2k+1 of a 32-word result: a[k] and b[k] (the low half), a[16+k] and b[16+k].
-  alignas(64) static const uint16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                               37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                               11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
-                                               53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
-                                               27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  const __m512i lo = pair_index(false), hi = pair_index(true);
   for (int64_t d = 0; d < Dp; d += 32) {
     const int64_t left = D - d;
     const __mmask32 m = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
