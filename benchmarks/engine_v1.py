@@ -2,7 +2,8 @@
 project's plugin (JAX_ATTN_VLLM=1), and with no attention at all (the upper bound a perfect
 kernel could reach), A/B alternated, in the vllm environment:
 
-    JAX_ATTN_ENV=vllm bash scripts/run.sh jax-attn bench --engine --rounds 3 --json out.json
+    JAX_ATTN_ENV=vllm bash scripts/run.sh jax-attn bench --engine --rounds 3 \
+        --json benchmarks/results/engine/engine-v1-<cpu kind>.json   # one record per machine
     ... --engine --quick                                   # a small smoke run
 
 The model is issue 36's attention-heavy tiny Llama (Hq 32 / Hkv 8 / D 128, hidden 256, 4
