@@ -26,12 +26,20 @@ sync per step; the rest are Python comparisons over the per-sequence lists the p
 holds. Details (which entry, which value) are computed only once a check has failed.
 Measured (`tests/torch/measure_check_cost.py`, CPU, one thread, a shared 2-core machine): a
 decode step of 32 sequences (seq_len 200..1000, Hq 32, Hkv 8, D 128) spends about 130 us in
-`check_step`: 0.24% of the JAX backend's step (53 ms), 0.09% of IPEX's (159 ms), 0.01% of
-TORCH_SDPA's and XFORMERS' (about 2 s in their torch gather).
+`check_step`: 0.24% of the JAX backend's step (53 ms), 0.09% of IPEX's (159 ms).
+
+Once per step, not per layer: every layer of a step gets the same metadata object, so
+`CheckedPlans` keeps the checked plan of the last few steps for the layers after the first,
+keyed by everything planning and checking read (`step_key`). With the native decode op the
+checks were no longer small: TORCH_SDPA's decode of 32 x 1024 keys (fp8 cache, block 128)
+took 3.02 ms a layer with them and 2.81 ms with the plan reused (2-core AMD Zen 5 VM,
+5 rounds, medians; NOTES.md), the native op itself 2.7 ms.
 """
 
+import collections
 import dataclasses
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 import torch
@@ -404,3 +412,82 @@ def _check_decode_lens(checks: _Checks, plan: StepPlan) -> None:
             f"exceeds attn_metadata.max_decode_seq_len={most}"
         ),
     )
+
+
+def step_key(attn_metadata, *context: Hashable) -> tuple[tuple, list]:
+    """(key, keep): what a step's checked plan is computed from, as a hashable key, and the
+    objects the key names by identity, which the caller keeps alive while the key is in use
+    (so no other object can take their ids). The key is `context` (what the caller's planning
+    reads besides the metadata: the attention type, the impl class, the cache's shape) and
+    every dataclass field of `attn_metadata`: a tensor by identity and version counter (which
+    every in-place write bumps), a list or tuple by its items, a number, string, bool or None
+    by value, anything else by identity. A new step, a field assigned anew or a tensor
+    written in place gives a new key."""
+    parts: list = [id(attn_metadata), *context]
+    keep: list = [attn_metadata]
+    for field in dataclasses.fields(attn_metadata):
+        parts.append(_key_part(getattr(attn_metadata, field.name), keep))
+    return tuple(parts), keep
+
+
+def _key_part(value, keep: list):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Tensor):
+        keep.append(value)
+        return ("tensor", id(value), value._version)
+    if isinstance(value, (list, tuple)):
+        return ("seq", tuple(_key_part(v, keep) for v in value))
+    keep.append(value)
+    return ("object", id(value))
+
+
+class CheckedPlans:
+    """The plans that passed `check_step` in the last `size` steps, by `step_key`, and the
+    scale tensors found valid (each by identity and version: the layers of a step share its
+    plan, but each has its own scales)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._scales: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, key: tuple) -> StepPlan | None:
+        """The plan checked for `key`, or None."""
+        entry = self._plans.get(key)
+        if entry is None:
+            return None
+        self._plans.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: tuple, keep: list, plan: StepPlan, k_scale, v_scale) -> None:
+        """Remember a plan that passed `check_step` with these scales."""
+        self._plans[key] = (plan, keep)
+        self._plans.move_to_end(key)
+        while len(self._plans) > self.size:
+            self._plans.popitem(last=False)
+        self._remember(k_scale, v_scale)
+
+    def check_scales(self, k_scale, v_scale) -> None:
+        """`check_step`'s scale checks, for scales not yet found valid (a reused plan's)."""
+        unknown = [s for s in (k_scale, v_scale) if not self._known(s)]
+        if unknown:
+            checks = _Checks()
+            checks.scale("layer._k_scale", k_scale)
+            checks.scale("layer._v_scale", v_scale)
+            checks.run()
+            self._remember(k_scale, v_scale)
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._scales.clear()
+
+    def _remember(self, *scales) -> None:
+        for scale in scales:
+            if isinstance(scale, Tensor):
+                self._scales[scale] = scale._version
+
+    def _known(self, scale) -> bool:
+        if not isinstance(scale, Tensor):  # floats are cheap to check again
+            return False
+        return self._scales.get(scale) == scale._version

@@ -36,13 +36,17 @@ from torch_backends.abstract import (
     T,
     check_attn_type,
 )
-from torch_backends.checks import check_step
+from torch_backends.checks import CheckedPlans, check_step, step_key
 from torch_backends.cpu_paged_attn import PagedAttention as CpuPagedAttention
 from torch_backends.layouts import CacheLayout, PagedCache, fp8_dtype
 from torch_backends.masked_attention import ragged_masked_attention
 from torch_backends.paged_attn import PagedAttention
 from torch_backends.plan import StepPlan
 from torch_backends.shapes import FlatKeysValues, FlatQueries, KeysValues, Queries
+
+
+# The checked plans of the last steps, shared by every impl (a step's layers, each an impl).
+_CHECKED_PLANS = CheckedPlans()
 
 
 class PagedBackend(AttentionBackend):
@@ -286,7 +290,22 @@ class PagedImpl(AttentionImpl[T]):
             and not attn_metadata.is_all_encoder_attn_metadata_set
         ):
             raise AttributeError("Encoder attention requires setting encoder metadata attributes.")
-        plan: StepPlan = attn_metadata.step_plan(attn_type)
+        # The layers of a step share its metadata: the first plans and checks it, the others
+        # reuse that plan (checks.CheckedPlans) unless anything it was computed from changed.
+        uses_cache = kv_cache.numel() > 0 and not encoder
+        k_scale = getattr(layer, "_k_scale", 1.0) if uses_cache else 1.0
+        v_scale = getattr(layer, "_v_scale", 1.0) if uses_cache else 1.0
+        memo_key, keep = step_key(
+            attn_metadata,
+            type(self),
+            attn_type,
+            num_kv_heads,
+            head_size,
+            tuple(kv_cache.shape) if uses_cache else None,
+            None if key is None else tuple(key.shape),
+        )
+        checked = _CHECKED_PLANS.get(memo_key)
+        plan: StepPlan = attn_metadata.step_plan(attn_type) if checked is None else checked
         query = query.view(-1, num_heads, head_size)
         if (key is None) != (value is None):
             raise ValueError("key and value must both be given or both be None")
@@ -306,14 +325,14 @@ class PagedImpl(AttentionImpl[T]):
                 f"output has shape {tuple(output.shape)}, expected [{num_tokens}, "
                 f"{num_heads * head_size}] like the query"
             )
-        cache, k_scale, v_scale = None, 1.0, 1.0
-        if kv_cache.numel() > 0 and not encoder:
-            k_scale = getattr(layer, "_k_scale", 1.0)
-            v_scale = getattr(layer, "_v_scale", 1.0)
-            cache = PagedCache.of(self.layout, kv_cache, k_scale, v_scale)
+        cache = PagedCache.of(self.layout, kv_cache, k_scale, v_scale) if uses_cache else None
         # Every check before the write: a step that raises leaves the cache bit-identical.
-        reads = self.prefill_cache_reads(plan, key, cache)
-        plan = check_step(plan, cache, key, k_scale, v_scale, reads)
+        if checked is None:
+            reads = self.prefill_cache_reads(plan, key, cache)
+            plan = check_step(plan, cache, key, k_scale, v_scale, reads)
+            _CHECKED_PLANS.put(memo_key, keep, plan, k_scale, v_scale)
+        else:
+            _CHECKED_PLANS.check_scales(k_scale, v_scale)
         if cache is not None and key is not None:
             cache.write(key, value, plan.slot_mapping, check=False)
             # Attention reads what the cache holds: with an fp8 cache the new tokens'

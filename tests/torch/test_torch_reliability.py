@@ -21,6 +21,7 @@ from reliability_cases import (
     backend_class,
     backend_param,
     cache_hash,
+    make_step,
     prepare,
     run_accepted,
     section,
@@ -46,6 +47,86 @@ def test_bad_input_raises_and_leaves_the_cache(backend, case):
     with pytest.raises(case.error, match=case.match):
         call()
     assert cache_hash(kv_cache) == before, f"{case.name}: the cache changed before the error"
+
+
+def _checked_then_spoiled(case: Case, backend: str):
+    """The fixed step through `backend` once (it passes and is remembered for the step's
+    other layers), then `case`'s mistake made in place, in the same metadata object (or in
+    the layer's scale tensors, or a key with rows dropped): (kv_cache, the second call)."""
+    import warnings
+
+    from reliability_cases import FP8_SCALES, SEQ_LENS, QUERY_LENS
+
+    backend_cls, impl, kv_cache, query, key, value, build = make_step(
+        backend, case.kv_cache_dtype, case.block_tables
+    )
+    md = backend_cls.get_builder_cls()(None).build(SEQ_LENS, QUERY_LENS, -1, -1, **build)
+    layer = AttentionLayer(*(FP8_SCALES if case.kv_cache_dtype != "auto" else (1.0, 1.0)))
+
+    def forward(key=key, value=value):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
+            return impl.forward(layer, query, key, value, kv_cache, md)
+
+    assert torch.isfinite(forward()).all()
+    if case.mutate is not None:
+        case.mutate(md, Rows(backend))
+    if case.scales is not None:  # in place: the tensors the first call found valid
+        layer._k_scale.fill_(case.scales[0])
+        layer._v_scale.fill_(case.scales[1])
+    if case.drop_key_rows:
+        return kv_cache, lambda: forward(key[: -case.drop_key_rows], value[: -case.drop_key_rows])
+    return kv_cache, forward
+
+
+IN_PLACE_PARAMS = [  # the builder's own refusals (block_tables given to it) left out
+    p for p in PARAMS if p.values[1].block_tables is None
+]
+
+
+@pytest.mark.parametrize("backend, case", IN_PLACE_PARAMS)
+def test_a_checked_step_spoiled_in_place_raises(backend, case):
+    """The layers of a step reuse its checked plan (`checks.CheckedPlans`): a mistake made
+    after a call, in place in the same metadata object or scale tensors, is still caught by
+    the next layer with the same message, before anything is written."""
+    kv_cache, call = _checked_then_spoiled(case, backend)
+    before = cache_hash(kv_cache)
+    with pytest.raises(case.error, match=case.match):
+        call()
+    assert cache_hash(kv_cache) == before, f"{case.name}: the cache changed before the error"
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+def test_a_step_is_checked_once_for_its_layers(backend, monkeypatch):
+    """Four layers (each its own impl and scale tensors) over one step's metadata: the plan
+    is checked by the first only, and again for the next step's metadata; every layer's
+    output is the one a fresh check gives."""
+    import warnings
+
+    from reliability_cases import SEQ_LENS, QUERY_LENS
+
+    from torch_backends import paged_backend
+
+    calls = []
+    real = paged_backend.check_step
+    monkeypatch.setattr(paged_backend, "check_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    backend_cls, impl, kv_cache, query, key, value, build = make_step(backend)
+    impls = [impl, *(make_step(backend)[1] for _ in range(3))]
+    layers = [AttentionLayer(1.0, 1.0) for _ in impls]
+    builder = backend_cls.get_builder_cls()(None)
+    outs = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
+        for step in range(2):
+            md = builder.build(SEQ_LENS, QUERY_LENS, -1, -1, **build)
+            for layer_impl, layer in zip(impls, layers, strict=True):
+                outs.append(layer_impl.forward(layer, query, key, value, kv_cache, md))
+            assert len(calls) == step + 1
+        paged_backend._CHECKED_PLANS.clear()
+        fresh = impl.forward(layers[0], query, key, value, kv_cache, md)
+    assert len(calls) == 3
+    for out in outs:
+        assert torch.equal(out, fresh)
 
 
 ACCEPTED_PARAMS = [
