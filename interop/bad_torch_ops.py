@@ -21,7 +21,11 @@ breaks 0-3 things:
   dtype and shape, the output's shape or dtype, the scales' element count, kv_cache_dtype
   (unknown names, fp8 on a 2-byte cache, "auto" on uint8 bits), ALiBi slopes of another length,
   head counts that do not divide, and values that are legal but extreme (NaN / inf scale, soft
-  cap and slopes, any sliding window).
+  cap and slopes, any sliding window);
+- ragged_paged_attention (prefill, chunked prefill, decode and mixed steps over the token-major
+  caches): the decode breaks, and query_start_loc (decreasing, past the tokens, a negative
+  start), num_seqs (extremes, past the rows, its element count), seq_lens shorter than a
+  sequence's queries, padding rows, the output sharing the query's memory, non-causal steps.
 
 The verdict is predicted here from the ops' documented rules (torch_ops.cc's header,
 paged_cache.h, paged_decode.h), then checked:
@@ -29,8 +33,9 @@ paged_cache.h, paged_decode.h), then checked:
 - predicted bad: the op raises ValueError whose message names one of the broken arguments, and
   every byte of every tensor it was given is as before;
 - predicted good: it runs, and the result matches a plain torch reference (store_split,
-  store_token_major and copy_blocks bit for bit over whole buffers, paged_decode_split
-  against float64 on a NaN-poisoned cache, for finite, moderate scales).
+  store_token_major and copy_blocks bit for bit over whole buffers, paged_decode_split and
+  ragged_paged_attention against float64 on a NaN-poisoned cache, for finite, moderate
+  scales).
 
 A crash ends the process: run long sessions in a child (`jax-attn fuzz --torch-ops`, with
 `--sanitize` under ASan + UBSan, where an out-of-bounds access aborts the child). Only torch
@@ -48,7 +53,13 @@ from collections import Counter
 
 import torch
 
-OPS = ("store_split", "store_token_major", "copy_blocks", "paged_decode_split")
+OPS = (
+    "store_split",
+    "store_token_major",
+    "copy_blocks",
+    "paged_decode_split",
+    "ragged_paged_attention",
+)
 SLICE_EXAMPLES = 300  # per op in the test suite (tests/torch/test_torch_ops_bad_inputs.py)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -809,10 +820,265 @@ def _check_decode(a: dict) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
+# ragged_paged_attention
+
+
+def draw_ragged(gen: torch.Generator, kinds: Counter) -> Call:
+    """A ragged step over token-major caches `[NB, BS, Hkv, D]` (NaN but the keys a sequence
+    reads): sequences of q_len 0..9 over seq_len >= q_len keys, then padding rows."""
+    qdtype = _pick(gen, [torch.float32, torch.bfloat16, torch.float16])
+    kv_dtype = _pick(gen, ["auto", "auto", "fp8", "fp8_e5m2"])
+    cdtype = torch.uint8 if kv_dtype in FP8 else _pick(gen, [qdtype, torch.float32])
+    d = _pick(gen, [16, 32, 64, 80, 96])
+    hkv, group = _pick(gen, [1, 2]), _pick(gen, [1, 3, 4])
+    hq = hkv * group
+    bs, nb, mb = _pick(gen, [1, 4, 16]), _int(gen, 1, 9), _int(gen, 1, 5)
+    rows, num_seqs = _int(gen, 0, 5), 0
+    num_seqs = _int(gen, 0, rows + 1)
+    window = _pick(gen, [0, 0, 3, 17, -5, INT64_MAX, INT64_MIN])
+    causal = _chance(gen, 0.8)
+    q_lens = [_pick(gen, [0, 1, 1, 2, 5, 9]) for _ in range(rows)]
+    lens = torch.tensor([_int(gen, q, mb * bs + 1) if q <= mb * bs else mb * bs
+                         for q in q_lens], dtype=torch.int32).reshape(rows)  # fmt: skip
+    q_lens = [min(q, int(n)) for q, n in zip(q_lens, lens.tolist(), strict=True)]
+    pad = _int(gen, 0, 3)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    tokens = starts[-1] + pad
+    qsl = torch.tensor(starts, dtype=torch.int32)
+    tables = torch.randint(INT32_MIN, INT32_MAX, (rows, mb), generator=gen, dtype=torch.int64)
+    tables = tables.to(torch.int32)
+    shape = (nb, bs, hkv, d)
+    if cdtype == torch.uint8:
+        key_cache = torch.full(shape, NAN_BYTE, dtype=cdtype)
+    else:
+        key_cache = torch.full(shape, float("nan"), dtype=cdtype)
+    value_cache = key_cache.clone()
+    for i in range(num_seqs):  # a real sequence's blocks: ids in range, its keys finite
+        n = int(lens[i])
+        used = torch.arange(0, -(-n // bs))
+        tables[i, used] = torch.randint(0, nb, (len(used),), generator=gen, dtype=torch.int32)
+        pos = torch.arange(0, n)
+        blocks, offsets = tables[i, pos // bs].long(), pos % bs
+        key_cache[blocks, offsets] = _random(gen, (n, hkv, d), cdtype)
+        value_cache[blocks, offsets] = _random(gen, (n, hkv, d), cdtype)
+    query = _random(gen, (tokens, hq, d), qdtype)
+    out = torch.full((tokens, hq, d), float("nan"), dtype=qdtype)
+    slopes = (torch.rand(hq, generator=gen) * 0.5) if _chance(gen, 0.3) else None
+    args = {
+        "out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache,
+        "query_start_loc": qsl, "seq_lens": lens, "block_tables": tables,
+        "num_seqs": torch.tensor([num_seqs], dtype=torch.int32), "alibi_slopes": slopes,
+        "scale": _pick(gen, [0.125, 0.3, 1.0]), "causal": causal, "sliding_window": window,
+        "logits_soft_cap": _pick(gen, [0.0, 0.0, 30.0, 2.0]),
+        "k_scale": torch.tensor([_pick(gen, [1.0, 0.5])]),
+        "v_scale": torch.tensor([_pick(gen, [1.0, 2.0])]), "kv_cache_dtype": kv_dtype,
+    }  # fmt: skip
+    for _ in range(_pick(gen, [0, 1, 1, 2, 3])):
+        kind = _pick(gen, ["seq_lens", "block_tables", "query_start_loc", "num_seqs",
+                           "index-tensor", "tensor", "scale", "kv_cache_dtype", "slopes",
+                           "extreme", "heads", "aliased-out"])  # fmt: skip
+        kinds[kind] += 1
+        if kind == "seq_lens" and rows:
+            i = _int(gen, 0, rows)
+            lens[i] = _pick(gen, [_garbage(gen, mb * bs + 1, bits=32), max(q_lens[i] - 1, -1)])
+        elif kind == "block_tables" and rows:
+            tables[_int(gen, 0, rows), _int(gen, 0, mb)] = _garbage(gen, nb, bits=32)
+        elif kind == "query_start_loc":
+            qsl[_int(gen, 0, rows + 1)] = _pick(
+                gen, [_garbage(gen, tokens + 1, bits=32), tokens + 1, -1, 0]
+            )
+        elif kind == "num_seqs":
+            args["num_seqs"] = _pick(gen, [torch.tensor([rows + 1], dtype=torch.int32),
+                                           torch.tensor([-1], dtype=torch.int32),
+                                           torch.tensor([INT32_MIN], dtype=torch.int32),
+                                           torch.tensor([1, 1], dtype=torch.int32),
+                                           torch.tensor([num_seqs])])  # fmt: skip
+        elif kind == "index-tensor":
+            name = _pick(gen, ["block_tables", "seq_lens", "query_start_loc"])
+            t = args[name]
+            how = _pick(gen, ["int64", "rows", "rank"])
+            rank = t.reshape(-1, 1) if t.dim() == 1 else t.reshape(-1)
+            args[name] = {"int64": t.to(torch.int64), "rows": torch.cat([t, t[:1]]),
+                          "rank": rank}[how]  # fmt: skip
+        elif kind == "tensor":
+            name = _pick(gen, ["out", "query", "key_cache", "value_cache"])
+            args[name] = _break_tensor(gen, args[name], name, kinds)
+        elif kind == "scale":
+            name = _pick(gen, ["k_scale", "v_scale"])
+            args[name] = _pick(
+                gen,
+                [
+                    torch.ones(0),
+                    torch.ones(2),
+                    torch.tensor(float("nan")),
+                    torch.tensor([3]),
+                    torch.ones(1, dtype=torch.complex64),
+                ],
+            )
+        elif kind == "kv_cache_dtype":
+            args["kv_cache_dtype"] = _pick(gen, ["fp9", "", "auto", "fp8", "FP8", "fp8_e4m3"])
+        elif kind == "slopes":
+            args["alibi_slopes"] = _pick(gen, [torch.ones(hq + 1), torch.ones(hq).double(),
+                                               torch.full((hq,), float("nan"))])  # fmt: skip
+        elif kind == "extreme":
+            args[_pick(gen, ["scale", "logits_soft_cap"])] = _pick(
+                gen, [float("nan"), float("inf"), -float("inf"), -1.0, 1e30, -1e300]
+            )
+        elif kind == "heads":
+            args["query"] = query[:, : max(hq - 1, 0)].contiguous()
+            args["out"] = out[:, : max(hq - 1, 0)].contiguous()
+        elif kind == "aliased-out" and tokens:
+            args["out"] = args["query"]
+    buffers = [key_cache, value_cache, query, out, tables, lens, qsl]
+    call = Call(list(args.values()), buffers, _ragged_rules(args))
+    if not call.broken:
+        call.check = lambda _args, a=args: _check_ragged(a)
+    return call
+
+
+def _ragged_rules(a: dict) -> list:
+    """The first rule a ragged call breaks, in the order torch_ops.cc and the kernel's
+    check_args / check_metadata test them (ragged_paged_attention.h)."""
+    q, out, kc, vc = a["query"], a["out"], a["key_cache"], a["value_cache"]
+    qsl, lens, tables, ns = a["query_start_loc"], a["seq_lens"], a["block_tables"], a["num_seqs"]
+    slopes = a["alibi_slopes"]
+    if q.dim() != 3:
+        return ["query must be"]
+    if out.shape != q.shape or out.dtype != q.dtype:
+        return ["out must have the query's shape"]
+    if kc.dim() != 4 or kc.shape[3] != q.shape[2]:
+        return ["key_cache must be"]
+    if vc.shape != kc.shape:
+        return ["value_cache"]
+    if vc.dtype != kc.dtype:
+        return ["value_cache dtype"]
+    broken = []
+    names = [(out, "out"), (q, "query"), (kc, "key_cache"), (vc, "value_cache"),
+             (qsl, "query_start_loc"), (lens, "seq_lens"), (tables, "block_tables"),
+             (ns, "num_seqs")]  # fmt: skip
+    if not _cpu_contiguous(names, broken):
+        return broken
+    for t, name in ((q, "query"), (kc, "key_cache"), (vc, "value_cache")):
+        if _shares_memory(out, t):
+            return [f"out must not share memory with {name}"]
+    if tables.dim() != 2 or tables.dtype != torch.int32:
+        return ["block_tables must be int32"]
+    rows = tables.shape[0]
+    if lens.dim() != 1 or lens.shape[0] != rows or lens.dtype != torch.int32:
+        return ["seq_lens must be int32"]
+    if qsl.dim() != 1 or qsl.shape[0] != rows + 1 or qsl.dtype != torch.int32:
+        return ["query_start_loc must be int32"]
+    if ns.numel() != 1 or ns.dtype != torch.int32:
+        return ["num_seqs must be one int32"]
+    tokens, hq, d = q.shape
+    nb, bs, hkv, _ = kc.shape
+    if slopes is not None:
+        if slopes.dim() != 1 or slopes.shape[0] != hq or slopes.dtype != torch.float32:
+            return ["alibi_slopes must be"]
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return ["query dtype"]
+    kv_dtype = a["kv_cache_dtype"]
+    if kv_dtype != "auto":
+        if kc.element_size() != 1 or kv_dtype not in FP8:
+            return ["kv_cache_dtype="]
+    elif kc.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                          torch.float8_e5m2):  # fmt: skip
+        return ["key_cache dtype"]
+    for name in ("k_scale", "v_scale"):
+        if a[name].numel() != 1:
+            return [f"{name} must hold one value"]
+        if a[name].is_complex():
+            return [f"{name} must be real"]
+    # the kernel's check_args
+    if hq < 1 or d < 1 or bs < 1:
+        return ["num_heads=.* must all be >= 1"]
+    if hkv < 1 or hq % hkv != 0:
+        return ["num_heads=.* must be divisible"]
+    if d > 256:
+        return ["head_size=.* must be at most"]
+    # check_metadata
+    num_seqs = int(ns.reshape(-1)[0])
+    if not 0 <= num_seqs <= rows:
+        return [rf"num_seqs={num_seqs} must be in"]
+    if not 0 <= int(qsl[0]) <= tokens:
+        return [r"query_start_loc\[0\]"]
+    mb = tables.shape[1]
+    for i in range(num_seqs):
+        start, end, n = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
+        if end < start:
+            return ["query_start_loc must be non-decreasing"]
+        if end > tokens:
+            return [rf"query_start_loc\[{i + 1}\]=.* is beyond"]
+        if n < end - start or n > mb * bs:
+            return [rf"seq_lens\[{i}\]"]
+        for b in range(-(-n // bs)):
+            if not 0 <= int(tables[i, b]) < nb:
+                return [rf"block_tables\[{i}, {b}\]"]
+    return []
+
+
+def _check_ragged(a: dict) -> str | None:
+    """None, or how the output differs from float64 attention (rows outside the real
+    sequences, and rows that see no key, zeros)."""
+    out = a["out"]
+    scale, cap = a["scale"], a["logits_soft_cap"]
+    k_scale, v_scale = float(a["k_scale"].reshape(-1)[0]), float(a["v_scale"].reshape(-1)[0])
+    slopes = a["alibi_slopes"]
+    moderate = all(1 / 16 <= v <= 16 for v in (k_scale, v_scale))
+    finite = math.isfinite(scale) and abs(scale) < 1e3 and math.isfinite(cap) and cap < 1e3
+    if not (moderate and finite and (slopes is None or bool(slopes.isfinite().all()))):
+        return NOT_COMPARED  # running without a crash is all that is asked
+    kv_dtype, kc = a["kv_cache_dtype"], a["key_cache"]
+    # The op applies the scales it is given to any cache (torch_backends.native passes 1.0
+    # for a float cache, vLLM's rule).
+    keys = _dequantize(kc, kv_dtype, k_scale)
+    values = _dequantize(a["value_cache"], kv_dtype, v_scale)
+    q = a["query"].double()
+    tokens, hq, d = q.shape
+    _, bs, hkv, _ = kc.shape
+    want = torch.zeros(tokens, hq, d, dtype=torch.float64)
+    qsl, lens, tables = a["query_start_loc"], a["seq_lens"], a["block_tables"]
+    window, causal = a["sliding_window"], a["causal"]
+    for i in range(int(a["num_seqs"].reshape(-1)[0])):
+        start, end, n = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
+        if end == start or n == 0:
+            continue
+        pos = torch.arange(n)
+        blocks = tables[i, pos // bs].long()
+        k = keys[blocks, pos % bs].repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        v = values[blocks, pos % bs].repeat_interleave(hq // hkv, dim=1)
+        q_pos = torch.arange(n - (end - start), n)  # the queries: the last q_len positions
+        logits = torch.einsum("thd,lhd->thl", q[start:end], k) * scale
+        if cap > 0:
+            logits = cap * torch.tanh(logits / cap)
+        rel = (pos[None, :] - q_pos[:, None]).double()  # [q, n]: p_k - p_q
+        if slopes is not None:
+            logits = logits + slopes.double()[None, :, None] * rel[:, None, :]
+        seen = torch.ones_like(rel, dtype=torch.bool)
+        if causal:
+            seen &= rel <= 0
+        if window > 0:
+            seen &= rel > -window
+        logits = logits.masked_fill(~seen[:, None, :], -math.inf)
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows seeing no key: zeros
+        want[start:end] = torch.einsum("thl,lhd->thd", probs, v)
+    from interop.tolerances import bound_ratio
+
+    dtypes = (out.dtype, FP8.get(kv_dtype, kc.dtype))
+    ratio = bound_ratio(out.double().numpy(), want.numpy(), *dtypes) if out.numel() else 0.0
+    if not ratio <= 1.0:  # NaN and inf fail too
+        err = float((out.double() - want).abs().max())
+        return f"output differs from float64 attention by {err:.3g} ({ratio:.3g} x the bound)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
 # Running
 
 DRAW = {"store_split": draw_store, "store_token_major": draw_store_tm, "copy_blocks": draw_copy,
-        "paged_decode_split": draw_decode}  # fmt: skip
+        "paged_decode_split": draw_decode, "ragged_paged_attention": draw_ragged}  # fmt: skip
 
 
 def run_example(op: str, seed: int, index: int, report: Report) -> None:

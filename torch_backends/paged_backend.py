@@ -44,7 +44,6 @@ from torch_backends.paged_attn import PagedAttention
 from torch_backends.plan import StepPlan
 from torch_backends.shapes import FlatKeysValues, FlatQueries, KeysValues, Queries
 
-
 # The checked plans of the last steps, shared by every impl (a step's layers, each an impl).
 _CHECKED_PLANS = CheckedPlans()
 

@@ -55,7 +55,7 @@ def _checked_then_spoiled(case: Case, backend: str):
     the layer's scale tensors, or a key with rows dropped): (kv_cache, the second call)."""
     import warnings
 
-    from reliability_cases import FP8_SCALES, SEQ_LENS, QUERY_LENS
+    from reliability_cases import FP8_SCALES, QUERY_LENS, SEQ_LENS
 
     backend_cls, impl, kv_cache, query, key, value, build = make_step(
         backend, case.kv_cache_dtype, case.block_tables
@@ -103,13 +103,15 @@ def test_a_step_is_checked_once_for_its_layers(backend, monkeypatch):
     output is the one a fresh check gives."""
     import warnings
 
-    from reliability_cases import SEQ_LENS, QUERY_LENS
+    from reliability_cases import QUERY_LENS, SEQ_LENS
 
     from torch_backends import paged_backend
 
     calls = []
     real = paged_backend.check_step
-    monkeypatch.setattr(paged_backend, "check_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        paged_backend, "check_step", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     backend_cls, impl, kv_cache, query, key, value, build = make_step(backend)
     impls = [impl, *(make_step(backend)[1] for _ in range(3))]
     layers = [AttentionLayer(1.0, 1.0) for _ in impls]
