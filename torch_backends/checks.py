@@ -422,9 +422,11 @@ def step_key(attn_metadata, *context: Hashable) -> tuple[tuple, list]:
     every dataclass field of `attn_metadata`: a tensor by identity and version counter (which
     every in-place write bumps), a list or tuple by its items, a number, string, bool or None
     by value, anything else by identity. A new step, a field assigned anew or a tensor
-    written in place gives a new key."""
-    parts: list = [id(attn_metadata), *context]
-    keep: list = [attn_metadata]
+    written in place gives a new key. The metadata object itself is named by its class only
+    and not kept: what a step builds on it (TORCH_SDPA's masks) is freed with the step, and
+    another object with the same fields has the same plan."""
+    parts: list = [type(attn_metadata), *context]
+    keep: list = []
     for field in dataclasses.fields(attn_metadata):
         parts.append(_key_part(getattr(attn_metadata, field.name), keep))
     return tuple(parts), keep

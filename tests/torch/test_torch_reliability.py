@@ -131,6 +131,27 @@ def test_a_step_is_checked_once_for_its_layers(backend, monkeypatch):
         assert torch.equal(out, fresh)
 
 
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+def test_the_checked_plans_keep_no_step_alive(backend):
+    """What a step builds on its metadata (TORCH_SDPA's masks: hundreds of MB for long
+    prompts) goes with the step: the kept plans hold its field tensors, not the object."""
+    import gc
+    import warnings
+    import weakref
+
+    from reliability_cases import QUERY_LENS, SEQ_LENS
+
+    backend_cls, impl, kv_cache, query, key, value, build = make_step(backend)
+    md = backend_cls.get_builder_cls()(None).build(SEQ_LENS, QUERY_LENS, -1, -1, **build)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
+        impl.forward(AttentionLayer(1.0, 1.0), query, key, value, kv_cache, md)
+    gone = weakref.ref(md)
+    del md
+    gc.collect()
+    assert gone() is None
+
+
 ACCEPTED_PARAMS = [
     pytest.param(b.values[0], case, marks=b.marks, id=f"{b.id}-{case.name}")
     for case in ACCEPTED
