@@ -459,7 +459,10 @@ class CheckedPlans:
         entry = self._plans.get(key)
         if entry is None:
             return None
-        self._plans.move_to_end(key)
+        try:
+            self._plans.move_to_end(key)
+        except KeyError:  # evicted meanwhile by another thread's put: still a valid plan
+            pass
         return entry[0]
 
     def put(self, key: tuple, keep: list, plan: StepPlan, k_scale, v_scale) -> None:
