@@ -613,6 +613,49 @@ def _copy_rules(a: dict) -> list:
 # paged_decode_split
 
 
+def _break_attention_args(gen, kind: str, args: dict, query, out, index_names, kinds) -> None:
+    """The breaks both attention ops' drawers share, in place in `args`: an index tensor's
+    dtype, rows or rank (one of `index_names`), a tensor's dtype, rank or contiguity, a scale's
+    element count or type, kv_cache_dtype, ALiBi slopes, legal but extreme scale and soft cap,
+    one query head too few."""
+    hq = query.shape[1]
+    if kind == "index-tensor":
+        name = _pick(gen, index_names)
+        t = args[name]
+        how = _pick(gen, ["int64", "rows", "rank"])
+        rank = t.reshape(-1, 1) if t.dim() == 1 else t.reshape(-1)
+        args[name] = {"int64": t.to(torch.int64), "rows": torch.cat([t, t[:1]]),
+                      "rank": rank}[how]  # fmt: skip
+    elif kind == "tensor":
+        name = _pick(gen, ["out", "query", "key_cache", "value_cache"])
+        args[name] = _break_tensor(gen, args[name], name, kinds)
+    elif kind == "scale":
+        name = _pick(gen, ["k_scale", "v_scale"])
+        args[name] = _pick(
+            gen,
+            [
+                torch.ones(0),
+                torch.ones(2),
+                torch.tensor(float("nan")),
+                torch.tensor([1e300], dtype=torch.float64),
+                torch.tensor([3]),
+                torch.ones(1, dtype=torch.complex64),
+            ],
+        )
+    elif kind == "kv_cache_dtype":
+        args["kv_cache_dtype"] = _pick(gen, ["fp9", "", "auto", "fp8", "FP8", "fp8_e4m3"])
+    elif kind == "slopes":
+        args["alibi_slopes"] = _pick(gen, [torch.ones(hq + 1), torch.ones(hq).double(),
+                                           torch.full((hq,), float("nan"))])  # fmt: skip
+    elif kind == "extreme":
+        args[_pick(gen, ["scale", "logits_soft_cap"])] = _pick(
+            gen, [float("nan"), float("inf"), -float("inf"), -1.0, 1e30, -1e300]
+        )
+    elif kind == "heads":
+        args["query"] = query[:, : max(hq - 1, 0)].contiguous()
+        args["out"] = out[:, : max(hq - 1, 0)].contiguous()
+
+
 def draw_decode(gen: torch.Generator, kinds: Counter) -> Call:
     qdtype = _pick(gen, [torch.float32, torch.bfloat16, torch.float16])
     kv_dtype = _pick(gen, ["auto", "auto", "fp8", "fp8_e5m2"])
@@ -659,41 +702,9 @@ def draw_decode(gen: torch.Generator, kinds: Counter) -> Call:
             lens[_int(gen, 0, s)] = _garbage(gen, mb * bs + 1, bits=32)
         elif kind == "block_tables" and s:
             tables[_int(gen, 0, s), _int(gen, 0, mb)] = _garbage(gen, nb, bits=32)
-        elif kind == "index-tensor":
-            name = _pick(gen, ["block_tables", "seq_lens"])
-            t = args[name]
-            how = _pick(gen, ["int64", "rows", "rank"])
-            rank = t.reshape(-1, 1) if t.dim() == 1 else t.reshape(-1)
-            args[name] = {"int64": t.to(torch.int64), "rows": torch.cat([t, t[:1]]),
-                          "rank": rank}[how]  # fmt: skip
-        elif kind == "tensor":
-            name = _pick(gen, ["out", "query", "key_cache", "value_cache"])
-            args[name] = _break_tensor(gen, args[name], name, kinds)
-        elif kind == "scale":
-            name = _pick(gen, ["k_scale", "v_scale"])
-            args[name] = _pick(
-                gen,
-                [
-                    torch.ones(0),
-                    torch.ones(2),
-                    torch.tensor(float("nan")),
-                    torch.tensor([1e300], dtype=torch.float64),
-                    torch.tensor([3]),
-                    torch.ones(1, dtype=torch.complex64),
-                ],
-            )
-        elif kind == "kv_cache_dtype":
-            args["kv_cache_dtype"] = _pick(gen, ["fp9", "", "auto", "fp8", "FP8", "fp8_e4m3"])
-        elif kind == "slopes":
-            args["alibi_slopes"] = _pick(gen, [torch.ones(hq + 1), torch.ones(hq).double(),
-                                               torch.full((hq,), float("nan"))])  # fmt: skip
-        elif kind == "extreme":
-            args[_pick(gen, ["scale", "logits_soft_cap"])] = _pick(
-                gen, [float("nan"), float("inf"), -float("inf"), -1.0, 1e30, -1e300]
-            )
-        elif kind == "heads":
-            args["query"] = query[:, : max(hq - 1, 0)].contiguous()
-            args["out"] = out[:, : max(hq - 1, 0)].contiguous()
+        else:
+            _break_attention_args(gen, kind, args, query, out, ["block_tables", "seq_lens"],
+                                  kinds)  # fmt: skip
     call = Call(list(args.values()), [kv, query, out, tables, lens], _decode_rules(args))
     if not call.broken:
         call.check = lambda _args, a=args: _check_decode(a)
@@ -773,15 +784,37 @@ def _dequantize(cache: torch.Tensor, kv_dtype: str, scale: float) -> torch.Tenso
     return cache.double() * scale
 
 
-def _check_decode(a: dict) -> str | None:
-    """None, or how the output differs from float64 attention over the visible keys."""
-    out = a["out"]
-    scale, cap = a["scale"], a["logits_soft_cap"]
+def _comparable(a: dict) -> bool:
+    """Whether an attention call that ran is compared with float64: finite, moderate scales,
+    soft cap and slopes (else running without a crash is all that is asked)."""
+    scale, cap, slopes = a["scale"], a["logits_soft_cap"], a["alibi_slopes"]
     k_scale, v_scale = float(a["k_scale"].reshape(-1)[0]), float(a["v_scale"].reshape(-1)[0])
-    slopes = a["alibi_slopes"]
     moderate = all(1 / 16 <= v <= 16 for v in (k_scale, v_scale))
     finite = math.isfinite(scale) and abs(scale) < 1e3 and math.isfinite(cap) and cap < 1e3
-    if not (moderate and finite and (slopes is None or bool(slopes.isfinite().all()))):
+    return moderate and finite and (slopes is None or bool(slopes.isfinite().all()))
+
+
+def _against_float64(a: dict, want: torch.Tensor) -> str | None:
+    """None, or how `a["out"]` differs from the float64 `want` beyond the one tolerance rule
+    (interop.tolerances): the query's dtype over the cache's (fp8 by its kv_cache_dtype). A
+    fixed 5e-2 refused bf16 outputs of magnitude ~20 off by less than half their ulp (0.0625
+    there)."""
+    from interop.tolerances import bound_ratio
+
+    out = a["out"]
+    dtypes = (out.dtype, FP8.get(a["kv_cache_dtype"], a["key_cache"].dtype))
+    ratio = bound_ratio(out.double().numpy(), want.numpy(), *dtypes) if out.numel() else 0.0
+    if not ratio <= 1.0:  # NaN and inf fail too
+        err = float((out.double() - want).abs().max())
+        return f"output differs from float64 attention by {err:.3g} ({ratio:.3g} x the bound)"
+    return None
+
+
+def _check_decode(a: dict) -> str | None:
+    """None, or how the output differs from float64 attention over the visible keys."""
+    scale, cap, slopes = a["scale"], a["logits_soft_cap"], a["alibi_slopes"]
+    k_scale, v_scale = float(a["k_scale"].reshape(-1)[0]), float(a["v_scale"].reshape(-1)[0])
+    if not _comparable(a):
         return NOT_COMPARED  # running without a crash is all that is asked
     q = a["query"].double()
     s, hq, d = q.shape
@@ -806,17 +839,7 @@ def _check_decode(a: dict) -> str | None:
         if slopes is not None:
             logits = logits + slopes.double()[:, None] * (pos - (n - 1)).double()[None, :]
         want[i] = torch.einsum("hl,lhd->hd", torch.softmax(logits, dim=-1), v)
-    # The one tolerance rule (interop.tolerances): the query's dtype over the cache's (fp8 by
-    # its kv_cache_dtype). A fixed 5e-2 refused bf16 outputs of magnitude ~20 off by less than
-    # half their ulp (0.0625 there).
-    from interop.tolerances import bound_ratio
-
-    dtypes = (out.dtype, FP8.get(a["kv_cache_dtype"], a["key_cache"].dtype))
-    ratio = bound_ratio(out.double().numpy(), want.numpy(), *dtypes) if out.numel() else 0.0
-    if not ratio <= 1.0:  # NaN and inf fail too
-        err = float((out.double() - want).abs().max())
-        return f"output differs from float64 attention by {err:.3g} ({ratio:.3g} x the bound)"
-    return None
+    return _against_float64(a, want)
 
 
 # --------------------------------------------------------------------------------------------
@@ -895,42 +918,12 @@ def draw_ragged(gen: torch.Generator, kinds: Counter) -> Call:
                                            torch.tensor([INT32_MIN], dtype=torch.int32),
                                            torch.tensor([1, 1], dtype=torch.int32),
                                            torch.tensor([num_seqs])])  # fmt: skip
-        elif kind == "index-tensor":
-            name = _pick(gen, ["block_tables", "seq_lens", "query_start_loc"])
-            t = args[name]
-            how = _pick(gen, ["int64", "rows", "rank"])
-            rank = t.reshape(-1, 1) if t.dim() == 1 else t.reshape(-1)
-            args[name] = {"int64": t.to(torch.int64), "rows": torch.cat([t, t[:1]]),
-                          "rank": rank}[how]  # fmt: skip
-        elif kind == "tensor":
-            name = _pick(gen, ["out", "query", "key_cache", "value_cache"])
-            args[name] = _break_tensor(gen, args[name], name, kinds)
-        elif kind == "scale":
-            name = _pick(gen, ["k_scale", "v_scale"])
-            args[name] = _pick(
-                gen,
-                [
-                    torch.ones(0),
-                    torch.ones(2),
-                    torch.tensor(float("nan")),
-                    torch.tensor([3]),
-                    torch.ones(1, dtype=torch.complex64),
-                ],
-            )
-        elif kind == "kv_cache_dtype":
-            args["kv_cache_dtype"] = _pick(gen, ["fp9", "", "auto", "fp8", "FP8", "fp8_e4m3"])
-        elif kind == "slopes":
-            args["alibi_slopes"] = _pick(gen, [torch.ones(hq + 1), torch.ones(hq).double(),
-                                               torch.full((hq,), float("nan"))])  # fmt: skip
-        elif kind == "extreme":
-            args[_pick(gen, ["scale", "logits_soft_cap"])] = _pick(
-                gen, [float("nan"), float("inf"), -float("inf"), -1.0, 1e30, -1e300]
-            )
-        elif kind == "heads":
-            args["query"] = query[:, : max(hq - 1, 0)].contiguous()
-            args["out"] = out[:, : max(hq - 1, 0)].contiguous()
         elif kind == "aliased-out" and tokens:
             args["out"] = args["query"]
+        elif kind != "aliased-out":
+            _break_attention_args(
+                gen, kind, args, query, out, ["block_tables", "seq_lens", "query_start_loc"], kinds
+            )
     buffers = [key_cache, value_cache, query, out, tables, lens, qsl]
     call = Call(list(args.values()), buffers, _ragged_rules(args))
     if not call.broken:
@@ -1022,13 +1015,9 @@ def _ragged_rules(a: dict) -> list:
 def _check_ragged(a: dict) -> str | None:
     """None, or how the output differs from float64 attention (rows outside the real
     sequences, and rows that see no key, zeros)."""
-    out = a["out"]
-    scale, cap = a["scale"], a["logits_soft_cap"]
+    scale, cap, slopes = a["scale"], a["logits_soft_cap"], a["alibi_slopes"]
     k_scale, v_scale = float(a["k_scale"].reshape(-1)[0]), float(a["v_scale"].reshape(-1)[0])
-    slopes = a["alibi_slopes"]
-    moderate = all(1 / 16 <= v <= 16 for v in (k_scale, v_scale))
-    finite = math.isfinite(scale) and abs(scale) < 1e3 and math.isfinite(cap) and cap < 1e3
-    if not (moderate and finite and (slopes is None or bool(slopes.isfinite().all()))):
+    if not _comparable(a):
         return NOT_COMPARED  # running without a crash is all that is asked
     kv_dtype, kc = a["kv_cache_dtype"], a["key_cache"]
     # The op applies the scales it is given to any cache (torch_backends.native passes 1.0
@@ -1064,14 +1053,7 @@ def _check_ragged(a: dict) -> str | None:
         logits = logits.masked_fill(~seen[:, None, :], -math.inf)
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows seeing no key: zeros
         want[start:end] = torch.einsum("thl,lhd->thd", probs, v)
-    from interop.tolerances import bound_ratio
-
-    dtypes = (out.dtype, FP8.get(kv_dtype, kc.dtype))
-    ratio = bound_ratio(out.double().numpy(), want.numpy(), *dtypes) if out.numel() else 0.0
-    if not ratio <= 1.0:  # NaN and inf fail too
-        err = float((out.double() - want).abs().max())
-        return f"output differs from float64 attention by {err:.3g} ({ratio:.3g} x the bound)"
-    return None
+    return _against_float64(a, want)
 
 
 # --------------------------------------------------------------------------------------------
