@@ -339,14 +339,24 @@ def prepare(case: Case, backend: str) -> tuple[torch.Tensor, Callable[[], torch.
     scales = case.scales or (FP8_SCALES if case.kv_cache_dtype != "auto" else (1.0, 1.0))
 
     def call() -> torch.Tensor:
-        md = backend_cls.get_builder_cls()(None).build(SEQ_LENS, QUERY_LENS, -1, -1, **build)
+        md = fixed_metadata(backend_cls, build)
         if case.mutate is not None:
             case.mutate(md, Rows(backend))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
-            return impl.forward(AttentionLayer(*scales), query, key, value, kv_cache, md)
+        return forward(impl, AttentionLayer(*scales), query, key, value, kv_cache, md)
 
     return kv_cache, call
+
+
+def fixed_metadata(backend_cls, build: dict):
+    """The fixed step's metadata from `backend_cls`'s builder (`build`: make_step's keywords)."""
+    return backend_cls.get_builder_cls()(None).build(SEQ_LENS, QUERY_LENS, -1, -1, **build)
+
+
+def forward(impl, layer, query, key, value, kv_cache, md) -> torch.Tensor:
+    """`impl.forward`, without XFORMERS' once-per-process warning that it has no CPU kernel."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
+        return impl.forward(layer, query, key, value, kv_cache, md)
 
 
 # Valid metadata as vLLM's runners build it, which the backends must accept: each runs and

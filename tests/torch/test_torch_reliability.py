@@ -6,6 +6,9 @@ what the cases give now.
 IPEX runs in the IPEX environment (`pytest -m ipex`); JAX is the "JAX" torch backend.
 """
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -15,12 +18,15 @@ from reliability_cases import (
     BACKENDS,
     CASES,
     DOC,
+    FP8_SCALES,
     HEADER,
     Case,
     Rows,
     backend_class,
     backend_param,
     cache_hash,
+    fixed_metadata,
+    forward,
     make_step,
     prepare,
     run_accepted,
@@ -53,30 +59,19 @@ def _checked_then_spoiled(case: Case, backend: str):
     """The fixed step through `backend` once (it passes and is remembered for the step's
     other layers), then `case`'s mistake made in place, in the same metadata object (or in
     the layer's scale tensors, or a key with rows dropped): (kv_cache, the second call)."""
-    import warnings
-
-    from reliability_cases import FP8_SCALES, QUERY_LENS, SEQ_LENS
-
     backend_cls, impl, kv_cache, query, key, value, build = make_step(
         backend, case.kv_cache_dtype, case.block_tables
     )
-    md = backend_cls.get_builder_cls()(None).build(SEQ_LENS, QUERY_LENS, -1, -1, **build)
+    md = fixed_metadata(backend_cls, build)
     layer = AttentionLayer(*(FP8_SCALES if case.kv_cache_dtype != "auto" else (1.0, 1.0)))
-
-    def forward(key=key, value=value):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
-            return impl.forward(layer, query, key, value, kv_cache, md)
-
-    assert torch.isfinite(forward()).all()
+    assert torch.isfinite(forward(impl, layer, query, key, value, kv_cache, md)).all()
     if case.mutate is not None:
         case.mutate(md, Rows(backend))
     if case.scales is not None:  # in place: the tensors the first call found valid
         layer._k_scale.fill_(case.scales[0])
         layer._v_scale.fill_(case.scales[1])
-    if case.drop_key_rows:
-        return kv_cache, lambda: forward(key[: -case.drop_key_rows], value[: -case.drop_key_rows])
-    return kv_cache, forward
+    rows = key.shape[0] - case.drop_key_rows
+    return kv_cache, lambda: forward(impl, layer, query, key[:rows], value[:rows], kv_cache, md)
 
 
 IN_PLACE_PARAMS = [  # the builder's own refusals (block_tables given to it) left out
@@ -101,10 +96,6 @@ def test_a_step_is_checked_once_for_its_layers(backend, monkeypatch):
     """Four layers (each its own impl and scale tensors) over one step's metadata: the plan
     is checked by the first only, and again for the next step's metadata; every layer's
     output is the one a fresh check gives."""
-    import warnings
-
-    from reliability_cases import QUERY_LENS, SEQ_LENS
-
     from torch_backends import paged_backend
 
     calls = []
@@ -115,17 +106,14 @@ def test_a_step_is_checked_once_for_its_layers(backend, monkeypatch):
     backend_cls, impl, kv_cache, query, key, value, build = make_step(backend)
     impls = [impl, *(make_step(backend)[1] for _ in range(3))]
     layers = [AttentionLayer(1.0, 1.0) for _ in impls]
-    builder = backend_cls.get_builder_cls()(None)
     outs = []
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
-        for step in range(2):
-            md = builder.build(SEQ_LENS, QUERY_LENS, -1, -1, **build)
-            for layer_impl, layer in zip(impls, layers, strict=True):
-                outs.append(layer_impl.forward(layer, query, key, value, kv_cache, md))
-            assert len(calls) == step + 1
-        paged_backend._CHECKED_PLANS.clear()
-        fresh = impl.forward(layers[0], query, key, value, kv_cache, md)
+    for step in range(2):
+        md = fixed_metadata(backend_cls, build)
+        for layer_impl, layer in zip(impls, layers, strict=True):
+            outs.append(forward(layer_impl, layer, query, key, value, kv_cache, md))
+        assert len(calls) == step + 1
+    paged_backend._CHECKED_PLANS.clear()
+    fresh = forward(impl, layers[0], query, key, value, kv_cache, md)
     assert len(calls) == 3
     for out in outs:
         assert torch.equal(out, fresh)
@@ -135,17 +123,9 @@ def test_a_step_is_checked_once_for_its_layers(backend, monkeypatch):
 def test_the_checked_plans_keep_no_step_alive(backend):
     """What a step builds on its metadata (TORCH_SDPA's masks: hundreds of MB for long
     prompts) goes with the step: the kept plans hold its field tensors, not the object."""
-    import gc
-    import warnings
-    import weakref
-
-    from reliability_cases import QUERY_LENS, SEQ_LENS
-
     backend_cls, impl, kv_cache, query, key, value, build = make_step(backend)
-    md = backend_cls.get_builder_cls()(None).build(SEQ_LENS, QUERY_LENS, -1, -1, **build)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
-        impl.forward(AttentionLayer(1.0, 1.0), query, key, value, kv_cache, md)
+    md = fixed_metadata(backend_cls, build)
+    forward(impl, AttentionLayer(1.0, 1.0), query, key, value, kv_cache, md)
     gone = weakref.ref(md)
     del md
     gc.collect()
@@ -387,8 +367,6 @@ def test_wrong_output_buffer_raises_before_the_write(backend):
 def test_empty_sequences_are_valid(backend, rng):
     """A sequence with no tokens, and a prefill with no new token, change nothing for the
     others: the decode's output is the same bits as in a step without them."""
-    import warnings
-
     backend_cls = backend_class(backend)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     kv_cache = torch.randn(backend_cls.get_kv_cache_shape(12, 8, 2, 64), generator=gen)
@@ -404,9 +382,7 @@ def test_empty_sequences_are_valid(backend, rng):
         ([11], [1], [[4, 10]]),
     ):
         md = builder.build(seq_lens, q_lens, -1, -1, block_tables=tables, block_size=8)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "XFORMERS: xformers has no CPU kernel")
-            outs.append(impl.forward(AttentionLayer(), q, k, v, kv_cache.clone(), md))
+        outs.append(forward(impl, AttentionLayer(), q, k, v, kv_cache.clone(), md))
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
 
