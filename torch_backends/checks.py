@@ -97,8 +97,7 @@ def check_step(
         prefill_reads = plan.kv_lens if key is None else plan.cached_lens
     tables = _check_tables(checks, plan, prefill_reads, num_blocks, block_size)
     _check_decode_lens(checks, plan)
-    checks.scale("layer._k_scale", k_scale)
-    checks.scale("layer._v_scale", v_scale)
+    _check_scales(checks, k_scale, v_scale)
     dirty = checks.run()
     replaced = {"slot_mapping": kept_slots.view_as(plan.slot_mapping)} if writes else {}
     # Entries past the used blocks that are not block ids: 0, so no kernel indexes with them.
@@ -106,6 +105,11 @@ def check_step(
         if is_dirty:
             replaced[kind] = torch.where(used, table, torch.zeros_like(table))
     return dataclasses.replace(plan, **replaced)
+
+
+def _check_scales(checks: "_Checks", k_scale, v_scale) -> None:
+    checks.scale("layer._k_scale", k_scale)
+    checks.scale("layer._v_scale", v_scale)
 
 
 class _Checks:
@@ -475,13 +479,12 @@ class CheckedPlans:
 
     def check_scales(self, k_scale, v_scale) -> None:
         """`check_step`'s scale checks, for scales not yet found valid (a reused plan's)."""
-        unknown = [s for s in (k_scale, v_scale) if not self._known(s)]
-        if unknown:
-            checks = _Checks()
-            checks.scale("layer._k_scale", k_scale)
-            checks.scale("layer._v_scale", v_scale)
-            checks.run()
-            self._remember(k_scale, v_scale)
+        if self._known(k_scale) and self._known(v_scale):
+            return
+        checks = _Checks()
+        _check_scales(checks, k_scale, v_scale)
+        checks.run()
+        self._remember(k_scale, v_scale)
 
     def clear(self) -> None:
         self._plans.clear()
