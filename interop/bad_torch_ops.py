@@ -613,6 +613,15 @@ def _copy_rules(a: dict) -> list:
 # paged_decode_split
 
 
+def _place_keys(gen, row: torch.Tensor, begin: int, n: int, bs: int, nb: int):
+    """A sequence's keys [begin, n) given blocks: the table `row`'s entries for their blocks
+    set to random ids in [0, nb) (in place); returns (positions, block ids, offsets)."""
+    used = torch.arange(begin // bs, -(-n // bs))
+    row[used] = torch.randint(0, nb, (len(used),), generator=gen, dtype=torch.int32)
+    pos = torch.arange(begin, n)
+    return pos, row[pos // bs].long(), pos % bs
+
+
 def _break_attention_args(gen, kind: str, args: dict, query, out, index_names, kinds) -> None:
     """The breaks both attention ops' drawers share, in place in `args`: an index tensor's
     dtype, rows or rank (one of `index_names`), a tensor's dtype, rank or contiguity, a scale's
@@ -678,10 +687,7 @@ def draw_decode(gen: torch.Generator, kinds: Counter) -> Call:
     for i in range(s):
         n = int(lens[i])
         begin = max(0, n - window) if window > 0 else 0
-        used = torch.arange(begin // bs, -(-n // bs))
-        tables[i, used] = torch.randint(0, nb, (len(used),), generator=gen, dtype=torch.int32)
-        pos = torch.arange(begin, n)
-        blocks, offsets = tables[i, pos // bs].long(), pos % bs
+        pos, blocks, offsets = _place_keys(gen, tables[i], begin, n, bs, nb)
         key_cache[blocks, :, :, offsets, :] = _random(gen, (len(pos), hkv, d // x, x), cdtype)
         value_cache[blocks, :, :, offsets] = _random(gen, (len(pos), hkv, d), cdtype)
     query = _random(gen, (s, hq, d), qdtype)
@@ -856,7 +862,7 @@ def draw_ragged(gen: torch.Generator, kinds: Counter) -> Call:
     hkv, group = _pick(gen, [1, 2]), _pick(gen, [1, 3, 4])
     hq = hkv * group
     bs, nb, mb = _pick(gen, [1, 4, 16]), _int(gen, 1, 9), _int(gen, 1, 5)
-    rows, num_seqs = _int(gen, 0, 5), 0
+    rows = _int(gen, 0, 5)
     num_seqs = _int(gen, 0, rows + 1)
     window = _pick(gen, [0, 0, 3, 17, -5, INT64_MAX, INT64_MIN])
     causal = _chance(gen, 0.8)
@@ -880,10 +886,7 @@ def draw_ragged(gen: torch.Generator, kinds: Counter) -> Call:
     value_cache = key_cache.clone()
     for i in range(num_seqs):  # a real sequence's blocks: ids in range, its keys finite
         n = int(lens[i])
-        used = torch.arange(0, -(-n // bs))
-        tables[i, used] = torch.randint(0, nb, (len(used),), generator=gen, dtype=torch.int32)
-        pos = torch.arange(0, n)
-        blocks, offsets = tables[i, pos // bs].long(), pos % bs
+        _, blocks, offsets = _place_keys(gen, tables[i], 0, n, bs, nb)
         key_cache[blocks, offsets] = _random(gen, (n, hkv, d), cdtype)
         value_cache[blocks, offsets] = _random(gen, (n, hkv, d), cdtype)
     query = _random(gen, (tokens, hq, d), qdtype)
