@@ -82,11 +82,13 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t workers, F&& fn) {
     int64_t n = 0;
     std::mutex mu;
     std::condition_variable cv;
+    WorkerCpus cpus;
   };
   auto shared = std::make_shared<Shared>();
   shared->n = n;
   F* f = &fn;  // valid while items remain: the caller waits for all of them
   auto work = [shared, f]() {
+    if (shared->next.load(std::memory_order_relaxed) < shared->n) shared->cpus.settle();
     int64_t finished = 0;
     for (int64_t i; (i = shared->next.fetch_add(1, std::memory_order_relaxed)) < shared->n;) {
       (*f)(i);

@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #if defined(__linux__)
+#include <sched.h>
 #include <sys/mman.h>
 #endif
 
@@ -240,6 +241,50 @@ struct Workers {
   void (*parallel_for)(void* self, int64_t n, int64_t count, void (*item)(void*, int64_t),
                        void* item_ctx) = nullptr;
   void* self = nullptr;
+};
+
+// The CPUs the workers of one parallel call run on. Linux places a woken pool thread on its
+// waker's CPU when every CPU is busy (wake-affine), and with another process holding the other
+// core, both of a call's workers can then share one CPU for the whole call: 2 workers, a
+// spinner and 2 cores gave the call one core instead of its fair 1.5 (a quarter of the samples
+// saw both on one CPU; NOTES.md). The load balancer leaves that alone, since moving either
+// thread leaves two on one CPU. So each worker, as it starts its share, notes its CPU; a worker
+// that finds an earlier one of the same call there moves itself to a CPU none of them holds
+// (its affinity narrowed for the move, then restored as it was: a thread bound to one CPU, as
+// OMP_PROC_BIND or vLLM's thread binding does, stays where it is). Elsewhere nothing happens.
+class WorkerCpus {
+ public:
+  WorkerCpus() {
+    for (auto& c : cpu_) c.store(-1, std::memory_order_relaxed);
+  }
+  // Called by each worker as it starts its share of the call.
+  void settle() {
+#if defined(__linux__)
+    const int here = sched_getcpu();
+    const int slot = count_.fetch_add(1, std::memory_order_acq_rel);
+    if (here < 0 || here >= CPU_SETSIZE || slot >= kSlots) return;
+    cpu_[slot].store(here, std::memory_order_release);
+    bool taken = false;
+    for (int j = 0; j < slot; ++j) taken = taken || cpu_[j].load(std::memory_order_acquire) == here;
+    if (!taken) return;
+    cpu_set_t allowed, free;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+    free = allowed;
+    const int workers = std::min(count_.load(std::memory_order_acquire), kSlots);
+    for (int j = 0; j < workers; ++j) {
+      const int c = cpu_[j].load(std::memory_order_acquire);
+      if (j != slot && c >= 0) CPU_CLR(c, &free);
+    }
+    if (CPU_COUNT(&free) == 0 || sched_setaffinity(0, sizeof(free), &free) != 0) return;
+    cpu_[slot].store(sched_getcpu(), std::memory_order_release);
+    sched_setaffinity(0, sizeof(allowed), &allowed);
+#endif
+  }
+
+ private:
+  static constexpr int kSlots = 64;
+  std::atomic<int> count_{0};
+  std::array<std::atomic<int>, kSlots> cpu_;
 };
 
 // $JAX_ATTN_CPU_THREADS if set (>= 1), else `available` (at least 1).

@@ -68,7 +68,9 @@ Workers torch_workers() {
   w.parallel_for = [](void*, int64_t n, int64_t count, void (*item)(void*, int64_t),
                       void* ctx) {
     std::atomic<int64_t> next{0};
+    WorkerCpus cpus;
     at::parallel_for(0, count, 1, [&](int64_t, int64_t) {
+      if (next.load(std::memory_order_relaxed) < n) cpus.settle();
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) item(ctx, i);
     });
   };
