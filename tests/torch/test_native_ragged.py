@@ -202,6 +202,29 @@ def test_num_seqs_as_an_int_and_threads_agree(rng):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_strided_queries_are_staged_in_a_reused_buffer(rng, monkeypatch):
+    """A query that is a strided view (vLLM's, of the fused qkv projection) gives the bits of
+    its contiguous copy; it is staged in one buffer per thread, reused by the next call, which
+    sees its own rows (a smaller step after a larger one too), not the last call's."""
+    monkeypatch.setattr(native, "STAGE_MIN_BYTES", 0)  # stage these small queries as well
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    buffers = []
+    for batch in ([*PREFILL, *CHUNKED], [(5, 20), (1, 9)]):
+        query, kc, vc, meta, _, _ = ragged_case(
+            gen, batch, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+            dtype=torch.float32, cache_dtype=torch.float32,
+        )  # fmt: skip
+        fused = torch.cat([query, torch.randn(query.shape, generator=gen)], dim=1)
+        strided = fused[:, : query.shape[1]]
+        assert not strided.is_contiguous()
+        want, got = torch.empty_like(query), torch.empty_like(query)
+        native.ragged_paged_attention(want, query, kc, vc, **meta, scale=0.125)
+        native.ragged_paged_attention(got, strided, kc, vc, **meta, scale=0.125)
+        assert torch.equal(got, want)
+        buffers.append(native._staging.buffers[("query", torch.float32)])
+    assert buffers[0] is buffers[1]
+
+
 # --------------------------------------------------------------------------------------------
 # Refusals: ValueError naming the argument and the rule; nothing written.
 
