@@ -219,7 +219,7 @@ def paged_decode_split(
         k_scale = v_scale = 1.0
     torch.ops.jax_attn.paged_decode_split(
         out,
-        _dense(query, "query"),
+        dense(query, "query"),
         key_cache,
         value_cache,
         block_tables.to(torch.int32).contiguous(),
@@ -244,25 +244,36 @@ STAGE_MIN_BYTES = 4 << 20
 _staging = threading.local()
 
 
-def _dense(x: Tensor, slot: str) -> Tensor:
-    """`x` contiguous. vLLM hands the attention layer its query, key and value as strided views
-    of the fused qkv projection, and a fresh contiguous copy of a large one is a fresh mapping
-    from glibc on every call: `.contiguous()` of a 4096 x 32 x 128 float32 query took 13.1 ms
-    there, the copy into memory already in use 3.7 (2-core Zen 5 VM, NOTES.md). So a large
-    strided CPU input is copied into this thread's buffer for `slot` (grown as needed, kept for
-    the next call; one per slot, as a call stages several inputs at once). Under
-    `torch.compile`, off the CPU or for small inputs, `.contiguous()` as before."""
-    nbytes = x.numel() * x.element_size()
-    if (x.is_contiguous() or x.device.type != "cpu" or nbytes < STAGE_MIN_BYTES
-            or torch.compiler.is_compiling()):  # fmt: skip
-        return x.contiguous()
+def staged(shape: tuple[int, ...], dtype: torch.dtype, slot: str) -> Tensor | None:
+    """An uninitialized CPU tensor of `shape` in this thread's buffer for `slot` (grown as
+    needed and kept for the next call), or None where a fresh tensor is the better choice:
+    under `torch.compile` or below `STAGE_MIN_BYTES`. A large fresh tensor is a fresh mapping
+    from glibc on every call, which Linux must fault in and zero: `.contiguous()` of a 4096 x 32
+    x 128 float32 query took 13.1 ms, the copy into memory already in use 3.7 (2-core Zen 5 VM,
+    NOTES.md). One buffer per slot, as a call stages several inputs at once; a later call with
+    the same slot reuses it, so the tensor is valid until then."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * dtype.itemsize < STAGE_MIN_BYTES or torch.compiler.is_compiling():
+        return None
     buffers = getattr(_staging, "buffers", None)
     if buffers is None:
         buffers = _staging.buffers = {}
-    buf = buffers.get((slot, x.dtype))
-    if buf is None or buf.numel() < x.numel():
-        buf = buffers[(slot, x.dtype)] = torch.empty(x.numel(), dtype=x.dtype)
-    return buf[: x.numel()].view(x.shape).copy_(x)
+    buf = buffers.get((slot, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = buffers[(slot, dtype)] = torch.empty(numel, dtype=dtype)
+    return buf[:numel].view(shape)
+
+
+def dense(x: Tensor, slot: str) -> Tensor:
+    """`x` contiguous: vLLM hands attention its query, key and value as strided views of the
+    fused qkv projection; a large strided CPU one is copied into `staged(..., slot)` rather than
+    a fresh tensor (`.contiguous()` elsewhere)."""
+    if x.is_contiguous() or x.device.type != "cpu":
+        return x.contiguous()
+    buf = staged(tuple(x.shape), x.dtype, slot)
+    return x.contiguous() if buf is None else buf.copy_(x)
 
 
 def ragged_paged_attention(
@@ -303,7 +314,7 @@ def ragged_paged_attention(
         k_scale = v_scale = 1.0
     torch.ops.jax_attn.ragged_paged_attention(
         out,
-        _dense(query, "query"),
+        dense(query, "query"),
         key_cache,
         value_cache,
         _int32(query_start_loc),
@@ -328,7 +339,7 @@ def store_split(
     """Rows `[T, Hkv, D]`, already in the cache's element type (fp8: uint8 bits), to their
     slots in vLLM's split layout; -1 skips. Bad slots raise ValueError before any write."""
     torch.ops.jax_attn.store_split(
-        _dense(key, "key"), _dense(value, "value"), key_cache, value_cache, slots.to(torch.int64)
+        dense(key, "key"), dense(value, "value"), key_cache, value_cache, slots.to(torch.int64)
     )
 
 
@@ -352,7 +363,7 @@ def store_token_major(
     if not available():
         raise RuntimeError(f"torch_backends.native is not available: {unavailable_reason()}")
     torch.ops.jax_attn.store_token_major(
-        _dense(key, "key"), _dense(value, "value"), key_cache, value_cache, slots.to(torch.int64)
+        dense(key, "key"), dense(value, "value"), key_cache, value_cache, slots.to(torch.int64)
     )
 
 
