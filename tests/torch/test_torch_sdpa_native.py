@@ -122,6 +122,37 @@ def test_long_prefills_run_native(case, rng, native_only):
     assert_close(out.view(step.expected.shape).float(), step.expected, dtype, fp8_dtype)
 
 
+@pytest.mark.parametrize("case", LONG[:3], ids=[c[0] for c in LONG[:3]])
+def test_strided_prefill_inputs_are_staged(case, rng, monkeypatch):
+    """vLLM's query, key and value are strided views of its fused qkv projection. Staged in
+    reused buffers (the K/V viewed in place or copied to blocks of 16), the step gives the bits
+    of its contiguous copies, twice over the same buffers."""
+    _name, prefills, decodes, hq, hkv, d, bs, dtype, cache_dtype, extras = case
+    alibi_slopes = alibi(hq) if extras.get("alibi") else None
+    step = make_decoder_step(
+        rng, TorchSDPABackend.get_builder_cls()(None), prefills=prefills, decodes=decodes,
+        num_heads=hq, num_kv_heads=hkv, head_size=d, block_size=bs, dtype=dtype,
+        kv_cache_dtype=cache_dtype, scale=0.1, alibi_slopes=alibi_slopes,
+    )  # fmt: skip
+    impl = TorchSDPABackend.get_impl_cls()(
+        hq, d, 0.1, hkv, alibi_slopes=alibi_slopes, sliding_window=None, kv_cache_dtype="auto"
+    )
+    layer = AttentionLayer(1.0, 1.0)
+    parts = (step.query, step.key, step.value)
+    fused = torch.cat([x.reshape(x.shape[0], -1) for x in parts], dim=1)
+    ends = np.cumsum([x[0].numel() for x in parts])
+    views = [
+        fused[:, end - x[0].numel() : end].unflatten(1, x.shape[1:])
+        for x, end in zip(parts, ends, strict=True)
+    ]
+    assert not any(v.is_contiguous() for v in views)
+    want = _forward(step, impl, layer).clone()
+    monkeypatch.setattr(native, "STAGE_MIN_BYTES", 0)
+    for _ in range(2):
+        got = impl.forward(layer, *views, step.kv_cache, step.metadata)
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER, AttentionType.ENCODER_ONLY])
 @pytest.mark.parametrize(
     "lens, bias",
