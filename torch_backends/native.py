@@ -20,6 +20,7 @@ says so once per process.
 """
 
 import importlib.util
+import math
 import sys
 import threading
 import warnings
@@ -244,36 +245,33 @@ STAGE_MIN_BYTES = 4 << 20
 _staging = threading.local()
 
 
-def staged(shape: tuple[int, ...], dtype: torch.dtype, slot: str) -> Tensor | None:
-    """An uninitialized CPU tensor of `shape` in this thread's buffer for `slot` (grown as
-    needed and kept for the next call), or None where a fresh tensor is the better choice:
-    under `torch.compile` or below `STAGE_MIN_BYTES`. A large fresh tensor is a fresh mapping
-    from glibc on every call, which Linux must fault in and zero: `.contiguous()` of a 4096 x 32
-    x 128 float32 query took 13.1 ms, the copy into memory already in use 3.7 (2-core Zen 5 VM,
-    NOTES.md). One buffer per slot, as a call stages several inputs at once; a later call with
-    the same slot reuses it, so the tensor is valid until then."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    if numel * dtype.itemsize < STAGE_MIN_BYTES or torch.compiler.is_compiling():
-        return None
+def staged_empty(like: Tensor, shape: tuple[int, ...], slot: str) -> Tensor:
+    """An uninitialized tensor of `like`'s dtype and device of `shape`: for a large one on the
+    CPU, a view of this thread's buffer for `slot` (grown as needed and kept for the next call),
+    else `like.new_empty(shape)` (also under `torch.compile`). A large fresh tensor is a fresh
+    mapping from glibc on every call, which Linux must fault in and zero: `.contiguous()` of a
+    4096 x 32 x 128 float32 query took 13.1 ms, the copy into memory already in use 3.7 (2-core
+    Zen 5 VM, NOTES.md). One buffer per slot, as a call stages several inputs at once; a later
+    call with the same slot reuses it, so the tensor is valid until then."""
+    numel = math.prod(shape)
+    if (like.device.type != "cpu" or numel * like.element_size() < STAGE_MIN_BYTES
+            or torch.compiler.is_compiling()):  # fmt: skip
+        return like.new_empty(shape)
     buffers = getattr(_staging, "buffers", None)
     if buffers is None:
         buffers = _staging.buffers = {}
-    buf = buffers.get((slot, dtype))
+    buf = buffers.get((slot, like.dtype))
     if buf is None or buf.numel() < numel:
-        buf = buffers[(slot, dtype)] = torch.empty(numel, dtype=dtype)
+        buf = buffers[(slot, like.dtype)] = torch.empty(numel, dtype=like.dtype)
     return buf[:numel].view(shape)
 
 
 def dense(x: Tensor, slot: str) -> Tensor:
     """`x` contiguous: vLLM hands attention its query, key and value as strided views of the
-    fused qkv projection; a large strided CPU one is copied into `staged(..., slot)` rather than
-    a fresh tensor (`.contiguous()` elsewhere)."""
-    if x.is_contiguous() or x.device.type != "cpu":
-        return x.contiguous()
-    buf = staged(tuple(x.shape), x.dtype, slot)
-    return x.contiguous() if buf is None else buf.copy_(x)
+    fused qkv projection; a strided one is copied into `staged_empty(x, ..., slot)`."""
+    if x.is_contiguous():
+        return x
+    return staged_empty(x, tuple(x.shape), slot).copy_(x)
 
 
 def ragged_paged_attention(

@@ -53,13 +53,6 @@ COPY_BLOCK = 16
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _empty(like: Tensor, shape: tuple[int, ...], slot: str) -> Tensor:
-    """An uninitialized tensor like `like` of `shape`: a reused buffer for a large one on the CPU
-    (native.staged: no fresh pages to fault in per call), else a new one."""
-    buf = native.staged(shape, like.dtype, slot) if like.device.type == "cpu" else None
-    return like.new_empty(shape) if buf is None else buf
-
-
 def unsupported(query: Queries, q_lens: list[int], kv_lens: list[int]) -> str | None:
     """Why the native kernel cannot run this prefill, or None when it can (builds the library
     on first use; its absence warns once, from `native.available`)."""
@@ -154,8 +147,8 @@ def from_kv(
         first = _starts(num_blocks)
         rows = torch.cat([torch.arange(k) + b * block for k, b in zip(kv_lens, first, strict=True)])
         shape = (sum(num_blocks) * block, num_kv_heads, head_size)
-        key_cache = _empty(key, shape, "key").index_copy_(0, rows, key[:total])
-        value_cache = _empty(value, shape, "value").index_copy_(0, rows, value[:total])
+        key_cache = native.staged_empty(key, shape, "key").index_copy_(0, rows, key[:total])
+        value_cache = native.staged_empty(value, shape, "value").index_copy_(0, rows, value[:total])
         key_cache = key_cache.view(-1, block, num_kv_heads, head_size)
         value_cache = value_cache.view(-1, block, num_kv_heads, head_size)
     tables = _tables(first, [-(-k // block) for k in kv_lens])
