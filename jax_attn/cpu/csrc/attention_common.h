@@ -88,12 +88,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t workers, F&& fn) {
   shared->n = n;
   F* f = &fn;  // valid while items remain: the caller waits for all of them
   auto work = [shared, f]() {
-    if (shared->next.load(std::memory_order_relaxed) < shared->n) shared->cpus.settle();
-    int64_t finished = 0;
-    for (int64_t i; (i = shared->next.fetch_add(1, std::memory_order_relaxed)) < shared->n;) {
-      (*f)(i);
-      ++finished;
-    }
+    const int64_t finished = take_items(shared->next, shared->n, shared->cpus, *f);
     if (finished == 0) return;
     if (shared->done.fetch_add(finished, std::memory_order_acq_rel) + finished == shared->n) {
       std::lock_guard<std::mutex> lock(shared->mu);

@@ -287,6 +287,17 @@ class WorkerCpus {
   std::array<std::atomic<int>, kSlots> cpu_;
 };
 
+// One worker's share of a parallel call, the same loop on XLA's pool and torch's: settle onto a
+// CPU of its own (when items are left), then take items [0, n) from `next` one at a time,
+// fn(i) each, until none is left. Returns how many it ran.
+template <typename F>
+int64_t take_items(std::atomic<int64_t>& next, int64_t n, WorkerCpus& cpus, F&& fn) {
+  if (next.load(std::memory_order_relaxed) < n) cpus.settle();
+  int64_t ran = 0;
+  for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n; ++ran) fn(i);
+  return ran;
+}
+
 // $JAX_ATTN_CPU_THREADS if set (>= 1), else `available` (at least 1).
 inline int64_t worker_count(int64_t available) {
   if (const char* env = std::getenv("JAX_ATTN_CPU_THREADS")) {

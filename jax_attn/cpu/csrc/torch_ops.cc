@@ -70,8 +70,7 @@ Workers torch_workers() {
     std::atomic<int64_t> next{0};
     WorkerCpus cpus;
     at::parallel_for(0, count, 1, [&](int64_t, int64_t) {
-      if (next.load(std::memory_order_relaxed) < n) cpus.settle();
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) item(ctx, i);
+      take_items(next, n, cpus, [&](int64_t i) { item(ctx, i); });
     });
   };
   return w;
