@@ -12,6 +12,8 @@ a fake (meta) kernel registered here, so `torch.compile` traces through it and
                             token-major caches `[NB, BS, Hkv, D]` (jax_attn.paged_attention's)
     store_split             vLLM's cache write into that layout (`reshape_and_cache`)
     store_token_major       the same write into the token-major caches (any block stride)
+    gather_split_blocks     blocks of the split layout in token-major order (a prefix for the
+                            ragged kernel)
     copy_blocks             whole blocks between caches (vLLM's `copy_blocks`, `swap_blocks`)
 
 Where the library cannot be built (no compiler, a failed build, `JAX_ATTN_CPU_DISABLE=1`),
@@ -163,6 +165,7 @@ def _register_fakes() -> None:
         "store_split",
         "store_token_major",
         "copy_blocks",
+        "gather_split_blocks",
     )
     for op in ops:
         torch.library.register_fake(f"jax_attn::{op}")(lambda *args: None)
@@ -362,6 +365,19 @@ def store_token_major(
         raise RuntimeError(f"torch_backends.native is not available: {unavailable_reason()}")
     torch.ops.jax_attn.store_token_major(
         dense(key, "key"), dense(value, "value"), key_cache, value_cache, slots.to(torch.int64)
+    )
+
+
+def gather_split_blocks(
+    key_cache: Tensor, value_cache: Tensor, block_ids: Tensor, keys: Tensor, values: Tensor
+) -> None:
+    """`keys[i]`, `values[i]` (`[BS, Hkv, D]`) = block `block_ids[i]` of vLLM's split caches
+    (key `[NB, Hkv, D // x, BS, x]`, value `[NB, Hkv, D, BS]`), in token-major order, on the
+    kernels' threads: the torch half's prefills over a cached prefix, which the ragged kernel
+    reads token-major. `index_select` of the permuted caches did the same at a tenth of the
+    speed (NOTES.md). Ids outside the cache raise ValueError before any write."""
+    torch.ops.jax_attn.gather_split_blocks(
+        key_cache, value_cache, block_ids.to(torch.int64).contiguous(), keys, values
     )
 
 

@@ -15,8 +15,8 @@ of x, a value's runs across the block). So a prefill reaches the kernel one of t
     from_split_cache  a cached prefix (chunked prefill), or every key already cached (cross
                       attention after its first step): the blocks of this step's prefills,
                       and only those, copied out of the split cache into token-major blocks
-                      (one strided copy per cache: `sum(ceil(ctx_len / BS))` blocks), the new
-                      tokens written after their prefix:
+                      (`native.gather_split_blocks`: `sum(ceil(ctx_len / BS))` blocks), the
+                      new tokens written after their prefix:
                           ctx_lens [5, 0], q_lens [2, 3], BS 4: seq 0 gathers its cached
                           blocks [b0, b1] -> temp [0, 1], new tokens at positions 5-6 (temp
                           block 1 offsets 1-2); seq 1 gets a fresh temp block [2].
@@ -203,12 +203,17 @@ def from_split_cache(
     # Split -> token-major, gathered blocks only:
     #   key   [NB, Hkv, D/x, BS, x] -> [NB, BS, Hkv, D/x, x] (= [.., Hkv, D])
     #   value [NB, Hkv, D, BS]      -> [NB, BS, Hkv, D]
-    keys = torch.empty(total_blocks, block, num_kv_heads, head_size // x, x, dtype=raw)
-    values = torch.empty(total_blocks, block, num_kv_heads, head_size, dtype=raw)
-    if num_gathered:
-        torch.index_select(key_cache.permute(0, 3, 1, 2, 4), 0, src, out=keys[:num_gathered])
+    # into buffers kept per thread (native.staged_empty: a fresh tensor this size is fresh
+    # pages every step), by the native gather where the caches are dense CPU tensors.
+    shape = (total_blocks, block, num_kv_heads, head_size)
+    keys = native.staged_empty(key_cache, shape, "prefix_keys")
+    values = native.staged_empty(value_cache, shape, "prefix_values")
+    if num_gathered and key_cache.is_contiguous() and value_cache.is_contiguous():
+        native.gather_split_blocks(key_cache, value_cache, src, keys, values)
+    elif num_gathered:
+        split_keys = keys.view(total_blocks, block, num_kv_heads, head_size // x, x)
+        torch.index_select(key_cache.permute(0, 3, 1, 2, 4), 0, src, out=split_keys[:num_gathered])
         torch.index_select(value_cache.permute(0, 3, 1, 2), 0, src, out=values[:num_gathered])
-    keys = keys.view(total_blocks, block, num_kv_heads, head_size)
     fp8 = kv_cache_dtype != "auto"
     if fp8 and not round_new and new_key is not None:
         keys, values = (

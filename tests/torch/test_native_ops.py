@@ -413,6 +413,72 @@ def test_opcheck_cache_ops():
     torch.library.opcheck(
         torch.ops.jax_attn.copy_blocks.default, (caches, caches, torch.tensor([[0, 3], [1, 2]]))
     )
+    blocks = (torch.empty(3, 16, 2, 64), torch.empty(3, 16, 2, 64))
+    torch.library.opcheck(
+        torch.ops.jax_attn.gather_split_blocks.default,
+        (key_cache, value_cache, torch.tensor([3, 0]), *blocks),
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,head_size,block_size,num_ids",
+    [
+        (torch.float32, 128, 16, 9),
+        (torch.float32, 80, 128, 3),
+        (torch.bfloat16, 64, 32, 5),
+        (torch.float16, 96, 8, 7),
+        (torch.uint8, 128, 128, 4),  # fp8 bit patterns
+        (torch.float32, 64, 16, 0),
+    ],
+)
+def test_gather_split_blocks_is_the_permuted_copy(dtype, head_size, block_size, num_ids, rng):
+    """Blocks of the split layout in token-major order, byte for byte as torch's permuted
+    index_select makes them (the path it replaced), into the first num_ids blocks of the
+    outputs; the rest of them untouched."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    num_blocks, hkv = 11, 2
+    if dtype == torch.uint8:
+        raw = torch.randint(0, 256, (2, num_blocks, hkv * head_size * block_size), generator=gen)
+        kv_cache = raw.to(torch.uint8)
+    else:
+        kv_cache = torch.randn(2, num_blocks, hkv * head_size * block_size, generator=gen)
+        kv_cache = kv_cache.to(dtype)
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, hkv, head_size)
+    ids = torch.randint(0, num_blocks, (num_ids,), generator=gen)
+    x = key_cache.shape[-1]
+    keys = torch.full((num_ids + 2, block_size, hkv, head_size), 7, dtype=dtype)
+    values = keys.clone()
+    native.gather_split_blocks(key_cache, value_cache, ids, keys, values)
+    want_k = key_cache.permute(0, 3, 1, 2, 4)[ids].reshape(num_ids, block_size, hkv, head_size)
+    want_v = value_cache.permute(0, 3, 1, 2)[ids]
+    assert x * key_cache.element_size() == 16
+    assert torch.equal(keys[:num_ids], want_k) and torch.equal(values[:num_ids], want_v)
+    assert bool((keys[num_ids:] == 7).all()) and bool((values[num_ids:] == 7).all())
+
+
+def test_gather_split_blocks_refuses_bad_input_before_any_write():
+    kv_cache = torch.randn(2, 4, 2 * 64 * 16)
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, 2, 64)
+    keys, values = torch.full((3, 16, 2, 64), 7.0), torch.full((3, 16, 2, 64), 7.0)
+    op = torch.ops.jax_attn.gather_split_blocks
+    cases = [
+        ((key_cache, value_cache, torch.tensor([0, 4]), keys, values),
+         r"block_ids\[1\]=4 must be in \[0, num_blocks=4\)"),
+        ((key_cache, value_cache, torch.tensor([-1]), keys, values), r"block_ids\[0\]=-1"),
+        ((key_cache, value_cache, torch.tensor([0, 1], dtype=torch.int32), keys, values),
+         r"block_ids must be int64"),
+        ((key_cache, value_cache, torch.tensor([0, 1, 2, 3]), keys, values),
+         r"keys must be \[at least num_ids=4, block_size=16"),
+        ((key_cache, value_cache, torch.tensor([0]), keys, values.double()),
+         r"must have one dtype"),
+        ((key_cache, value_cache, torch.tensor([0]), keys, keys), r"keys must not share memory"),
+        ((key_cache, value_cache[:, :1].contiguous(), torch.tensor([0]), keys, values),
+         r"value_cache .* must be \[num_blocks, num_kv_heads, head_size, block_size\]"),
+    ]  # fmt: skip
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            op(*args)
+    assert bool((keys == 7.0).all()) and bool((values == 7.0).all())
 
 
 def test_the_ops_share_torchs_openmp_runtime():

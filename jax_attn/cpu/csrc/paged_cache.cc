@@ -1,4 +1,5 @@
-// Cache writes and block copies (paged_cache.h): checked first, then plain byte copies.
+// Cache writes, block gathers and block copies (paged_cache.h): checked first, then plain byte
+// copies.
 
 #include "paged_cache.h"
 
@@ -77,6 +78,71 @@ std::string store_rows(const StoreArgs& a, const Workers& workers) {
   Workers w = workers;
   if (bytes < kParallelBytes) w.count = 1;
   run_items(w, a.num_kv_heads, [&](int64_t h) { head_fn(a, h); });  // heads never overlap
+  return "";
+}
+
+namespace {
+
+// Block ids[i], kv head h of both split caches, into block i of the token-major outputs:
+// keys row by row (a token's D elements gathered 16 bytes at a time from the D / x pieces, its
+// row written whole), values transposed [D, BS] -> [BS, D] in 16 x 16 tiles (a tile's 16
+// source rows and 16 destination rows stay in L1).
+template <int kBytes>
+void gather_head(const GatherArgs& a, int64_t i, int64_t h) {
+  struct Elem {
+    unsigned char b[kBytes];
+  };
+  constexpr int64_t x = 16 / kBytes;
+  const int64_t D = a.head_size, Hkv = a.num_kv_heads, BS = a.block_size;
+  const int64_t head = (a.ids[i] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
+  const Elem* ks = static_cast<const Elem*>(a.key_cache) + head;
+  const Elem* vs = static_cast<const Elem*>(a.value_cache) + head;
+  Elem* kd = static_cast<Elem*>(a.keys) + i * BS * Hkv * D + h * D;  // row t: + t * Hkv * D
+  Elem* vd = static_cast<Elem*>(a.values) + i * BS * Hkv * D + h * D;
+  for (int64_t t = 0; t < BS; ++t) {
+    for (int64_t c = 0; c < D / x; ++c) {
+      std::memcpy(kd + t * Hkv * D + c * x, ks + (c * BS + t) * x, 16);
+    }
+  }
+  constexpr int64_t kTile = 16;
+  for (int64_t d0 = 0; d0 < D; d0 += kTile) {
+    const int64_t d1 = std::min(D, d0 + kTile);
+    for (int64_t t0 = 0; t0 < BS; t0 += kTile) {
+      const int64_t t1 = std::min(BS, t0 + kTile);
+      for (int64_t t = t0; t < t1; ++t) {
+        Elem* row = vd + t * Hkv * D;
+        for (int64_t d = d0; d < d1; ++d) row[d] = vs[d * BS + t];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string gather_split_blocks(const GatherArgs& a, const Workers& workers) {
+  for (int64_t i = 0; i < a.num_ids; ++i) {
+    if (a.ids[i] < 0 || a.ids[i] >= a.num_blocks) {
+      return "block_ids[" + std::to_string(i) + "]=" + std::to_string(a.ids[i]) +
+             " must be in [0, num_blocks=" + std::to_string(a.num_blocks) + ")";
+    }
+  }
+  void (*head_fn)(const GatherArgs&, int64_t, int64_t) = nullptr;
+  switch (a.elem_bytes) {
+    case 4: head_fn = gather_head<4>; break;
+    case 2: head_fn = gather_head<2>; break;
+    case 1: head_fn = gather_head<1>; break;
+    default: return "element size " + std::to_string(a.elem_bytes) + " must be 1, 2 or 4 bytes";
+  }
+  if (a.head_size * a.elem_bytes % 16 != 0) {
+    return "head_size=" + std::to_string(a.head_size) +
+           " must fill whole 16-byte vectors in the split cache layout";
+  }
+  const int64_t Hkv = a.num_kv_heads;
+  if (Hkv == 0 || a.head_size == 0 || a.block_size == 0) return "";  // no bytes to move
+  const int64_t bytes = 2 * a.num_ids * a.block_size * Hkv * a.head_size * a.elem_bytes;
+  Workers w = workers;
+  if (bytes < kParallelBytes) w.count = 1;
+  run_items(w, a.num_ids * Hkv, [&](int64_t j) { head_fn(a, j / Hkv, j % Hkv); });
   return "";
 }
 

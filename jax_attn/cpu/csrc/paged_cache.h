@@ -34,6 +34,23 @@ struct StoreArgs {
 // Returns "" or a message naming the first bad slot (outside [-1, NB * BS)), before any write.
 std::string store_rows(const StoreArgs& args, const Workers& workers);
 
+// Blocks of vLLM's split caches (key [NB, Hkv, D / x, BS, x], value [NB, Hkv, D, BS], x = 16
+// bytes of `elem_bytes`-byte elements) in the token-major order [BS, Hkv, D]: block ids[i] of
+// each cache into block i of `keys` / `values` (dense [num_ids, BS, Hkv, D] each). For the
+// torch half's prefills over a cached prefix, which the ragged kernel reads token-major.
+struct GatherArgs {
+  int64_t num_ids = 0, num_blocks = 0, block_size = 0, num_kv_heads = 0, head_size = 0;
+  int64_t elem_bytes = 0;
+  const int64_t* ids = nullptr;  // [num_ids]
+  const void* key_cache = nullptr;
+  const void* value_cache = nullptr;
+  void* keys = nullptr;
+  void* values = nullptr;
+};
+
+// Returns "" or a message naming the first id outside [0, NB), before any write.
+std::string gather_split_blocks(const GatherArgs& args, const Workers& workers);
+
 // One cache (or pair of caches) whose blocks are copied: `num_blocks` blocks of `block_bytes`,
 // in `halves` contiguous runs (vLLM's kv_cache [2, NB, ...]: the key and value halves).
 struct BlockCopy {

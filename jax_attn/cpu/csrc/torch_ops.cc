@@ -34,6 +34,11 @@
 //     V1 plugin's page [2, BS, Hkv, D] (key block, value block) is kv.unbind(1). The two
 //     caches' blocks must not overlap.
 //
+//   gather_split_blocks(Tensor key_cache, Tensor value_cache, Tensor block_ids,
+//       Tensor(a!) keys, Tensor(b!) values) -> ()
+//     Blocks block_ids[i] (int64) of vLLM's split caches in token-major order: keys[i] and
+//     values[i] ([M >= num_ids, BS, Hkv, D], the caches' dtype) hold them (paged_cache.h).
+//
 //   copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor block_pairs) -> ()
 //     dst[i][:, pairs[:, 1]] = src[i][:, pairs[:, 0]] for caches [2, NB, ...] (vLLM's
 //     copy_blocks with dst = src, swap_blocks with one pair of caches), as if every source
@@ -297,6 +302,61 @@ void ragged_paged_attention_op(at::Tensor out, const at::Tensor& query,
   TORCH_CHECK_VALUE(error.empty(), error);
 }
 
+void gather_split_blocks_op(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_ids, at::Tensor keys, at::Tensor values) {
+  TORCH_CHECK_VALUE(key_cache.dim() == 5 && value_cache.dim() == 4,
+                    "key_cache must be [num_blocks, num_kv_heads, head_size / x, block_size, x] "
+                    "and value_cache [num_blocks, num_kv_heads, head_size, block_size], got ",
+                    key_cache.sizes(), " and ", value_cache.sizes());
+  check_cpu_contiguous({{&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                        {&block_ids, "block_ids"}, {&keys, "keys"}, {&values, "values"}});
+  GatherArgs a;
+  a.num_blocks = key_cache.size(0);
+  a.num_kv_heads = key_cache.size(1);
+  a.block_size = key_cache.size(3);
+  a.elem_bytes = key_cache.element_size();
+  a.head_size = key_cache.size(2) * key_cache.size(4);
+  TORCH_CHECK_VALUE(key_cache.size(4) * a.elem_bytes == 16, "key_cache's last dimension x=",
+                    key_cache.size(4), " must hold 16 bytes (x = 16 / element size)");
+  const std::vector<int64_t> value_shape{a.num_blocks, a.num_kv_heads, a.head_size,
+                                         a.block_size};
+  TORCH_CHECK_VALUE(value_cache.sizes() == at::IntArrayRef(value_shape), "value_cache ",
+                    value_cache.sizes(), " must be [num_blocks, num_kv_heads, head_size, "
+                    "block_size] = ", at::IntArrayRef(value_shape));
+  TORCH_CHECK_VALUE(block_ids.dim() == 1 && block_ids.scalar_type() == at::kLong,
+                    "block_ids must be int64 [num_ids], got ", block_ids.scalar_type(), " ",
+                    block_ids.sizes());
+  a.num_ids = block_ids.size(0);
+  for (const auto& [t, name] : std::initializer_list<Named>{{&keys, "keys"}, {&values, "values"}}) {
+    TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) >= a.num_ids && t->size(1) == a.block_size &&
+                          t->size(2) == a.num_kv_heads && t->size(3) == a.head_size,
+                      name, " must be [at least num_ids=", a.num_ids, ", block_size=",
+                      a.block_size, ", num_kv_heads=", a.num_kv_heads, ", head_size=",
+                      a.head_size, "], got ", t->sizes());
+  }
+  for (const at::Tensor* t : {&value_cache, static_cast<const at::Tensor*>(&keys),
+                              static_cast<const at::Tensor*>(&values)}) {
+    TORCH_CHECK_VALUE(t->scalar_type() == key_cache.scalar_type(),
+                      "both caches, keys and values must have one dtype (the cache's: fp8 as "
+                      "uint8), got ", t->scalar_type(), " and ", key_cache.scalar_type());
+  }
+  for (const auto& [o, o_name] :
+       std::initializer_list<Named>{{&keys, "keys"}, {&values, "values"}}) {
+    for (const auto& [t, name] : std::initializer_list<Named>{
+             {&key_cache, "key_cache"}, {&value_cache, "value_cache"}}) {
+      TORCH_CHECK_VALUE(!shares_memory(*o, *t), o_name, " must not share memory with ", name);
+    }
+  }
+  TORCH_CHECK_VALUE(!shares_memory(keys, values), "keys must not share memory with values");
+  a.ids = block_ids.data_ptr<int64_t>();
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  a.keys = keys.data_ptr();
+  a.values = values.data_ptr();
+  const std::string error = gather_split_blocks(a, torch_workers());
+  TORCH_CHECK_VALUE(error.empty(), error);
+}
+
 void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
                  at::Tensor value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_size], got ",
@@ -483,6 +543,9 @@ TORCH_LIBRARY(jax_attn, m) {
       "store_token_major(Tensor key, Tensor value, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] dst, Tensor[] src, Tensor block_pairs) -> ()");
+  m.def(
+      "gather_split_blocks(Tensor key_cache, Tensor value_cache, Tensor block_ids, "
+      "Tensor(a!) keys, Tensor(b!) values) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(jax_attn, CPU, m) {
@@ -491,4 +554,5 @@ TORCH_LIBRARY_IMPL(jax_attn, CPU, m) {
   m.impl("store_split", &jax_attn_cpu::store_split);
   m.impl("store_token_major", &jax_attn_cpu::store_token_major);
   m.impl("copy_blocks", &jax_attn_cpu::copy_blocks_op);
+  m.impl("gather_split_blocks", &jax_attn_cpu::gather_split_blocks_op);
 }
