@@ -22,6 +22,11 @@ breaks 0-3 things:
   (unknown names, fp8 on a 2-byte cache, "auto" on uint8 bits), ALiBi slopes of another length,
   head counts that do not divide, and values that are legal but extreme (NaN / inf scale, soft
   cap and slopes, any sliding window);
+- gather_split_blocks (the split cache's blocks in token-major order, for the torch half's
+  prefills over a cached prefix): a block id (extremes, -1, NB), the ids' dtype or rank, outputs
+  with too few blocks or another block / head shape, another dtype, a view that is not
+  contiguous, outputs that share memory with a cache or with each other, a value cache of
+  another shape, head sizes that do not fill 16 bytes;
 - ragged_paged_attention (prefill, chunked prefill, decode and mixed steps over the token-major
   caches): the decode breaks, and query_start_loc (decreasing, past the tokens, a negative
   start), num_seqs (extremes, past the rows, its element count), seq_lens shorter than a
@@ -33,7 +38,8 @@ paged_cache.h, paged_decode.h), then checked:
 - predicted bad: the op raises ValueError whose message names one of the broken arguments, and
   every byte of every tensor it was given is as before;
 - predicted good: it runs, and the result matches a plain torch reference (store_split,
-  store_token_major and copy_blocks bit for bit over whole buffers, paged_decode_split and
+  store_token_major, copy_blocks and gather_split_blocks bit for bit over whole buffers,
+  paged_decode_split and
   ragged_paged_attention against float64 on a NaN-poisoned cache, for finite, moderate
   scales).
 
@@ -57,6 +63,7 @@ OPS = (
     "store_split",
     "store_token_major",
     "copy_blocks",
+    "gather_split_blocks",
     "paged_decode_split",
     "ragged_paged_attention",
 )
@@ -1060,10 +1067,126 @@ def _check_ragged(a: dict) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
+# gather_split_blocks
+
+
+def draw_gather(gen: torch.Generator, kinds: Counter) -> Call:
+    dtype = _pick(gen, [torch.float32, torch.bfloat16, torch.float16, torch.uint8])
+    es = torch.tensor([], dtype=dtype).element_size()
+    x = 16 // es
+    hkv, bs, nb = _pick(gen, [0, 1, 2, 3]), _pick(gen, [1, 2, 5, 16]), _pick(gen, [1, 3, 6])
+    dx = _pick(gen, [0, 1, 2, 3, 8])  # 16-byte pieces per head
+    n = _pick(gen, [0, 1, 2, 5])
+    kv = _random(gen, (2, nb, hkv * dx * x * bs), dtype)
+    key_cache = kv[0].view(nb, hkv, dx, bs, x)
+    value_cache = kv[1].view(nb, hkv, dx * x, bs)
+    ids = torch.randint(0, nb, (n,), generator=gen)
+    spare = _pick(gen, [0, 0, 1, 3])  # output blocks past the ids: left as they are
+    out = _random(gen, (2, n + spare, bs, hkv, dx * x), dtype)
+    buffers = [kv, ids, out]
+    args = {"key_cache": key_cache, "value_cache": value_cache, "block_ids": ids,
+            "keys": out[0], "values": out[1]}  # fmt: skip
+    for _ in range(_pick(gen, [0, 1, 1, 2, 3])):
+        kind = _pick(gen, ["id", "id", "ids-tensor", "tensor", "alias", "shape"])
+        if kind == "id" and args["block_ids"].numel() and args["block_ids"].dtype in (
+            torch.int64, torch.int32
+        ):  # fmt: skip
+            kinds["id"] += 1
+            bits = 64 if args["block_ids"].dtype == torch.int64 else 32
+            t = args["block_ids"].view(-1)
+            t[_int(gen, 0, t.numel())] = _garbage(gen, nb, bits=bits)
+        elif kind == "ids-tensor":
+            kinds["ids-tensor"] += 1
+            how = _pick(gen, ["int32", "2-d"])
+            args["block_ids"] = ids.to(torch.int32) if how == "int32" else ids.reshape(1, -1)
+        elif kind == "tensor":
+            name = _pick(gen, list(args))
+            args[name] = _break_tensor(gen, args[name], name, kinds)
+        elif kind == "alias":
+            kinds["outputs-share-memory"] += 1
+            target = _pick(gen, ["keys", "cache"])
+            if target == "keys":
+                args["values"] = args["keys"]
+            elif hkv * dx * x * bs and nb >= n + spare:
+                args["keys"] = (
+                    kv[0]
+                    .view(-1)[: (n + spare) * bs * hkv * dx * x]
+                    .view(n + spare, bs, hkv, dx * x)
+                )
+        elif kind == "shape":
+            kinds["shape"] += 1
+            how = _pick(gen, ["value-cache", "too-few", "block"])
+            if how == "value-cache":
+                args["value_cache"] = value_cache.reshape(nb, 1, hkv * dx * x, bs)
+            elif how == "too-few" and n:
+                args["keys"] = out[0][: n - 1]
+            else:
+                args["values"] = out[1].reshape(n + spare, 1, bs * hkv, dx * x)
+    call = Call(list(args.values()), buffers, _gather_rules(args))
+    if not call.broken:
+        a = args
+        want_k, want_v = a["keys"].clone(), a["values"].clone()
+        ids_ = a["block_ids"].long()
+        k = a["key_cache"].permute(0, 3, 1, 2, 4)[ids_]
+        want_k[: len(ids_)] = k.reshape(len(ids_), *want_k.shape[1:])
+        want_v[: len(ids_)] = a["value_cache"].permute(0, 3, 1, 2)[ids_]
+
+        def check(args_, want_k=want_k, want_v=want_v) -> str | None:
+            if not (torch.equal(_bytes(args_[3]), _bytes(want_k))
+                    and torch.equal(_bytes(args_[4]), _bytes(want_v))):  # fmt: skip
+                return "the gathered blocks differ from the permuted copy"
+            return None
+
+        call.check = check
+    return call
+
+
+def _gather_rules(a: dict) -> list:
+    """The rules gather_split_blocks' arguments break, in torch_ops.cc's order."""
+    kc, vc, ids, keys, values = (a[n] for n in ("key_cache", "value_cache", "block_ids", "keys",
+                                                "values"))  # fmt: skip
+    if kc.dim() != 5 or vc.dim() != 4:
+        return ["key_cache must be"]
+    broken = []
+    names = [(kc, "key_cache"), (vc, "value_cache"), (ids, "block_ids"), (keys, "keys"),
+             (values, "values")]  # fmt: skip
+    if not _cpu_contiguous(names, broken):
+        return broken
+    es = kc.element_size()
+    nb, hkv, bs = kc.shape[0], kc.shape[1], kc.shape[3]
+    d = kc.shape[2] * kc.shape[4]
+    if kc.shape[4] * es != 16:
+        return ["key_cache's last dimension"]
+    if tuple(vc.shape) != (nb, hkv, d, bs):
+        return ["value_cache"]
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        return ["block_ids must be int64"]
+    n = ids.shape[0]
+    for t, name in ((keys, "keys"), (values, "values")):
+        if t.dim() != 4 or t.shape[0] < n or tuple(t.shape[1:]) != (bs, hkv, d):
+            return [f"{name} must be"]
+    if any(t.dtype != kc.dtype for t in (vc, keys, values)):
+        return ["must have one dtype"]
+    for o, o_name in ((keys, "keys"), (values, "values")):
+        for t, name in ((kc, "key_cache"), (vc, "value_cache")):
+            if _shares_memory(o, t):
+                return [f"{o_name} must not share memory with {name}"]
+    if _shares_memory(keys, values):
+        return ["keys must not share memory with values"]
+    bad = [i for i, b in enumerate(ids.tolist()) if not 0 <= b < nb]
+    if bad:
+        return [rf"block_ids\[{bad[0]}\]"]
+    if es not in (1, 2, 4):
+        return ["element size"]
+    return []
+
+
+# --------------------------------------------------------------------------------------------
 # Running
 
 DRAW = {"store_split": draw_store, "store_token_major": draw_store_tm, "copy_blocks": draw_copy,
-        "paged_decode_split": draw_decode, "ragged_paged_attention": draw_ragged}  # fmt: skip
+        "gather_split_blocks": draw_gather, "paged_decode_split": draw_decode,
+        "ragged_paged_attention": draw_ragged}  # fmt: skip
 
 
 def run_example(op: str, seed: int, index: int, report: Report) -> None:

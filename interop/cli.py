@@ -399,7 +399,8 @@ def main(argv=None) -> int:
         "--torch-ops",
         action="store_true",
         help="fuzz the native torch ops (torch.ops.jax_attn.*) with bad input instead "
-        "(--backend store_split|store_token_major|copy_blocks|paged_decode_split; "
+        "(--backend store_split|store_token_major|copy_blocks|gather_split_blocks|"
+        "paged_decode_split|ragged_paged_attention; "
         "interop/bad_torch_ops.py)",
     )
     fuzz.add_argument(
