@@ -103,7 +103,7 @@ SANITIZED_TESTS = (
     ("test_native_copy_blocks.py", None),
     ("test_native_store_token_major.py", None),
     ("test_native_ops.py", "oracle or bad_values or bad_shapes or cache_write or repeated_slot"
-     " or copy_blocks or swap_and_copy or agree"),
+     " or copy_blocks or swap_and_copy or agree or gather_split_blocks"),
     ("test_native_ragged.py", "oracle or bad"),
 )  # fmt: skip
 
@@ -113,7 +113,8 @@ def test_sanitizer_build_runs_the_torch_ops():
     """The torch library built with ASan + UBSan (the flags of the XLA kernels' sanitizer
     builds, tests/jax/test_cpu_build.py), running SANITIZED_TESTS in a child process: any
     out-of-bounds access or undefined behaviour in store_split, store_token_major,
-    copy_blocks, paged_decode_split, ragged_paged_attention or their checks aborts it. A
+    copy_blocks, gather_split_blocks, paged_decode_split, ragged_paged_attention or their
+    checks aborts it. A
     build of ~2 min (cached across runs)."""
     try:  # (the sanitizer flags include -Werror: the torch ops build warning-free too)
         env = bad_torch_ops.sanitizer_env()
