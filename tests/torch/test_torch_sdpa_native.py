@@ -262,25 +262,38 @@ def test_forward_prefix_runs_native(rng, native_only):
     key_cache, value_cache = PagedAttention.split_kv_cache(step.kv_cache, hkv, d)
     n = sum(q for q, _ in prefills)
     md = step.metadata
-    out = PagedAttention.forward_prefix(
-        step.query[:n].view(n, hq, d),
-        step.key[:n].view(n, hkv, d),
-        step.value[:n].view(n, hkv, d),
-        cache_dtype,
-        key_cache,
-        value_cache,
-        md.prefill_block_tables,
-        md.query_start_loc,
-        torch.tensor(md.seq_lens),
-        md.max_query_len,
-        torch.tensor(alibi(hq)),
-        extras["sliding_window"],
-        1.0,
-        1.0,
-        scale=impl.scale,
-    )
+
+    def prefix(key_cache, value_cache):
+        return PagedAttention.forward_prefix(
+            step.query[:n].view(n, hq, d),
+            step.key[:n].view(n, hkv, d),
+            step.value[:n].view(n, hkv, d),
+            cache_dtype,
+            key_cache,
+            value_cache,
+            md.prefill_block_tables,
+            md.query_start_loc,
+            torch.tensor(md.seq_lens),
+            md.max_query_len,
+            torch.tensor(alibi(hq)),
+            extras["sliding_window"],
+            1.0,
+            1.0,
+            scale=impl.scale,
+        )
+
+    out = prefix(key_cache, value_cache)
     assert native_only == [n]
     assert_close(out.float(), step.expected[:n], dtype)
+    # Caches that are strided views (the public API takes any): the blocks are gathered by
+    # index_select instead of the native gather, the same bits.
+    strided = []
+    for cache in (key_cache, value_cache):
+        wide = torch.full((*cache.shape, 2), float("nan"), dtype=cache.dtype)
+        wide[..., 0] = cache
+        strided.append(wide[..., 0])
+    assert not strided[0].is_contiguous() and not strided[1].is_contiguous()
+    assert torch.equal(prefix(*strided), out)
 
 
 def test_out_rows_of_a_mixed_step_written_in_place(rng):
