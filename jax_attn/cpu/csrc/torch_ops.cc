@@ -117,6 +117,24 @@ void check_cpu_contiguous(std::initializer_list<Named> tensors) {
   }
 }
 
+// vLLM's split key cache [num_blocks, num_kv_heads, head_size / x, block_size, x]: its x,
+// which must hold 16 bytes, or ValueError.
+int64_t split_x(const at::Tensor& key_cache) {
+  const int64_t x = key_cache.size(4);
+  TORCH_CHECK_VALUE(x * key_cache.element_size() == 16, "key_cache's last dimension x=", x,
+                    " must hold 16 bytes (x = 16 / element size)");
+  return x;
+}
+
+// vLLM's split value cache: [num_blocks, num_kv_heads, head_size, block_size], or ValueError.
+void check_split_value_shape(const at::Tensor& value_cache, int64_t num_blocks,
+                             int64_t num_kv_heads, int64_t head_size, int64_t block_size) {
+  const std::vector<int64_t> shape{num_blocks, num_kv_heads, head_size, block_size};
+  TORCH_CHECK_VALUE(value_cache.sizes() == at::IntArrayRef(shape), "value_cache ",
+                    value_cache.sizes(), " must be [num_blocks, num_kv_heads, head_size, "
+                    "block_size] = ", at::IntArrayRef(shape));
+}
+
 // Whether the bytes of two contiguous tensors overlap.
 bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
   const auto begin_a = reinterpret_cast<std::uintptr_t>(a.data_ptr());
@@ -171,16 +189,10 @@ void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tenso
   a.num_blocks = key_cache.size(0);
   a.num_kv_heads = key_cache.size(1);
   a.block_size = key_cache.size(3);
-  const int64_t x = key_cache.size(4);
-  TORCH_CHECK_VALUE(x * key_cache.element_size() == 16, "key_cache's last dimension x=", x,
-                    " must hold 16 bytes (x = 16 / element size)");
+  const int64_t x = split_x(key_cache);
   TORCH_CHECK_VALUE(key_cache.size(2) * x == a.head_size, "key_cache head_size=",
                     key_cache.size(2) * x, " must equal query head_size=", a.head_size);
-  const std::vector<int64_t> value_shape{a.num_blocks, a.num_kv_heads, a.head_size,
-                                         a.block_size};
-  TORCH_CHECK_VALUE(value_cache.sizes() == at::IntArrayRef(value_shape), "value_cache ",
-                    value_cache.sizes(), " must be [num_blocks, num_kv_heads, head_size, "
-                    "block_size] = ", at::IntArrayRef(value_shape));
+  check_split_value_shape(value_cache, a.num_blocks, a.num_kv_heads, a.head_size, a.block_size);
   TORCH_CHECK_VALUE(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
                     value_cache.scalar_type(), " must match key_cache ", key_cache.scalar_type());
   TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == a.num_seqs &&
@@ -315,14 +327,8 @@ void gather_split_blocks_op(const at::Tensor& key_cache, const at::Tensor& value
   a.num_kv_heads = key_cache.size(1);
   a.block_size = key_cache.size(3);
   a.elem_bytes = key_cache.element_size();
-  a.head_size = key_cache.size(2) * key_cache.size(4);
-  TORCH_CHECK_VALUE(key_cache.size(4) * a.elem_bytes == 16, "key_cache's last dimension x=",
-                    key_cache.size(4), " must hold 16 bytes (x = 16 / element size)");
-  const std::vector<int64_t> value_shape{a.num_blocks, a.num_kv_heads, a.head_size,
-                                         a.block_size};
-  TORCH_CHECK_VALUE(value_cache.sizes() == at::IntArrayRef(value_shape), "value_cache ",
-                    value_cache.sizes(), " must be [num_blocks, num_kv_heads, head_size, "
-                    "block_size] = ", at::IntArrayRef(value_shape));
+  a.head_size = key_cache.size(2) * split_x(key_cache);
+  check_split_value_shape(value_cache, a.num_blocks, a.num_kv_heads, a.head_size, a.block_size);
   TORCH_CHECK_VALUE(block_ids.dim() == 1 && block_ids.scalar_type() == at::kLong,
                     "block_ids must be int64 [num_ids], got ", block_ids.scalar_type(), " ",
                     block_ids.sizes());
