@@ -94,6 +94,12 @@ GRID = [
     # (a partial group of 4), head sizes of 5 and 7 16-dim pieces.
     (torch.bfloat16, "auto", 80, 32, 3, "softcap"),
     (torch.bfloat16, "auto", 112, 16, 5, None),
+    # Blocks of 128: values read as they lie, per dimension (decode_split.h): 3 and 5 query rows
+    # per kv head, head sizes of 5 and 7 16-dim pieces, every bias.
+    (torch.float32, "auto", 80, 128, 3, "softcap"),
+    (torch.float32, "auto", 112, 128, 5, "alibi"),
+    (torch.bfloat16, "auto", 80, 128, 5, "window"),
+    (torch.bfloat16, "auto", 112, 128, 3, "softcap"),
 ]
 
 

@@ -70,7 +70,9 @@
 // the split layout's gather and transpose, accumulate_values; and the vdpbf16ps key dot
 // dot_keys_bf16: AVX512_BF16, JAX_ATTN_DECODE_BF16_DOT), decode_fp8.h (fp8 to bf16 by table
 // lookups for the vdpbf16ps path: AVX512_VBMI, JAX_ATTN_DECODE_FP8_DOT) and decode_amx.h (the
-// AMX decode decode_item_amx: JAX_ATTN_AMX).
+// AMX decode decode_item_amx: JAX_ATTN_AMX) and decode_split.h (vLLM's split layout at blocks
+// of 128 or more, float32 and bf16 under vdpbf16ps: a head block per step, its values read per
+// dimension as they lie instead of transposed into tiles; math from L2 -28% / -20%, NOTES.md).
 //
 // Bad input (block ids outside [0, NB) among the blocks a sequence reads, seq_len outside
 // [0, max_blocks * BS], wrong sizes or dtypes) returns a message before anything is read or
@@ -769,6 +771,11 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
   pf.issue(pf.remaining());
 }
 
+// vLLM's split layout a head block at a time, its values read as they lie (decode_split.h:
+// attend_head_block_lanes, reduce_lanes), a part of this kernel of its own, included here inside
+// this file's namespaces: it uses Problem, Queries, RowsState, TilePrefetcher and split_logits.
+#include "decode_split.h"
+
 // One item on AVX-512. NC = ceil(D / 16) 16-float chunks per row; the last may be partial.
 // kDot: bf16 queries on a bf16 or fp8 cache, keys dotted by vdpbf16ps (attend_tile_rows for a
 // token-major bf16 cache, else dot_keys_bf16 or split_logits).
@@ -922,6 +929,19 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   const int64_t values_ahead = std::max<int64_t>(
       1, (2 * p.prefetch_tiles + tiles_per_block - 1) / tiles_per_block);
   const int64_t head_bytes = D * BS * elem;  // one kv head's block in either cache
+  // The split layout's values as they lie (decode_split.h): float32, and bf16 under
+  // vdpbf16ps, at blocks of kMinLaneBlock tokens or more.
+  constexpr bool kLaneValues = (std::is_same_v<KV, float> && !kDot) ||
+                               (kDot && std::is_same_v<KV, bf16_t>);
+  const bool lane_values = kLaneValues && split && BS >= kMinLaneBlock;
+  const int64_t lane_rows = lane_values ? p.group : 0;
+  const int64_t lane_stride = round_up(BS, 64);
+  FloatBuffer lane_buffer(static_cast<size_t>(lane_rows * (2 * lane_stride + 1)));
+  const LaneBlockScratch lane_scratch{
+      lane_buffer.get(), lane_buffer.get() + lane_rows * lane_stride,
+      lane_buffer.get() + 2 * lane_rows * lane_stride, lane_stride,
+      kDot ? lane_stride / 32 : lane_stride};
+  float* lanes = lane_values ? tls_lanes.get(static_cast<size_t>(Hq * DP * 16)) : nullptr;
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
     const int64_t t_end = std::min(it.end, b * BS + BS) - b * BS;
@@ -936,6 +956,19 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t keys = p.prefetch_tiles > 0 ? head_block_ahead(b, h, keys_ahead) : -1;
         const int64_t values = p.prefetch_tiles > 0 ? head_block_ahead(b, h, values_ahead) : -1;
+        if (lane_values) {  // the head block in one step, the blocks ahead requested meanwhile
+          // (Into L2: with NTA, lines the lanes push out of L1 come again from memory. Further
+          // ahead than the next head block ran slower; NOTES.md.)
+          TilePrefetcher pf;
+          if (keys >= 0) {
+            pf = TilePrefetcher(kc + keys, values >= 0 ? vc + values : nullptr, 0, 1, head_bytes,
+                                true);
+          }
+          attend_head_block_lanes<KV, NC, kDot>(
+              p, queries, st, lanes, (table[b] * Hkv + h) * D * BS, h, t_begin, t_end,
+              static_cast<float>(b * BS + t_begin - q_pos), b == first_block, pf, lane_scratch);
+          continue;
+        }
         for (int64_t i = 0, t0 = t_begin; t0 < t_end; ++i, t0 += 16) {
           const int64_t n = std::min<int64_t>(16, t_end - t0);
           const __m512 distance = _mm512_add_ps(
@@ -1008,6 +1041,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       }
     }
   }
+  if (lane_values && it.end > it.begin) reduce_lanes<NC>(lanes, Hq, D, st.acc.get());
   finish_item(p, it, st, DP, scratch, arrivals);
 }
 
