@@ -624,13 +624,18 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
       }
       for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int rg = static_cast<int>(std::min<int64_t>(4, G - g0));
+        // Float32: this block's requests before its accumulators go live. issue is a call,
+        // and a call takes every vector register with it: a request per chunk spilled and
+        // reloaded all 16 (bf16, whose math is half as long, keeps the finer spread: in bursts
+        // its decode from memory ran slower; NOTES.md).
+        if constexpr (!kDot) pf.issue(kKeyChunks * per_step);
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
 #pragma GCC unroll 16
         for (int c = 0; c < kKeyChunks; ++c) {
-          pf.issue(per_step);
           if constexpr (kDot) {
+            pf.issue(per_step);
 #if JAX_ATTN_DECODE_BF16_DOT
             const __mmask32 m = c == NC2 - 1 ? last_mask2 : static_cast<__mmask32>(0xffffffffu);
             const bf16_t* qh = static_cast<const bf16_t*>(q) + (h * G + g0) * DP2;
@@ -721,6 +726,7 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
         const int64_t row0 = h * G + g0;
 #pragma GCC unroll 4
         for (int cb = 0; cb < NC; cb += 4) {
+          pf.issue(nt * per_step);  // before the accumulators go live (see the logits)
           __m512 o[4][4];
 #pragma GCC unroll 4
           for (int r = 0; r < 4; ++r) {
@@ -736,7 +742,6 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
             }
           }
           for (int i = 0; i < nt; ++i) {
-            pf.issue(per_step);
             __m512 x[4];
 #pragma GCC unroll 4
             for (int j = 0; j < 4; ++j) {
