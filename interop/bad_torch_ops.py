@@ -681,8 +681,9 @@ def draw_decode(gen: torch.Generator, kinds: Counter) -> Call:
     d = _pick(gen, [16, 32, 64, 80])  # multiples of every x (16 bytes of the cache's type)
     hkv, group = _pick(gen, [1, 2]), _pick(gen, [1, 3])
     hq = hkv * group
-    bs, nb, mb, s = _pick(gen, [1, 4, 16]), _int(gen, 1, 9), _int(gen, 1, 5), _int(gen, 0, 5)
-    window = _pick(gen, [0, 0, 3, 17, -5, INT64_MAX, INT64_MIN])
+    # 128: the blocks whose values the kernel reads per dimension (decode_split.h)
+    bs, nb, mb, s = _pick(gen, [1, 4, 16, 128]), _int(gen, 1, 9), _int(gen, 1, 5), _int(gen, 0, 5)
+    window = _pick(gen, [0, 0, 3, 17, -5, 150, INT64_MAX, INT64_MIN])
     lens = torch.randint(0, mb * bs + 1, (s,), generator=gen).to(torch.int32)
     tables = torch.randint(INT32_MIN, INT32_MAX, (s, mb), generator=gen, dtype=torch.int64)
     tables = tables.to(torch.int32)
