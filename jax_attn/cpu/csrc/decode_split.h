@@ -26,23 +26,8 @@
 // NOTES.md).
 constexpr int64_t kMinLaneBlock = 128;
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// Per-thread lane scratch, grown on demand (64-byte aligned; contents need no initial value:
-// a head's first block writes its lanes without reading them).
-struct LaneScratch {
-  std::unique_ptr<float[]> raw;
-  size_t size = 0;
-  float* get(size_t floats) {
-    if (floats > size) {
-      raw.reset(new float[floats + 16]);
-      size = floats;
-    }
-    const auto addr = reinterpret_cast<uintptr_t>(raw.get());
-    return reinterpret_cast<float*>((addr + 63) & ~static_cast<uintptr_t>(63));
-  }
-};
-thread_local LaneScratch tls_lanes;
+// Per-thread lane scratch (a head's first block writes its lanes without reading them).
+thread_local Scratch tls_lanes;
 
 // The p.v of RG query rows against 4 dimensions [d0, d0 + 4) of one head block's values:
 // lanes[r][d] = lanes[r][d] * factor[r] (or nothing read when `first`) + the block's products.

@@ -14,6 +14,7 @@
 // - `Workers`: the threads a kernel runs its items on, provided by the caller (XLA's intra-op
 //   pool, or torch's); `run_items` hands items out one at a time.
 // - `prefault_output`: a large output's pages faulted in up front, a share per worker.
+// - `round_up`, `Scratch`: a thread's scratch memory, grown on demand.
 //
 // Everything lives in namespace jax_attn_cpu. No XLA or torch header is included here.
 #pragma once
@@ -27,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <string>
 #include <type_traits>
 
@@ -185,6 +187,30 @@ inline KeyRange visible_keys(int64_t q_pos, int64_t seq_len, int64_t window, boo
   int64_t begin = window > 0 ? std::max<int64_t>(0, q_pos - window + 1) : 0;
   return KeyRange{begin, std::max(begin, end)};
 }
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// A float scratch array of its own thread, grown on demand and reused across calls (64-byte
+// aligned; zeroed when it grows, so a kernel may rely on padding it never writes being zero).
+// Each kernel keeps its own `thread_local` ones.
+struct Scratch {
+  float* data = nullptr;
+  size_t size = 0;
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(data); }
+  float* get(size_t floats) {
+    if (floats > size) {
+      std::free(data);
+      size = static_cast<size_t>(round_up(static_cast<int64_t>(floats), 1024));
+      data = static_cast<float*>(std::aligned_alloc(64, size * sizeof(float)));
+      if (data == nullptr) throw std::bad_alloc();
+      std::memset(data, 0, size * sizeof(float));
+    }
+    return data;
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Online softmax: the running state of one query row over chunks of keys. The accumulator

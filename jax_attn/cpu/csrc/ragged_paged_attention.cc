@@ -124,8 +124,6 @@ constexpr float kNoKey = -1e29f;
 // PvArgs::visible of a step without a causal limit: more keys than any step has.
 constexpr int64_t kAllVisible = int64_t{1} << 40;
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 // Keys that row `row` of a causal step sees: n < visible + row / G (PvArgs::visible), at
 // least none. The q.k key-block skip and the p.v stop both use it, so they cannot drift apart.
 inline int64_t keys_seen(int64_t visible, int64_t G, int64_t row) {
@@ -405,22 +403,6 @@ inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int
   }
 }
 
-// Per-thread scratch, grown on demand and reused across calls (64-byte aligned).
-struct Scratch {
-  float* data = nullptr;
-  size_t size = 0;
-  ~Scratch() { std::free(data); }
-  float* get(size_t floats) {
-    if (floats > size) {
-      std::free(data);
-      size = round_up(static_cast<int64_t>(floats), 1024);
-      data = static_cast<float*>(std::aligned_alloc(64, size * sizeof(float)));
-      if (data == nullptr) throw std::bad_alloc();
-      std::memset(data, 0, size * sizeof(float));
-    }
-    return data;
-  }
-};
 thread_local Scratch tls_scratch;
 
 // The vdpbf16ps path's value pairs of one task (run_task), packed once and read by all its
