@@ -159,6 +159,51 @@ def test_bf16_widened_keys_match_float64(case: Case, rng, monkeypatch):
     _check_against_float64(case, rng)
 
 
+# Without AMX, bf16 queries on a token-major bf16 or fp8 cache with 4 query rows or more per kv
+# head and a head size that is a multiple of 8 take the quads (decode_quads.h): the cases above
+# with GQA 4, 7 and 8, and these: groups of 5 and 6 (a quad of 1 or 2 rows after a full one),
+# 12 (three quads), head sizes of an odd number of 8-element pieces (40, 120) and of a last
+# 32-element chunk of 16 (112), tiles of 1-8 tokens and of 9-15 (odd: a token pair's second
+# row is a stand-in), windows, ALiBi, soft cap and split-K parts.
+QUAD_CASES = [
+    Case(dtype="bfloat16", num_heads=5, num_kv_heads=1, head_size=120, block_size=8),
+    Case(dtype="bfloat16", num_heads=12, num_kv_heads=2, head_size=112, sliding_window=13),
+    Case(dtype="bfloat16", num_heads=12, num_kv_heads=1, head_size=96, alibi=True, soft_cap=3.0),
+    Case(
+        dtype="bfloat16",
+        cache_dtype="float8_e4m3fn",
+        num_heads=6,
+        num_kv_heads=1,
+        head_size=40,
+        block_size=32,
+        split_tokens=64,
+    ),
+    Case(
+        dtype="bfloat16",
+        cache_dtype="float8_e5m2",
+        num_heads=16,
+        num_kv_heads=2,
+        head_size=120,
+        block_size=128,
+        sliding_window=150,
+        alibi=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", QUAD_CASES, ids=str)
+def test_quads_match_float64(case: Case, rng):
+    _check_against_float64(case, rng)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES + QUAD_CASES if c.dtype == "bfloat16"], ids=str)
+def test_bf16_without_quads_match_float64(case: Case, rng, monkeypatch):
+    """The same cases with the quads off (JAX_ATTN_CPU_DECODE_QUADS=0): the tile path that
+    groups of fewer than 4 rows take, for every group size."""
+    monkeypatch.setenv("JAX_ATTN_CPU_DECODE_QUADS", "0")
+    _check_against_float64(case, rng)
+
+
 @pytest.mark.parametrize("dot", ["1", "0"])
 @pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])

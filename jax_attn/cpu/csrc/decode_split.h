@@ -154,7 +154,7 @@ __attribute__((noinline)) void attend_head_block_lanes(
     factor[g] = state.rescale(_mm512_reduce_max_ps(m));
     const __m512 max = _mm512_set1_ps(state.max);
     __m512 sum = _mm512_setzero_ps();
-    __m512 prev = _mm512_setzero_ps();
+    [[maybe_unused]] __m512 prev = _mm512_setzero_ps();  // kDot: the previous 16 tokens
     for (int64_t t = 0; t < round_up(nb, kDot ? 32 : 16); t += 16) {
       const __mmask16 valid = t < nb ? tail_mask(nb - t) : static_cast<__mmask16>(0);
       const __m512 pr = _mm512_maskz_mov_ps(

@@ -32,6 +32,12 @@
 //   decode's from 2.83 to 2.13 (32 x 1024 keys, block 128, 2-core Zen 5 VM; NOTES.md).
 // - bf16 queries on a token-major bf16 or fp8 cache at block sizes that are multiples of 16,
 //   on CPUs with AMX-BF16: both products on AMX tiles (decode_item_amx).
+// - Elsewhere (AVX512_BF16), bf16 queries on a token-major bf16 or fp8 cache with GQA groups of
+//   4 rows or more and head sizes that are multiples of 8: the quads (attend_tile_quads), 4
+//   query rows to a vector, one per 128-bit lane, so a key's 16-byte pieces are broadcast and
+//   a (row, token) logit needs no 16-lane sum; a kv head at a time per tile. Math from L2
+//   -17% at G = 4, decode from memory at G = 8 -15-23% (bf16) and -7-12% (fp8); at G = 4 from
+//   memory within the VM's drift (NOTES.md).
 // Keys outside the visible range (past seq_len, before the sliding window) are never loaded:
 // tiles cover only the visible range, rows of a tile's missing tokens are zeros (a zero row or
 // the widened tile's zeroed rows) and their logits are masked, so NaN in unused cache memory
@@ -70,7 +76,8 @@
 // the split layout's gather and transpose, accumulate_values; and the vdpbf16ps key dot
 // dot_keys_bf16: AVX512_BF16, JAX_ATTN_DECODE_BF16_DOT), decode_fp8.h (fp8 to bf16 by table
 // lookups for the vdpbf16ps path: AVX512_VBMI, JAX_ATTN_DECODE_FP8_DOT) and decode_amx.h (the
-// AMX decode decode_item_amx: JAX_ATTN_AMX) and decode_split.h (vLLM's split layout at blocks
+// AMX decode decode_item_amx: JAX_ATTN_AMX), decode_quads.h (the quads, attend_tile_quads:
+// JAX_ATTN_DECODE_BF16_DOT) and decode_split.h (vLLM's split layout at blocks
 // of 128 or more, float32 and bf16 under vdpbf16ps: a head block per step, its values read per
 // dimension as they lie instead of transposed into tiles; math from L2 -28% / -20%, NOTES.md).
 //
@@ -120,6 +127,7 @@ struct Problem {
   float cap;       // <= 0: none
   int64_t prefetch_tiles;
   bool prefetch_l2;  // every prefetch into L2 (cpu_features.h: NTA lines stay in L1 on Intel)
+  bool quads;        // attend_tile_quads where it applies ($JAX_ATTN_CPU_DECODE_QUADS=0: never)
   DType query_type;
   CacheLayout layout;
   int64_t x;  // kSplit: key elements per 16 bytes (the innermost key dimension)
@@ -781,6 +789,10 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
 // this file's namespaces: it uses Problem, Queries, RowsState, TilePrefetcher and split_logits.
 #include "decode_split.h"
 
+// bf16 queries on a token-major bf16 or fp8 cache, GQA groups of 4 rows or more, a quad of rows
+// per 128-bit lane group (decode_quads.h: attend_tile_quads), a part of this kernel of its own.
+#include "decode_quads.h"
+
 // One item on AVX-512. NC = ceil(D / 16) 16-float chunks per row; the last may be partial.
 // kDot: bf16 queries on a bf16 or fp8 cache, keys dotted by vdpbf16ps (attend_tile_rows for a
 // token-major bf16 cache, else dot_keys_bf16 or split_logits).
@@ -810,7 +822,26 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
     for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
   }
   const Queries queries{q.get(), reinterpret_cast<const bf16_t*>(q2.get())};
-  RowsState st(Hq, DP);
+  // bf16 queries on a token-major bf16 or fp8 cache, groups of 4 rows or more, head sizes that
+  // are multiples of 8: attend_tile_quads, its rows DP2 floats apart until the item's end.
+  constexpr bool kQuadsBuilt = kDot && (std::is_same_v<KV, bf16_t> || kFp8);
+  const bool quads = kQuadsBuilt && p.layout == CacheLayout::kTokenMajor && p.quads &&
+                     p.group >= 4 && D % 8 == 0;
+  const int64_t quad_vectors = quads ? Hkv * ((p.group + 3) / 4) * (D / 8) : 0;
+  FloatBuffer quad_q(static_cast<size_t>(quad_vectors * 16));  // 32 bf16 per vector
+  // Logits [G][16], probabilities [G][8], factors [G]; fp8: key and value tiles [16][DP2].
+  const int64_t quad_tiles = round_up(p.group * 25, 16);
+  FloatBuffer quad_scratch(quads ? static_cast<size_t>(quad_tiles + (kFp8 ? 16 * DP2 : 0)) : 0);
+  QuadScratch quad_s{};
+  if (quads) {
+    pack_query_quads(static_cast<const bf16_t*>(p.query) + it.seq * Hq * D, Hkv, p.group, D,
+                     reinterpret_cast<bf16_t*>(quad_q.get()));
+    float* f = quad_scratch.get();
+    bf16_t* tiles = reinterpret_cast<bf16_t*>(f + quad_tiles);
+    quad_s = QuadScratch{f, reinterpret_cast<uint32_t*>(f + p.group * 16), f + p.group * 24,
+                         tiles, tiles + 16 * DP2};
+  }
+  RowsState st(Hq, quads ? DP2 : DP);
   // One kv head's keys as an L1-resident tile, reused by the G query rows of its group: widened
   // [16, DP] (with kDot: bf16 [16, DP2]).
   alignas(64) float ktile[kDot ? 16 : 16 * DP];
@@ -994,7 +1025,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       const int64_t n = std::min<int64_t>(16, t_end - t0);
       const __m512 distance = _mm512_add_ps(
           iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
-      if constexpr (kRowsTiles) {
+      if (kRowsTiles || quads) {
         // The next tile's keys and values ([rows, Hkv, D] each, contiguous), requested in
         // address order over this tile's steps. A float32 tile's (128 KiB at Hkv 8, D 128)
         // outgrows L1 beside the tile being computed: it goes to L2 (T1), smaller ones with
@@ -1007,11 +1038,33 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
                               p.prefetch_l2 || 2 * bytes > 64 * 1024);
         }
         const int64_t first = block_offset + t0 * row_stride;
+        if constexpr (kQuadsBuilt) {
+          if (quads) {
+#if JAX_ATTN_DECODE_BF16_DOT
+            const void* tables = nullptr;
+#if JAX_ATTN_DECODE_FP8_DOT
+            tables = &fp8;
+#endif
+            LineCursor lines;
+            if (p.prefetch_tiles > 0 && next.rows > 0) {
+              const int64_t bytes = next.rows * row_stride * elem;
+              lines = LineCursor(kc + next.offset, vc + next.offset, bytes,
+                                 p.prefetch_l2 || 2 * bytes > 64 * 1024);
+            }
+            attend_tile_quads<KV, NC>(p, reinterpret_cast<const bf16_t*>(quad_q.get()), st,
+                                      kc + first, vc + first, row_stride, n, distance, lines,
+                                      reinterpret_cast<const bf16_t*>(zero_row), quad_s, tables);
+#endif
+            continue;
+          }
+        }
         const void* q_rows = kDot ? static_cast<const void*>(queries.bf16)
                                   : static_cast<const void*>(queries.f32);
-        attend_tile_rows<KV, NC, kDot>(p, q_rows, st, kc + first, vc + first, row_stride, n,
-                                       distance, pf, reinterpret_cast<const KV*>(zero_row),
-                                       tile_logits.get(), tile_probs.get());
+        if constexpr (kRowsTiles) {
+          attend_tile_rows<KV, NC, kDot>(p, q_rows, st, kc + first, vc + first, row_stride, n,
+                                         distance, pf, reinterpret_cast<const KV*>(zero_row),
+                                         tile_logits.get(), tile_probs.get());
+        }
         continue;
       }
       for (int64_t h = 0; h < Hkv; ++h) {
@@ -1047,6 +1100,9 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
     }
   }
   if (lane_values && it.end > it.begin) reduce_lanes<NC>(lanes, Hq, D, st.acc.get());
+#if JAX_ATTN_DECODE_BF16_DOT
+  if (quads) unpermute_quad_rows<NC>(st.acc.get(), Hq);
+#endif
   finish_item(p, it, st, DP, scratch, arrivals);
 }
 
@@ -1213,6 +1269,11 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
   p.prefetch_tiles = kPrefetchTiles;
   if (const char* env = std::getenv("JAX_ATTN_CPU_PREFETCH")) p.prefetch_tiles = std::atol(env);
   p.prefetch_l2 = prefetch_to_l2();
+  if (const char* env = std::getenv("JAX_ATTN_CPU_DECODE_QUADS")) {
+    p.quads = std::atoi(env) != 0;
+  } else {
+    p.quads = true;
+  }
   p.query_type = a.query_type;
   p.query = a.query;
   p.out = a.out;

@@ -1,0 +1,346 @@
+// A part of paged_decode.cc of its own (included there inside its namespaces, after
+// attend_tile_rows): bf16 queries on jax_attn's token-major bf16 or fp8 cache, every product
+// by vdpbf16ps, for GQA groups of 4 query rows or more (attend_tile_quads). It uses Problem,
+// RowsState, OnlineSoftmaxRow and decode_fp8.h's conversions.
+//
+// Why: attend_tile_rows' logits come from one vdpbf16ps chain per (query row, token), 16 lanes
+// each, summed across lanes by a 16-vector transpose tree; the tree, the per-tile softmax of
+// every row and the scalar bookkeeping around them took two thirds of its time (67 cycles per
+// token and kv head from L2, against ~16 for the products; 2-core Zen 5 VM, NOTES.md).
+//
+// The q.k: a quad is 4 query rows of one kv head, one per 128-bit lane. A 16-byte piece s of
+// a key row (8 bf16: pairs 4s .. 4s + 3) is broadcast to all four lanes and dotted with the
+// quad's piece s (lane g: row g's pairs 4s .. 4s + 3), so one vdpbf16ps does 4 rows x 4 pairs
+// and a token's whole row is one chain of D / 8 of them (two, even and odd s, for latency).
+// The 4 partial sums per (row, token) are then added by an in-lane 4 x 4 transpose per 4
+// tokens: 9 instructions per 16 logits, against ~45 for the tree.
+// The p.v: token pairs of a value chunk interleaved by vpunpck{l,h}wd (in-lane, no permute
+// index) and dotted with the pair's two probabilities (rounded to bf16, as attend_tile_rows
+// does); the dimensions then lie permuted inside each 32 (lo: lane L holds dims 8L .. 8L + 3,
+// hi: 8L + 4 .. 8L + 7), in that order in RowsState's rows (round_up(D, 32) floats apart)
+// until unpermute_quad_rows puts them back at the end of the item.
+// A tile's kv heads go in turn: the head's 16 key rows (Hkv * D elements apart), its rows'
+// softmax, its values; fp8 rows are first widened into bf16 tiles (decode_fp8.h).
+//
+// Measured (2-core Zen 5 VM, 32 x 1024 keys, Hkv 8, D 128, block 128; NOTES.md): from L2 at
+// G = 4, 55-57 cycles per token and kv head against 66 (logits ~17, p.v ~17, softmax ~11, the
+// rest the tile walk); a vdpbf16ps fed by a 128-bit broadcast load issues at 1.34 per cycle
+// against 2 from registers, which bounds the logits. From memory at G = 8: bf16 2.9-3.3 ms
+// against 3.7-3.8, fp8 3.3-3.4 against 3.6-3.8; at G = 4 the step is memory-bound and the
+// two paths are level within the VM's drift (bf16 3.1-3.3 / 3.1, fp8 2.2 / 2.2-2.35 ms).
+#pragma once
+
+// Scratch of attend_tile_quads for one item: logits [G][16], probabilities (bf16 pairs)
+// [G][8] words, rescale factors [G], and for fp8 the head's widened key and value tiles.
+struct QuadScratch {
+  float* logits;
+  uint32_t* probs;
+  float* factor;
+  bf16_t* keys;    // fp8: [16][DP2]
+  bf16_t* values;  // fp8: [16][DP2]
+};
+
+// The queries of one item for the quads: per kv head h and quad u (query rows h * G + 4u ..
+// + 3; rows past G are zeros), D / 8 vectors; vector s, lane group g = row 4u + g's elements
+// [8s, 8s + 8). dst: Hkv * ceil(G / 4) * D / 8 vectors.
+inline void pack_query_quads(const bf16_t* q, int64_t Hkv, int64_t G, int64_t D, bf16_t* dst) {
+  const int64_t U = (G + 3) / 4, D8 = D / 8;
+  for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t u = 0; u < U; ++u) {
+      for (int64_t s = 0; s < D8; ++s) {
+        bf16_t* v = dst + ((h * U + u) * D8 + s) * 32;
+        for (int64_t g = 0; g < 4; ++g) {
+          const int64_t r = 4 * u + g;
+          if (r < G) {
+            std::memcpy(v + 8 * g, q + (h * G + r) * D + 8 * s, 8 * sizeof(bf16_t));
+          } else {
+            std::memset(v + 8 * g, 0, 8 * sizeof(bf16_t));
+          }
+        }
+      }
+    }
+  }
+}
+
+#if JAX_ATTN_DECODE_BF16_DOT
+
+// The next tile's lines ([rows, Hkv, D] of each cache, contiguous), requested `per` K + V pairs
+// at a time from inside the quads' math loops, inline: TilePrefetcher::issue is a call, which
+// there would spill the loops' accumulators, and a request per head step (48 per tile) sent
+// them in bursts: from memory the bf16 decode then took 5.0 ms against 3.2 (NOTES.md).
+struct LineCursor {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t left = 0;  // K + V line pairs not yet requested
+  int64_t per = 0;
+  bool to_l2 = false;
+  LineCursor() = default;
+  LineCursor(const void* key, const void* value, int64_t bytes, bool l2) : to_l2(l2) {
+    const auto ka = reinterpret_cast<uintptr_t>(key), va = reinterpret_cast<uintptr_t>(value);
+    const int64_t mis = static_cast<int64_t>(std::max(ka & 63, va & 63));
+    k = reinterpret_cast<const char*>(ka & ~static_cast<uintptr_t>(63));
+    v = reinterpret_cast<const char*>(va & ~static_cast<uintptr_t>(63));
+    left = (mis + bytes + 63) / 64;
+  }
+  inline void step(int64_t n) {
+    for (; n > 0 && left > 0; --n, --left, k += 64, v += 64) {
+      if (to_l2) {
+        _mm_prefetch(k, _MM_HINT_T1);
+        _mm_prefetch(v, _MM_HINT_T1);
+      } else {
+        _mm_prefetch(k, _MM_HINT_NTA);
+        _mm_prefetch(v, _MM_HINT_NTA);
+      }
+    }
+  }
+};
+
+// Lane group g of the result: (sum of a0's group g, of a1's, of a2's, of a3's).
+inline __m512 sum_quads4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  return _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+}
+
+// Logits of one quad against 8 tokens: out[j] lane group g = row g, tokens 4j .. 4j + 3.
+// k[i]: token i's bf16 key row (D elements; D % 8 == 0).
+__attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const bf16_t* const* k,
+                                                        int64_t D8, __m512* out,
+                                                        LineCursor& pf) {
+  __m512 even[8], odd[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  int64_t s = 0;
+  for (; s + 1 < D8; s += 2) {
+    pf.step(pf.per);
+    const __m512bh q0 = (__m512bh)_mm512_load_si512(qv + 32 * s);
+    const __m512bh q1 = (__m512bh)_mm512_load_si512(qv + 32 * s + 32);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m512i k0 = _mm512_broadcast_i32x4(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(k[i] + 8 * s)));
+      const __m512i k1 = _mm512_broadcast_i32x4(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(k[i] + 8 * s + 8)));
+      even[i] = _mm512_dpbf16_ps(even[i], q0, (__m512bh)k0);
+      odd[i] = _mm512_dpbf16_ps(odd[i], q1, (__m512bh)k1);
+    }
+  }
+  if (s < D8) {
+    const __m512bh q0 = (__m512bh)_mm512_load_si512(qv + 32 * s);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m512i k0 = _mm512_broadcast_i32x4(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(k[i] + 8 * s)));
+      even[i] = _mm512_dpbf16_ps(even[i], q0, (__m512bh)k0);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) even[i] = _mm512_add_ps(even[i], odd[i]);
+  out[0] = sum_quads4(even[0], even[1], even[2], even[3]);
+  out[1] = sum_quads4(even[4], even[5], even[6], even[7]);
+}
+
+// Back to natural order: each row's 32-dimension chunks as p.v left them (lo 16 then hi 16),
+// rows round_up(D, 32) floats apart, to rows NC * 16 floats apart (in place: a row is read
+// whole before it is written, and never past the next row's start).
+template <int NC>
+inline void unpermute_quad_rows(float* acc, int64_t rows) {
+  constexpr int NC2 = (NC + 1) / 2;
+  constexpr int64_t DP = NC * 16, DP2 = NC2 * 32;
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 natural[2 * NC2];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC2; ++c) {
+      const __m512 lo = _mm512_load_ps(acc + r * DP2 + 32 * c);
+      const __m512 hi = _mm512_load_ps(acc + r * DP2 + 32 * c + 16);
+      natural[2 * c] = _mm512_permutex2var_ps(lo, first, hi);
+      natural[2 * c + 1] = _mm512_permutex2var_ps(lo, second, hi);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < NC; ++j) _mm512_storeu_ps(acc + r * DP + 16 * j, natural[j]);
+  }
+}
+
+// One token-major tile (n <= 16 tokens from k_rows / v_rows, tokens row_stride elements
+// apart, kv head h at h * D), every kv head, for bf16 queries packed by pack_query_quads.
+// Keys and values of tokens >= n are never read (zero_row, DP2 zeros, stands in; their logits
+// are masked). st: rows round_up(D, 32) floats apart, permuted (unpermute_quad_rows).
+template <typename KV, int NC>
+__attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t* quads,
+                                                 RowsState& st, const KV* k_rows,
+                                                 const KV* v_rows, int64_t row_stride,
+                                                 int64_t n, __m512 distance,
+                                                 LineCursor& pf,
+                                                 const bf16_t* zero_row, const QuadScratch& s,
+                                                 [[maybe_unused]] const void* fp8_tables) {
+  constexpr int NC2 = (NC + 1) / 2;
+  constexpr int64_t DP2 = NC2 * 32;
+  constexpr bool kFp8 = !std::is_same_v<KV, bf16_t>;
+  const int64_t D = p.head_size, D8 = D / 8, G = p.group, Hkv = p.num_kv_heads;
+  const int64_t U = (G + 3) / 4, pairs = (n + 1) / 2;
+  // Steps that request lines: the logits' pairs of pieces, the values' token pairs, and one
+  // per head and widening.
+  const int64_t steps = std::max<int64_t>(
+      1, Hkv * (U * ((n > 8 ? 2 : 1) * (D8 / 2) + (NC2 + 1) / 2 * pairs) + 1 + (kFp8 ? 2 : 0)));
+  pf.per = (pf.left + steps - 1) / steps;
+  const int64_t per_step = pf.per;
+  const __mmask16 valid = tail_mask(n);
+  const int64_t tail = D - (NC2 - 1) * 32;  // bf16 elements in the last 32-element chunk
+  const __mmask32 last_mask = tail >= 32 ? static_cast<__mmask32>(0xffffffffu)
+                                         : static_cast<__mmask32>((1u << tail) - 1u);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 qk_scale = _mm512_set1_ps(p.qk_scale);
+
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const bf16_t* k[16];
+    const bf16_t* v[16];
+    if constexpr (kFp8) {
+#if JAX_ATTN_DECODE_FP8_DOT
+      const Fp8Tables& tables = *static_cast<const Fp8Tables*>(fp8_tables);
+      pf.step(per_step);
+      convert_tile_fp8_bf16<KV, NC>(tables, k_rows + h * D, row_stride, n, D, s.keys);
+      pf.step(per_step);
+      convert_tile_fp8_bf16<KV, NC>(tables, v_rows + h * D, row_stride, n, D, s.values);
+#endif
+      for (int i = 0; i < 16; ++i) {
+        k[i] = s.keys + i * DP2;
+        v[i] = s.values + i * DP2;
+      }
+    } else {
+      for (int i = 0; i < 16; ++i) {
+        const bool in = i < n;
+        k[i] = in ? reinterpret_cast<const bf16_t*>(k_rows + i * row_stride + h * D) : zero_row;
+        v[i] = in ? reinterpret_cast<const bf16_t*>(v_rows + i * row_stride + h * D) : zero_row;
+      }
+    }
+
+    // Logits of the head's rows, [G][16].
+    for (int64_t u = 0; u < U; ++u) {
+      const bf16_t* qv = quads + (h * U + u) * D8 * 32;
+      __m512 t[4];
+      quad_logits8(qv, k, D8, t, pf);
+      if (n > 8) {
+        quad_logits8(qv, k + 8, D8, t + 2, pf);
+      } else {
+        t[2] = t[3] = _mm512_setzero_ps();
+      }
+      // Lane groups (row g, tokens 4j .. 4j + 3) of t[j] to rows: row g = (t0.g, t1.g, t2.g, t3.g).
+      const __m512 x0 = _mm512_shuffle_f32x4(t[0], t[1], 0x44);
+      const __m512 x1 = _mm512_shuffle_f32x4(t[0], t[1], 0xEE);
+      const __m512 x2 = _mm512_shuffle_f32x4(t[2], t[3], 0x44);
+      const __m512 x3 = _mm512_shuffle_f32x4(t[2], t[3], 0xEE);
+      const __m512 rows[4] = {
+          _mm512_shuffle_f32x4(x0, x2, 0x88), _mm512_shuffle_f32x4(x0, x2, 0xDD),
+          _mm512_shuffle_f32x4(x1, x3, 0x88), _mm512_shuffle_f32x4(x1, x3, 0xDD)};
+      const int64_t rg = std::min<int64_t>(4, G - 4 * u);
+      for (int64_t g = 0; g < rg; ++g) {
+        _mm512_store_ps(s.logits + (4 * u + g) * 16, _mm512_mul_ps(rows[g], qk_scale));
+      }
+    }
+
+    // The online softmax of each row over the tile (attend_tile_rows' steps), a quad at a time
+    // with no call between its rows (the prefetcher's issue is one) and its 4 rescale factors
+    // by one exp16: the rows' chains then overlap.
+    pf.step(per_step);
+    for (int64_t u = 0; u < U; ++u) {
+      const int rg = static_cast<int>(std::min<int64_t>(4, G - 4 * u));
+      OnlineSoftmaxRow* state = st.rows.data() + h * G + 4 * u;
+      __m512 x[4];
+      alignas(64) float old_max[16] = {}, new_max[16] = {}, factor[16];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        if (g >= rg) break;
+        x[g] = _mm512_load_ps(s.logits + (4 * u + g) * 16);
+        if (p.cap > 0.0f) x[g] = soft_cap16(x[g], p.cap);
+        if (p.alibi) {
+          x[g] = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[h * G + 4 * u + g]), distance, x[g]);
+        }
+        x[g] = _mm512_mask_mov_ps(neg_inf, valid, x[g]);
+        old_max[g] = state[g].max;
+        new_max[g] = std::max(old_max[g], _mm512_reduce_max_ps(x[g]));
+      }
+      // exp(old - new): 1 where the max stays (-inf included), 0 from -inf to a number.
+      const __m512 om = _mm512_load_ps(old_max), nm = _mm512_load_ps(new_max);
+      _mm512_store_ps(factor, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(om, nm, _CMP_EQ_OQ),
+                                                   exp16(_mm512_sub_ps(om, nm)),
+                                                   _mm512_set1_ps(1.0f)));
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        if (g >= rg) break;
+        const __m512 pr =
+            _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x[g], _mm512_set1_ps(new_max[g]))));
+        state[g].max = new_max[g];
+        state[g].sum = state[g].sum * factor[g] + _mm512_reduce_add_ps(pr);
+        s.factor[4 * u + g] = factor[g];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(s.probs + (4 * u + g) * 8),
+                           (__m256i)_mm512_cvtneps_pbh(pr));
+      }
+    }
+
+    // Values: acc[row] = acc[row] * factor[row] + sum over token pairs of (p, p') . (v, v'),
+    // 4 rows x 2 chunks of 32 dimensions (4 vectors per row) per register block.
+    for (int64_t u = 0; u < U; ++u) {
+      const int rg = static_cast<int>(std::min<int64_t>(4, G - 4 * u));
+#pragma GCC unroll 4
+      for (int c0 = 0; c0 < NC2; c0 += 2) {
+        const bool two = c0 + 1 < NC2;
+        const __mmask32 m0 = c0 == NC2 - 1 ? last_mask : static_cast<__mmask32>(0xffffffffu);
+        const __mmask32 m1 = c0 + 1 == NC2 - 1 ? last_mask : static_cast<__mmask32>(0xffffffffu);
+        __m512 o[4][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          if (r >= rg) break;
+          float* a = st.acc.get() + (h * G + 4 * u + r) * DP2 + 32 * c0;
+          const __m512 f = _mm512_set1_ps(s.factor[4 * u + r]);
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            if (j < 2 || two) o[r][j] = _mm512_mul_ps(_mm512_load_ps(a + 16 * j), f);
+          }
+        }
+        for (int64_t k2 = 0; k2 < pairs; ++k2) {
+          pf.step(per_step);
+          const bf16_t* va = v[2 * k2];
+          const bf16_t* vb = v[2 * k2 + 1];
+          __m512i w[4];
+          {
+            const __m512i a0 = _mm512_maskz_loadu_epi16(m0, va + 32 * c0);
+            const __m512i b0 = _mm512_maskz_loadu_epi16(m0, vb + 32 * c0);
+            w[0] = _mm512_unpacklo_epi16(a0, b0);
+            w[1] = _mm512_unpackhi_epi16(a0, b0);
+          }
+          if (two) {
+            const __m512i a1 = _mm512_maskz_loadu_epi16(m1, va + 32 * c0 + 32);
+            const __m512i b1 = _mm512_maskz_loadu_epi16(m1, vb + 32 * c0 + 32);
+            w[2] = _mm512_unpacklo_epi16(a1, b1);
+            w[3] = _mm512_unpackhi_epi16(a1, b1);
+          }
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r) {
+            if (r >= rg) break;
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32(
+                static_cast<int>(s.probs[(4 * u + r) * 8 + k2]));
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+              if (j < 2 || two) o[r][j] = _mm512_dpbf16_ps(o[r][j], (__m512bh)w[j], pr);
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          if (r >= rg) break;
+          float* a = st.acc.get() + (h * G + 4 * u + r) * DP2 + 32 * c0;
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            if (j < 2 || two) _mm512_store_ps(a + 16 * j, o[r][j]);
+          }
+        }
+      }
+    }
+  }
+  pf.step(pf.left);
+}
+
+#endif  // JAX_ATTN_DECODE_BF16_DOT
