@@ -100,6 +100,10 @@ GRID = [
     (torch.float32, "auto", 112, 128, 5, "alibi"),
     (torch.bfloat16, "auto", 80, 128, 5, "window"),
     (torch.bfloat16, "auto", 112, 128, 3, "softcap"),
+    # fp8 keys of 4 or more query rows per kv head: the quads' logits (decode_quads.h) on the
+    # widened key tile; a partial quad, a last 32-dim chunk of 16, two quads.
+    (torch.bfloat16, "fp8", 112, 128, 5, "window"),
+    (torch.bfloat16, "fp8_e5m2", 96, 16, 8, "alibi"),
 ]
 
 

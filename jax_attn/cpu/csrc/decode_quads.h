@@ -140,6 +140,36 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
   out[1] = sum_quads4(even[4], even[5], even[6], even[7]);
 }
 
+// Logits of one kv head's G query rows (its quads from pack_query_quads, at qh) against up to
+// 16 bf16 token rows k[i] (D elements; D % 8 == 0; rows >= n not read when n <= 8): out[r][t],
+// row r, token t, times qk_scale (tokens >= n: whatever the stand-in rows give).
+inline void quad_head_logits(const bf16_t* qh, const bf16_t* const* k, int64_t n, int64_t D8,
+                             int64_t G, __m512 qk_scale, float* out, LineCursor& pf) {
+  const int64_t U = (G + 3) / 4;
+  for (int64_t u = 0; u < U; ++u) {
+    const bf16_t* qv = qh + u * D8 * 32;
+    __m512 t[4];
+    quad_logits8(qv, k, D8, t, pf);
+    if (n > 8) {
+      quad_logits8(qv, k + 8, D8, t + 2, pf);
+    } else {
+      t[2] = t[3] = _mm512_setzero_ps();
+    }
+    // Lane groups (row g, tokens 4j .. 4j + 3) of t[j] to rows: row g = (t0.g, t1.g, t2.g, t3.g).
+    const __m512 x0 = _mm512_shuffle_f32x4(t[0], t[1], 0x44);
+    const __m512 x1 = _mm512_shuffle_f32x4(t[0], t[1], 0xEE);
+    const __m512 x2 = _mm512_shuffle_f32x4(t[2], t[3], 0x44);
+    const __m512 x3 = _mm512_shuffle_f32x4(t[2], t[3], 0xEE);
+    const __m512 rows[4] = {
+        _mm512_shuffle_f32x4(x0, x2, 0x88), _mm512_shuffle_f32x4(x0, x2, 0xDD),
+        _mm512_shuffle_f32x4(x1, x3, 0x88), _mm512_shuffle_f32x4(x1, x3, 0xDD)};
+    const int64_t rg = std::min<int64_t>(4, G - 4 * u);
+    for (int64_t g = 0; g < rg; ++g) {
+      _mm512_store_ps(out + (4 * u + g) * 16, _mm512_mul_ps(rows[g], qk_scale));
+    }
+  }
+}
+
 // Back to natural order: each row's 32-dimension chunks as p.v left them (lo 16 then hi 16),
 // rows round_up(D, 32) floats apart, to rows NC * 16 floats apart (in place: a row is read
 // whole before it is written, and never past the next row's start).
@@ -218,28 +248,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
     }
 
     // Logits of the head's rows, [G][16].
-    for (int64_t u = 0; u < U; ++u) {
-      const bf16_t* qv = quads + (h * U + u) * D8 * 32;
-      __m512 t[4];
-      quad_logits8(qv, k, D8, t, pf);
-      if (n > 8) {
-        quad_logits8(qv, k + 8, D8, t + 2, pf);
-      } else {
-        t[2] = t[3] = _mm512_setzero_ps();
-      }
-      // Lane groups (row g, tokens 4j .. 4j + 3) of t[j] to rows: row g = (t0.g, t1.g, t2.g, t3.g).
-      const __m512 x0 = _mm512_shuffle_f32x4(t[0], t[1], 0x44);
-      const __m512 x1 = _mm512_shuffle_f32x4(t[0], t[1], 0xEE);
-      const __m512 x2 = _mm512_shuffle_f32x4(t[2], t[3], 0x44);
-      const __m512 x3 = _mm512_shuffle_f32x4(t[2], t[3], 0xEE);
-      const __m512 rows[4] = {
-          _mm512_shuffle_f32x4(x0, x2, 0x88), _mm512_shuffle_f32x4(x0, x2, 0xDD),
-          _mm512_shuffle_f32x4(x1, x3, 0x88), _mm512_shuffle_f32x4(x1, x3, 0xDD)};
-      const int64_t rg = std::min<int64_t>(4, G - 4 * u);
-      for (int64_t g = 0; g < rg; ++g) {
-        _mm512_store_ps(s.logits + (4 * u + g) * 16, _mm512_mul_ps(rows[g], qk_scale));
-      }
-    }
+    quad_head_logits(quads + h * U * D8 * 32, k, n, D8, G, qk_scale, s.logits, pf);
 
     // The online softmax of each row over the tile (attend_tile_rows' steps), a quad at a time
     // with no call between its rows (the prefetcher's issue is one) and its 4 rescale factors

@@ -37,7 +37,9 @@
 //   query rows to a vector, one per 128-bit lane, so a key's 16-byte pieces are broadcast and
 //   a (row, token) logit needs no 16-lane sum; a kv head at a time per tile. Math from L2
 //   -17% at G = 4, decode from memory at G = 8 -15-23% (bf16) and -7-12% (fp8); at G = 4 from
-//   memory within the VM's drift (NOTES.md).
+//   memory within the VM's drift (NOTES.md). The split layout's fp8 keys, once widened into a
+//   tile of token rows, take the quads' logits too (quad_head_logits; split fp8 decode from
+//   memory -3-5%).
 // Keys outside the visible range (past seq_len, before the sliding window) are never loaded:
 // tiles cover only the visible range, rows of a tile's missing tokens are zeros (a zero row or
 // the widened tile's zeroed rows) and their logits are masked, so NaN in unused cache memory
@@ -824,18 +826,22 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   const Queries queries{q.get(), reinterpret_cast<const bf16_t*>(q2.get())};
   // bf16 queries on a token-major bf16 or fp8 cache, groups of 4 rows or more, head sizes that
   // are multiples of 8: attend_tile_quads, its rows DP2 floats apart until the item's end.
+  // The split layout's fp8 keys, widened into a tile of token rows, take the quads' logits
+  // (quad_head_logits) under the same conditions.
   constexpr bool kQuadsBuilt = kDot && (std::is_same_v<KV, bf16_t> || kFp8);
-  const bool quads = kQuadsBuilt && p.layout == CacheLayout::kTokenMajor && p.quads &&
-                     p.group >= 4 && D % 8 == 0;
-  const int64_t quad_vectors = quads ? Hkv * ((p.group + 3) / 4) * (D / 8) : 0;
+  const bool quad_logits = kQuadsBuilt && p.quads && p.group >= 4 && D % 8 == 0;
+  const bool quads = quad_logits && p.layout == CacheLayout::kTokenMajor;
+  const int64_t quad_vectors = quad_logits ? Hkv * ((p.group + 3) / 4) * (D / 8) : 0;
   FloatBuffer quad_q(static_cast<size_t>(quad_vectors * 16));  // 32 bf16 per vector
   // Logits [G][16], probabilities [G][8], factors [G]; fp8: key and value tiles [16][DP2].
   const int64_t quad_tiles = round_up(p.group * 25, 16);
   FloatBuffer quad_scratch(quads ? static_cast<size_t>(quad_tiles + (kFp8 ? 16 * DP2 : 0)) : 0);
   QuadScratch quad_s{};
-  if (quads) {
+  if (quad_logits) {
     pack_query_quads(static_cast<const bf16_t*>(p.query) + it.seq * Hq * D, Hkv, p.group, D,
                      reinterpret_cast<bf16_t*>(quad_q.get()));
+  }
+  if (quads) {
     float* f = quad_scratch.get();
     bf16_t* tiles = reinterpret_cast<bf16_t*>(f + quad_tiles);
     quad_s = QuadScratch{f, reinterpret_cast<uint32_t*>(f + p.group * 16), f + p.group * 24,
@@ -857,8 +863,10 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   constexpr bool kKeysDirect = std::is_same_v<KV, float> || (kDot && !kFp8);
   alignas(64) float vtile_split[16 * DP];
   alignas(64) KV knative[kKeysDirect ? 1 : 16 * DP];
-  // kKeysDirect: the G rows' logits of the current tile (split_logits), for attend_tile.
-  FloatBuffer split_pre_rows(static_cast<size_t>((kKeysDirect ? p.group + 3 : 1) * 16));
+  // kKeysDirect: the G rows' logits of the current tile (split_logits), for attend_tile; fp8
+  // under quad_logits: quad_head_logits'.
+  FloatBuffer split_pre_rows(
+      static_cast<size_t>((kKeysDirect || kQuadsBuilt ? p.group + 3 : 1) * 16));
   __m512* split_pre = reinterpret_cast<__m512*>(split_pre_rows.get());  // 64-byte aligned
 
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -939,8 +947,19 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
         split_keys_fp8_bf16(fp8, kc + head, BS, t0, n, D, DP2, ktile2);
         uint32_t* vpairs = reinterpret_cast<uint32_t*>(vtile_split);
         split_value_pairs_fp8<KV, NC>(fp8, vc + head, BS, t0, n, D, vpairs, none, 0);
+        const __m512* pre = nullptr;
+        if (quad_logits) {  // the tile's rows >= n are zeros
+          const bf16_t* rows[16];
+          for (int i = 0; i < 16; ++i) rows[i] = ktile2 + i * DP2;
+          LineCursor no_lines;
+          quad_head_logits(reinterpret_cast<const bf16_t*>(quad_q.get()) +
+                               h * ((p.group + 3) / 4) * (D / 8) * 32,
+                           rows, n, D / 8, p.group, _mm512_set1_ps(p.qk_scale),
+                           split_pre_rows.get(), no_lines);
+          pre = split_pre;
+        }
         attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
-                              pf, nullptr, vpairs);
+                              pf, pre, vpairs);
 #endif
       } else {
         gather_split_keys(kc + head, BS, t0, n, D, knative, D);
