@@ -62,6 +62,11 @@ inline void pack_query_quads(const bf16_t* q, int64_t Hkv, int64_t G, int64_t D,
   }
 }
 
+// Kv head h's quads in pack_query_quads' output.
+inline const bf16_t* quads_of_head(const bf16_t* quads, int64_t h, int64_t G, int64_t D) {
+  return quads + h * ((G + 3) / 4) * (D / 8) * 32;
+}
+
 #if JAX_ATTN_DECODE_BF16_DOT
 
 // The next tile's lines ([rows, Hkv, D] of each cache, contiguous), requested `per` K + V pairs
@@ -82,7 +87,9 @@ struct LineCursor {
     v = reinterpret_cast<const char*>(va & ~static_cast<uintptr_t>(63));
     left = (mis + bytes + 63) / 64;
   }
-  inline void step(int64_t n) {
+  // The next `per` pairs (set per tile from the tile's number of steps).
+  inline void step() { request(per); }
+  inline void request(int64_t n) {
     for (; n > 0 && left > 0; --n, --left, k += 64, v += 64) {
       if (to_l2) {
         _mm_prefetch(k, _MM_HINT_T1);
@@ -112,7 +119,7 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
   for (int i = 0; i < 8; ++i) even[i] = odd[i] = _mm512_setzero_ps();
   int64_t s = 0;
   for (; s + 1 < D8; s += 2) {
-    pf.step(pf.per);
+    pf.step();
     const __m512bh q0 = (__m512bh)_mm512_load_si512(qv + 32 * s);
     const __m512bh q1 = (__m512bh)_mm512_load_si512(qv + 32 * s + 32);
 #pragma GCC unroll 8
@@ -216,7 +223,6 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
   const int64_t steps = std::max<int64_t>(
       1, Hkv * (U * ((n > 8 ? 2 : 1) * (D8 / 2) + (NC2 + 1) / 2 * pairs) + 1 + (kFp8 ? 2 : 0)));
   pf.per = (pf.left + steps - 1) / steps;
-  const int64_t per_step = pf.per;
   const __mmask16 valid = tail_mask(n);
   const int64_t tail = D - (NC2 - 1) * 32;  // bf16 elements in the last 32-element chunk
   const __mmask32 last_mask = tail >= 32 ? static_cast<__mmask32>(0xffffffffu)
@@ -230,9 +236,9 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
     if constexpr (kFp8) {
 #if JAX_ATTN_DECODE_FP8_DOT
       const Fp8Tables& tables = *static_cast<const Fp8Tables*>(fp8_tables);
-      pf.step(per_step);
+      pf.step();
       convert_tile_fp8_bf16<KV, NC>(tables, k_rows + h * D, row_stride, n, D, s.keys);
-      pf.step(per_step);
+      pf.step();
       convert_tile_fp8_bf16<KV, NC>(tables, v_rows + h * D, row_stride, n, D, s.values);
 #endif
       for (int i = 0; i < 16; ++i) {
@@ -248,12 +254,12 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
     }
 
     // Logits of the head's rows, [G][16].
-    quad_head_logits(quads + h * U * D8 * 32, k, n, D8, G, qk_scale, s.logits, pf);
+    quad_head_logits(quads_of_head(quads, h, G, D), k, n, D8, G, qk_scale, s.logits, pf);
 
     // The online softmax of each row over the tile (attend_tile_rows' steps), a quad at a time
     // with no call between its rows (the prefetcher's issue is one) and its 4 rescale factors
     // by one exp16: the rows' chains then overlap.
-    pf.step(per_step);
+    pf.step();
     for (int64_t u = 0; u < U; ++u) {
       const int rg = static_cast<int>(std::min<int64_t>(4, G - 4 * u));
       OnlineSoftmaxRow* state = st.rows.data() + h * G + 4 * u;
@@ -310,7 +316,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
           }
         }
         for (int64_t k2 = 0; k2 < pairs; ++k2) {
-          pf.step(per_step);
+          pf.step();
           const bf16_t* va = v[2 * k2];
           const bf16_t* vb = v[2 * k2 + 1];
           __m512i w[4];
@@ -349,7 +355,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
       }
     }
   }
-  pf.step(pf.left);
+  pf.request(pf.left);
 }
 
 #endif  // JAX_ATTN_DECODE_BF16_DOT

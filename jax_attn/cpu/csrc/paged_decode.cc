@@ -952,8 +952,8 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           const bf16_t* rows[16];
           for (int i = 0; i < 16; ++i) rows[i] = ktile2 + i * DP2;
           LineCursor no_lines;
-          quad_head_logits(reinterpret_cast<const bf16_t*>(quad_q.get()) +
-                               h * ((p.group + 3) / 4) * (D / 8) * 32,
+          quad_head_logits(quads_of_head(reinterpret_cast<const bf16_t*>(quad_q.get()), h,
+                                         p.group, D),
                            rows, n, D / 8, p.group, _mm512_set1_ps(p.qk_scale),
                            split_pre_rows.get(), no_lines);
           pre = split_pre;
@@ -1049,13 +1049,10 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
         // address order over this tile's steps. A float32 tile's (128 KiB at Hkv 8, D 128)
         // outgrows L1 beside the tile being computed: it goes to L2 (T1), smaller ones with
         // NTA (measured, the top of this file).
-        TilePrefetcher pf;
         const TileRows next = next_tile(b, t0);
-        if (p.prefetch_tiles > 0 && next.rows > 0) {
-          const int64_t bytes = next.rows * row_stride * elem;
-          pf = TilePrefetcher(kc + next.offset, vc + next.offset, 0, 1, bytes,
-                              p.prefetch_l2 || 2 * bytes > 64 * 1024);
-        }
+        const bool ahead = p.prefetch_tiles > 0 && next.rows > 0;
+        const int64_t next_bytes = next.rows * row_stride * elem;
+        const bool to_l2 = p.prefetch_l2 || 2 * next_bytes > 64 * 1024;
         const int64_t first = block_offset + t0 * row_stride;
         if constexpr (kQuadsBuilt) {
           if (quads) {
@@ -1065,11 +1062,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
             tables = &fp8;
 #endif
             LineCursor lines;
-            if (p.prefetch_tiles > 0 && next.rows > 0) {
-              const int64_t bytes = next.rows * row_stride * elem;
-              lines = LineCursor(kc + next.offset, vc + next.offset, bytes,
-                                 p.prefetch_l2 || 2 * bytes > 64 * 1024);
-            }
+            if (ahead) lines = LineCursor(kc + next.offset, vc + next.offset, next_bytes, to_l2);
             attend_tile_quads<KV, NC>(p, reinterpret_cast<const bf16_t*>(quad_q.get()), st,
                                       kc + first, vc + first, row_stride, n, distance, lines,
                                       reinterpret_cast<const bf16_t*>(zero_row), quad_s, tables);
@@ -1080,6 +1073,10 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
         const void* q_rows = kDot ? static_cast<const void*>(queries.bf16)
                                   : static_cast<const void*>(queries.f32);
         if constexpr (kRowsTiles) {
+          TilePrefetcher pf;
+          if (ahead) {
+            pf = TilePrefetcher(kc + next.offset, vc + next.offset, 0, 1, next_bytes, to_l2);
+          }
           attend_tile_rows<KV, NC, kDot>(p, q_rows, st, kc + first, vc + first, row_stride, n,
                                          distance, pf, reinterpret_cast<const KV*>(zero_row),
                                          tile_logits.get(), tile_probs.get());
@@ -1176,6 +1173,13 @@ ItemFn pick_item_fn(int64_t head_size) {
 // $JAX_ATTN_CPU_BF16_DOT=0 turns the vdpbf16ps paths off (keys widened to float32 instead).
 inline bool dot_enabled() {
   const char* env = std::getenv("JAX_ATTN_CPU_BF16_DOT");
+  return env == nullptr || std::atoi(env) != 0;
+}
+
+// The quads (attend_tile_quads, quad_head_logits) where they apply; $JAX_ATTN_CPU_DECODE_QUADS=0:
+// never (the A/B switch of their measurements).
+inline bool quads_enabled() {
+  const char* env = std::getenv("JAX_ATTN_CPU_DECODE_QUADS");
   return env == nullptr || std::atoi(env) != 0;
 }
 
@@ -1288,11 +1292,7 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
   p.prefetch_tiles = kPrefetchTiles;
   if (const char* env = std::getenv("JAX_ATTN_CPU_PREFETCH")) p.prefetch_tiles = std::atol(env);
   p.prefetch_l2 = prefetch_to_l2();
-  if (const char* env = std::getenv("JAX_ATTN_CPU_DECODE_QUADS")) {
-    p.quads = std::atoi(env) != 0;
-  } else {
-    p.quads = true;
-  }
+  p.quads = quads_enabled();
   p.query_type = a.query_type;
   p.query = a.query;
   p.out = a.out;
