@@ -363,12 +363,43 @@ void gather_split_blocks_op(const at::Tensor& key_cache, const at::Tensor& value
   TORCH_CHECK_VALUE(error.empty(), error);
 }
 
-void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
-                 at::Tensor value_cache, const at::Tensor& slot_mapping) {
+// The two cache writes (store_split, store_token_major) share these: the rows' shapes, one
+// dtype for all four tensors, and the slot mapping's check before the write itself.
+void check_store_rows(const at::Tensor& key, const at::Tensor& value) {
   TORCH_CHECK_VALUE(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_size], got ",
                     key.sizes());
   TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value ", value.sizes(), " must match key ",
                     key.sizes());
+}
+
+void check_store_dtypes(const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  for (const at::Tensor* t : {&key, &value, static_cast<const at::Tensor*>(&value_cache)}) {
+    TORCH_CHECK_VALUE(t->scalar_type() == key_cache.scalar_type(),
+                      "key, value and both caches must have one dtype (the cache's: fp8 as "
+                      "uint8), got ", t->scalar_type(), " and ", key_cache.scalar_type());
+  }
+}
+
+// a: everything but the pointers, filled in by the caller's own checks.
+void run_store(StoreArgs& a, const at::Tensor& key, const at::Tensor& value,
+               at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == a.num_tokens &&
+                        slot_mapping.scalar_type() == at::kLong,
+                    "slot_mapping must be int64 [num_tokens=", a.num_tokens, "], got ",
+                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  a.slots = slot_mapping.data_ptr<int64_t>();
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
+  const std::string error = store_rows(a, torch_workers());
+  TORCH_CHECK_VALUE(error.empty(), error);
+}
+
+void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+                 at::Tensor value_cache, const at::Tensor& slot_mapping) {
+  check_store_rows(key, value);
   TORCH_CHECK_VALUE(key_cache.dim() == 5 && value_cache.dim() == 4,
                     "key_cache must be [num_blocks, num_kv_heads, head_size / x, block_size, x] "
                     "and value_cache [num_blocks, num_kv_heads, head_size, block_size], got ",
@@ -378,11 +409,7 @@ void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
   TORCH_CHECK_VALUE(!shares_memory(key_cache, value_cache),
                     "key_cache and value_cache must not share memory (each row would be "
                     "written over by the other cache's)");
-  for (const at::Tensor* t : {&key, &value, static_cast<const at::Tensor*>(&value_cache)}) {
-    TORCH_CHECK_VALUE(t->scalar_type() == key_cache.scalar_type(),
-                      "key, value and both caches must have one dtype (the cache's: fp8 as "
-                      "uint8), got ", t->scalar_type(), " and ", key_cache.scalar_type());
-  }
+  check_store_dtypes(key, value, key_cache, value_cache);
   StoreArgs a;
   a.layout = CacheLayout::kSplit;
   a.num_tokens = key.size(0);
@@ -401,25 +428,12 @@ void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
                     "caches ", key_cache.sizes(), " and ", value_cache.sizes(),
                     " must be ", at::IntArrayRef(key_shape), " and ",
                     at::IntArrayRef(value_shape), " for rows ", key.sizes());
-  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == a.num_tokens &&
-                        slot_mapping.scalar_type() == at::kLong,
-                    "slot_mapping must be int64 [num_tokens=", a.num_tokens, "], got ",
-                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
-  a.slots = slot_mapping.data_ptr<int64_t>();
-  a.key = key.data_ptr();
-  a.value = value.data_ptr();
-  a.key_cache = key_cache.data_ptr();
-  a.value_cache = value_cache.data_ptr();
-  const std::string error = store_rows(a, torch_workers());
-  TORCH_CHECK_VALUE(error.empty(), error);
+  run_store(a, key, value, key_cache, value_cache, slot_mapping);
 }
 
 void store_token_major(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
                        at::Tensor value_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK_VALUE(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_size], got ",
-                    key.sizes());
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value ", value.sizes(), " must match key ",
-                    key.sizes());
+  check_store_rows(key, value);
   TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.size(2) == key.size(1) &&
                         key_cache.size(3) == key.size(2) &&
                         value_cache.sizes() == key_cache.sizes(),
@@ -446,11 +460,7 @@ void store_token_major(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK_VALUE(num_blocks <= 1 || block_elems == 0 || stride >= block_elems,
                     "key_cache's block stride ", stride, " must be at least block_size * "
                     "num_kv_heads * head_size = ", block_elems, " (blocks must not overlap)");
-  for (const at::Tensor* t : {&key, &value, static_cast<const at::Tensor*>(&value_cache)}) {
-    TORCH_CHECK_VALUE(t->scalar_type() == key_cache.scalar_type(),
-                      "key, value and both caches must have one dtype (the cache's: fp8 as "
-                      "uint8), got ", t->scalar_type(), " and ", key_cache.scalar_type());
-  }
+  check_store_dtypes(key, value, key_cache, value_cache);
   if (block_elems > 0 && num_blocks > 0) {
     // No key block may overlap a value block: |d + m * stride| >= block_elems for every block
     // distance m in (-NB, NB), d the value cache's offset from the key cache's (elements).
@@ -480,17 +490,7 @@ void store_token_major(const at::Tensor& key, const at::Tensor& value, at::Tenso
   a.block_size = BS;
   a.elem_bytes = key_cache.element_size();
   a.block_stride = stride;
-  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == a.num_tokens &&
-                        slot_mapping.scalar_type() == at::kLong,
-                    "slot_mapping must be int64 [num_tokens=", a.num_tokens, "], got ",
-                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
-  a.slots = slot_mapping.data_ptr<int64_t>();
-  a.key = key.data_ptr();
-  a.value = value.data_ptr();
-  a.key_cache = key_cache.data_ptr();
-  a.value_cache = value_cache.data_ptr();
-  const std::string error = store_rows(a, torch_workers());
-  TORCH_CHECK_VALUE(error.empty(), error);
+  run_store(a, key, value, key_cache, value_cache, slot_mapping);
 }
 
 void copy_blocks_op(at::TensorList dst, at::TensorList src, const at::Tensor& block_pairs) {
