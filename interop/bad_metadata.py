@@ -27,11 +27,12 @@ import dataclasses
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import numpy as np
 
+from interop import bad_input
+from interop.bad_input import Report, run_for
 from interop.tolerances import bound_ratio
 
 KERNELS = ("ragged", "decode")
@@ -78,29 +79,6 @@ SHAPES = {
               cache_dtype="float8_e5m2", split_tokens=2),
     ),
 }  # fmt: skip
-
-
-@dataclasses.dataclass
-class Report:
-    kernel: str
-    examples: int = 0
-    refused: int = 0  # raised, as predicted, naming the argument
-    ran: int = 0  # ran, as predicted
-    compared: int = 0  # of those, checked against impl="xla"
-    seconds: float = 0.0
-    mutations: Counter = dataclasses.field(default_factory=Counter)
-    failures: list = dataclasses.field(default_factory=list)  # (seed, index, what)
-
-    def summary(self) -> str:
-        top = ", ".join(f"{k} {v}" for k, v in sorted(self.mutations.items()))
-        text = (
-            f"{self.kernel}: {self.examples} examples in {self.seconds:.1f} s: "
-            f"{self.refused} refused (as predicted), {self.ran} ran ({self.compared} compared "
-            f"with impl='xla'), {len(self.failures)} failures; mutations: {top}"
-        )
-        for seed, index, what in self.failures[:5]:
-            text += f"\n  FAILURE seed={seed} example={index}: {what}"
-        return text
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,22 +357,16 @@ def fuzz(
     `progress(report)` is called every 200 examples (the long run prints there)."""
     if kernel not in KERNELS:
         raise ValueError(f"{kernel=} must be one of {KERNELS}")
-    if examples is None and seconds is None:
-        raise ValueError("give examples or seconds (or both)")
-    report = Report(kernel)
+    report = Report(kernel, "impl='xla'")
     programs = _Programs(kernel)
-    start = time.monotonic()
-    index = 0
-    while (examples is None or index < examples) and (
-        seconds is None or time.monotonic() - start < seconds
-    ):
-        run_example(kernel, seed, index, programs, report)
-        index += 1
-        if progress is not None and index % 200 == 0:
-            report.seconds = time.monotonic() - start
-            progress(report)
-    report.seconds = time.monotonic() - start
-    return report
+    return run_for(
+        report,
+        lambda index: run_example(kernel, seed, index, programs, report),
+        examples=examples,
+        seconds=seconds,
+        progress=progress,
+        every=200,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,29 +410,10 @@ def sanitizer_env(extra_flags: str = "") -> dict:
     }
 
 
-def run_child(kernel: str, *, seconds: float, seed: int, env: dict) -> tuple[int, str]:
-    """`fuzz` in a child process (a crash there is a return code, not the end of this
-    process); returns (return code, its output)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "interop.bad_metadata", kernel, str(seconds), str(seed)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    return proc.returncode, proc.stdout + proc.stderr[-5000:]
-
-
 def main(argv: list[str]) -> int:
     """`python -m interop.bad_metadata KERNEL SECONDS SEED`: one run, progress on stdout;
     exit 1 on a failure (a crash exits with the signal)."""
-    kernel, seconds, seed = argv[0], float(argv[1]), int(argv[2])
-
-    def progress(report: Report) -> None:
-        print("progress:", report.summary().splitlines()[0], flush=True)
-
-    report = fuzz(kernel, seconds=seconds, seed=seed, progress=progress)
-    print(report.summary(), flush=True)
-    return 1 if report.failures else 0
+    return bad_input.child_main(argv, fuzz)
 
 
 if __name__ == "__main__":

@@ -52,12 +52,13 @@ and torch_backends are imported here (the sanitizer environment comes from
 import dataclasses
 import math
 import re
-import subprocess
 import sys
-import time
 from collections import Counter
 
 import torch
+
+from interop import bad_input
+from interop.bad_input import Report, run_for
 
 OPS = (
     "store_split",
@@ -73,29 +74,6 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 NOT_COMPARED = "legal but extreme values: not compared"
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 NAN_BYTE = 0x7F  # a NaN in both float8 formats
-
-
-@dataclasses.dataclass
-class Report:
-    op: str
-    examples: int = 0
-    refused: int = 0  # raised, as predicted, naming the argument, nothing written
-    ran: int = 0  # ran, as predicted
-    compared: int = 0  # of those, checked against the reference
-    seconds: float = 0.0
-    mutations: Counter = dataclasses.field(default_factory=Counter)
-    failures: list = dataclasses.field(default_factory=list)  # (seed, index, what)
-
-    def summary(self) -> str:
-        top = ", ".join(f"{k} {v}" for k, v in sorted(self.mutations.items()))
-        text = (
-            f"{self.op}: {self.examples} examples in {self.seconds:.1f} s: {self.refused} "
-            f"refused (as predicted), {self.ran} ran ({self.compared} compared with the "
-            f"reference), {len(self.failures)} failures; mutations: {top}"
-        )
-        for seed, index, what in self.failures[:5]:
-            text += f"\n  FAILURE seed={seed} example={index}: {what}"
-        return text
 
 
 @dataclasses.dataclass
@@ -1245,26 +1223,20 @@ def fuzz(
     `progress(report)` is called every 500 examples."""
     if op not in OPS:
         raise ValueError(f"{op=} must be one of {OPS}")
-    if examples is None and seconds is None:
-        raise ValueError("give examples or seconds (or both)")
     from torch_backends import native
 
     reason = native.unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"the native torch ops are not available: {reason}")
-    report = Report(op)
-    start = time.monotonic()
-    index = 0
-    while (examples is None or index < examples) and (
-        seconds is None or time.monotonic() - start < seconds
-    ):
-        run_example(op, seed, index, report)
-        index += 1
-        if progress is not None and index % 500 == 0:
-            report.seconds = time.monotonic() - start
-            progress(report)
-    report.seconds = time.monotonic() - start
-    return report
+    report = Report(op, "the reference")
+    return run_for(
+        report,
+        lambda index: run_example(op, seed, index, report),
+        examples=examples,
+        seconds=seconds,
+        progress=progress,
+        every=500,
+    )
 
 
 def sanitizer_env(extra_flags: str = "") -> dict:
@@ -1275,29 +1247,10 @@ def sanitizer_env(extra_flags: str = "") -> dict:
     return bad_metadata.sanitizer_env(extra_flags)
 
 
-def run_child(op: str, *, seconds: float, seed: int, env: dict) -> tuple[int, str]:
-    """`fuzz` in a child process (a crash there is a return code, not the end of this
-    process); returns (return code, its output)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "interop.bad_torch_ops", op, str(seconds), str(seed)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    return proc.returncode, proc.stdout + proc.stderr[-5000:]
-
-
 def main(argv: list[str]) -> int:
     """`python -m interop.bad_torch_ops OP SECONDS SEED`: one run, progress on stdout; exit 1
     on a failure (a crash exits with the signal)."""
-    op, seconds, seed = argv[0], float(argv[1]), int(argv[2])
-
-    def progress(report: Report) -> None:
-        print("progress:", report.summary().splitlines()[0], flush=True)
-
-    report = fuzz(op, seconds=seconds, seed=seed, progress=progress)
-    print(report.summary(), flush=True)
-    return 1 if report.failures else 0
+    return bad_input.child_main(argv, fuzz)
 
 
 if __name__ == "__main__":

@@ -288,63 +288,37 @@ def cmd_fuzz_bad_metadata(args) -> int:
     """`--bad-metadata`: garbage metadata into the native kernels under jit, each kernel (or
     `--backend ragged|decode`) for `--minutes` in a child process, optionally built with ASan +
     UBSan (`--sanitize`) and without AVX-512 (`--portable`). A crash is the child's exit."""
+    from interop import bad_input, bad_metadata
+
+    return bad_input.run_children(
+        "interop.bad_metadata", list(bad_metadata.KERNELS), backend=args.backend,
+        minutes=args.minutes, seed=args.seed, env=_bad_input_env(args),
+    )  # fmt: skip
+
+
+def _bad_input_env(args) -> dict:
+    """The bad-input fuzzers' child environment: the kernels built with ASan + UBSan
+    (`--sanitize`) and/or without AVX-512 (`--portable`), else as they are."""
     from interop import bad_metadata
 
-    kernels = list(bad_metadata.KERNELS)
-    if args.backend:
-        if args.backend not in kernels:
-            print(f"--backend={args.backend!r} is not one of {kernels}", file=sys.stderr)
-            return 2
-        kernels = [args.backend]
     extra = bad_metadata.PORTABLE_FLAGS if args.portable else ""
     if args.sanitize:
         env = bad_metadata.sanitizer_env(extra)
     else:
         env = {**os.environ, "JAX_ATTN_CPU_EXTRA_FLAGS": extra} if extra else dict(os.environ)
-    build = env.get("JAX_ATTN_CPU_EXTRA_FLAGS") or "default flags"
-    failures = 0
-    for kernel in kernels:
-        rc, output = bad_metadata.run_child(
-            kernel, seconds=args.minutes * 60.0, seed=args.seed, env=env
-        )
-        lines = [ln for ln in output.splitlines() if not ln.startswith("progress:")]
-        summary = next((ln for ln in lines if ln.startswith(f"{kernel}:")), None)
-        print(f"[{build}] {summary or kernel + ': no summary'}")
-        if rc != 0:
-            failures += 1
-            print(f"{kernel}: child exited {rc}:\n" + "\n".join(lines[-40:]))
-    return 1 if failures else 0
+    return env
 
 
 def cmd_fuzz_torch_ops(args) -> int:
     """`--torch-ops`: bad input into the native torch ops, each op (or `--backend OP`) for
     `--minutes` in a child process, optionally built with ASan + UBSan (`--sanitize`) and
     without AVX-512 (`--portable`). A crash is the child's exit."""
-    from interop import bad_metadata, bad_torch_ops
+    from interop import bad_input, bad_torch_ops
 
-    ops = list(bad_torch_ops.OPS)
-    if args.backend:
-        if args.backend not in ops:
-            print(f"--backend={args.backend!r} is not one of {ops}", file=sys.stderr)
-            return 2
-        ops = [args.backend]
-    extra = bad_metadata.PORTABLE_FLAGS if args.portable else ""
-    if args.sanitize:
-        env = bad_torch_ops.sanitizer_env(extra)
-    else:
-        env = {**os.environ, "JAX_ATTN_CPU_EXTRA_FLAGS": extra} if extra else dict(os.environ)
-    build = env.get("JAX_ATTN_CPU_EXTRA_FLAGS") or "default flags"
-    failures = 0
-    for op in ops:
-        rc, output = bad_torch_ops.run_child(op, seconds=args.minutes * 60.0, seed=args.seed,
-                                             env=env)  # fmt: skip
-        lines = [ln for ln in output.splitlines() if not ln.startswith("progress:")]
-        summary = [ln for ln in lines if ln.startswith(f"{op}:") or "FAILURE" in ln]
-        print(f"[{build}] " + ("\n".join(summary) if summary else f"{op}: no summary"))
-        if rc != 0:
-            failures += 1
-            print(f"{op}: child exited {rc}:\n" + "\n".join(lines[-40:]))
-    return 1 if failures else 0
+    return bad_input.run_children(
+        "interop.bad_torch_ops", list(bad_torch_ops.OPS), backend=args.backend,
+        minutes=args.minutes, seed=args.seed, env=_bad_input_env(args),
+    )  # fmt: skip
 
 
 def dataclasses_asdict(cell) -> dict:
