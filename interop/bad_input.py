@@ -42,6 +42,13 @@ class Report:
         return text
 
 
+def require_limit(examples: int | None, seconds: float | None) -> None:
+    """A run needs `examples` or `seconds` (or both); checked by `run_for`, and first by a
+    fuzzer with set-up work before its loop."""
+    if examples is None and seconds is None:
+        raise ValueError("give examples or seconds (or both)")
+
+
 def run_for(
     report: Report,
     run_example: Callable[[int], None],
@@ -53,8 +60,7 @@ def run_for(
 ) -> Report:
     """`run_example(index)` for index 0, 1, ... until `examples` ran or `seconds` passed (at
     least one of them given); `progress(report)` every `every` examples."""
-    if examples is None and seconds is None:
-        raise ValueError("give examples or seconds (or both)")
+    require_limit(examples, seconds)
     start = time.monotonic()
     index = 0
     while (examples is None or index < examples) and (

@@ -1223,6 +1223,7 @@ def fuzz(
     `progress(report)` is called every 500 examples."""
     if op not in OPS:
         raise ValueError(f"{op=} must be one of {OPS}")
+    bad_input.require_limit(examples, seconds)  # before the library's load (or build)
     from torch_backends import native
 
     reason = native.unavailable_reason()
