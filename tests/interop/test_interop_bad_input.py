@@ -39,11 +39,13 @@ STAND_IN = textwrap.dedent(
 
 
 @pytest.fixture
-def stand_in(tmp_path):
+def stand_in(tmp_path, monkeypatch):
+    """The stand-in module on this process's path and the child environment's."""
     (tmp_path / "stand_in_fuzzer.py").write_text(STAND_IN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "stand_in_fuzzer", raising=False)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), repo])}
-    return env
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), repo])}
 
 
 def test_run_for_counts_examples_and_reports_progress():
@@ -112,14 +114,9 @@ def test_run_children_refuses_an_unknown_backend(capsys):
 
 
 def test_child_main_exit_code(stand_in, capsys):
-    sys.path.insert(0, stand_in["PYTHONPATH"].split(os.pathsep)[0])
-    try:
-        import stand_in_fuzzer
+    import stand_in_fuzzer
 
-        assert bad_input.child_main(["clean", "1", "0"], stand_in_fuzzer.fuzz) == 0
-        assert bad_input.child_main(["failing", "1", "0"], stand_in_fuzzer.fuzz) == 1
-    finally:
-        sys.path.pop(0)
-        sys.modules.pop("stand_in_fuzzer", None)
+    assert bad_input.child_main(["clean", "1", "0"], stand_in_fuzzer.fuzz) == 0
+    assert bad_input.child_main(["failing", "1", "0"], stand_in_fuzzer.fuzz) == 1
     out = capsys.readouterr().out
     assert out.count(bad_input.PROGRESS) == 4  # 2 per run of 5 examples, every 2
