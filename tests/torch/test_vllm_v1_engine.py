@@ -12,8 +12,24 @@ environment would, and runs three engines in turn (in-process engine core, one t
     llama-bf16  round one of llama-f32 in bfloat16
 
 float32: greedy tokens identical and logprobs within 1e-4 (a near tie, runner-up within 1e-4
-in vLLM's own run, may end the comparison there); bfloat16: logprobs within the magnitude-aware
-bound against vLLM's (peer, interop.tolerances), tokens identical up to a near tie within it.
+in vLLM's own run, may end the comparison there), generated and teacher-forced (each round-one
+prompt followed by 12 fixed tokens, scored through `prompt_logprobs`).
+
+bfloat16 is judged against vLLM's own float32 run, teacher-forced, because an engine's logprobs
+are not an attention output: they come through bf16 linear layers, norms and the sampler's
+log-softmax, so the attention rule (`interop.tolerances`, which bounds one attention's output)
+does not bound them. vLLM's own bf16 run strays from its f32 run by up to 0.19-0.34 in a
+logprob (RMS 0.06-0.075; 7 seeds, 230 positions each), and the old bound (the attention rule
+applied to a logprob: 0.05 at -0.7) failed at seed 996495217, where the plugin's and vLLM's
+bf16 generated logprobs differed by 0.062. So:
+- teacher-forced, per position, each bf16 run's distance from the f32 reference: the plugin's
+  RMS within 1.25x vLLM's own (measured 0.93-1.06x) and its largest within 2x vLLM's largest
+  (0.93-1.24x). A softmax scale off by 3% fails (RMS 1.31x).
+- generated (the decode steps, where both runs see the same tokens until they part): tokens
+  identical up to a near tie, logprobs within 2.5x the largest teacher-forced difference
+  between the plugin's bf16 and vLLM's (the same two kernels' rounding, propagated; measured
+  0.46-1.19x it). A decode that drops the query's own key fails (3.4x and 7.4x at two seeds),
+  where vLLM's own distance from f32 as the bound let one of them through.
 """
 
 import json
@@ -29,7 +45,6 @@ import pytest
 pytest.importorskip("vllm", minversion="0.32", reason="vLLM 0.32 is not installed here")
 
 import torch
-from tolerances import error_bound
 
 from torch_backends import native
 
@@ -46,6 +61,7 @@ PLUGIN_IMPL = "torch_backends.vllm_v1.NativeCPUAttentionImpl"
 VLLM_IMPL = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"
 VOCAB, WINDOW, MAX_TOKENS = 512, 24, 12
 F32_LOGPROB_TOL = 1e-4
+BF16_RMS_RATIO, BF16_MAX_RATIO, BF16_GENERATED_RATIO = 1.25, 2.0, 2.5
 
 
 def _save_model(path: Path, seed: int, **extra) -> str:
@@ -71,18 +87,20 @@ def _spec(models: dict, rng: np.random.Generator) -> dict:
     long = prompt(150)
     round_one = [prompt(7), prompt(40), long]
     round_two = [long[:96] + prompt(20)]
+    # Teacher-forced: round one's prompts, each followed by as many tokens as it generates.
+    scored = [p + prompt(MAX_TOKENS) for p in round_one]
     engine = dict(block_size=32, max_model_len=512, max_num_batched_tokens=64)
     return {
         "runs": [
             dict(name="llama-f32", model=models["llama"], dtype="float32",
                  engine=engine | dict(enable_prefix_caching=True),
-                 rounds=[round_one, round_two], max_tokens=MAX_TOKENS),
+                 rounds=[round_one, round_two], max_tokens=MAX_TOKENS, scored=scored),
             dict(name="window-f32", model=models["window"], dtype="float32",
                  engine=engine | dict(enable_prefix_caching=False),
                  rounds=[[prompt(60), prompt(100)]], max_tokens=MAX_TOKENS),
             dict(name="llama-bf16", model=models["llama"], dtype="bfloat16",
                  engine=engine | dict(enable_prefix_caching=False),
-                 rounds=[round_one], max_tokens=MAX_TOKENS),
+                 rounds=[round_one], max_tokens=MAX_TOKENS, scored=scored),
         ]
     }  # fmt: skip
 
@@ -122,18 +140,17 @@ def engines(tmp_path_factory, run_seed):
     return plugin, own
 
 
-def _compare(plugin: dict, own: dict, tol) -> None:
-    """Greedy tokens identical and logprobs within `tol(own logprobs)`, up to a near tie in
-    vLLM's own run (its runner-up within the tolerance of the chosen token), where two correct
-    runs may part, even at the first token; the plugin's choice there must score within the
-    tolerance of vLLM's. A near tie ends that request's comparison (the runs then continue
-    from different tokens); at least a third of all tokens are compared token for token."""
+def _compare(plugin: dict, own: dict, bound: float) -> None:
+    """Greedy tokens identical and logprobs within `bound`, up to a near tie in vLLM's own run
+    (its runner-up within `2 * bound` of the chosen token), where two correct runs may part,
+    even at the first token; the plugin's choice there must score within `2 * bound` of vLLM's.
+    A near tie ends that request's comparison (the runs then continue from different tokens);
+    at least a third of all tokens are compared token for token."""
     compared = total = 0
     for i, (mine, theirs) in enumerate(zip(plugin, own, strict=True)):
         total += len(theirs["tokens"])
         for t, (a, b) in enumerate(zip(mine["tokens"], theirs["tokens"], strict=True)):
             lp_a, lp_b = mine["logprobs"][t], theirs["logprobs"][t]
-            bound = float(tol(np.array([lp_b]))[0])
             runner_up = theirs["runner_up"][t]
             if a != b:
                 near_tie = runner_up is not None and lp_b - runner_up <= 2 * bound
@@ -150,12 +167,9 @@ def _compare(plugin: dict, own: dict, tol) -> None:
     assert total > 0 and 3 * compared >= total, f"{compared} of {total} tokens compared"
 
 
-def _f32(expected):
-    return np.full_like(expected, F32_LOGPROB_TOL)
-
-
-def _bf16(expected):
-    return error_bound(expected, "bfloat16", peer=True)
+def _scored(run: dict) -> np.ndarray:
+    """A run's teacher-forced logprobs, every scored position of every sequence."""
+    return np.concatenate([np.asarray(lps, dtype=np.float64) for lps in run["scored"]])
 
 
 def test_layers_hold_the_plugin_impl(engines):
@@ -168,22 +182,52 @@ def test_layers_hold_the_plugin_impl(engines):
 def test_plain_and_chunked_prefill_f32(engines):
     plugin, own = engines
     # Round one: a 7-token prompt, a 40-token one, and a 150-token one over a 64-token budget.
-    _compare(plugin["llama-f32"]["rounds"][0], own["llama-f32"]["rounds"][0], _f32)
+    _compare(plugin["llama-f32"]["rounds"][0], own["llama-f32"]["rounds"][0], F32_LOGPROB_TOL)
+
+
+def test_teacher_forced_f32(engines):
+    plugin, own = engines
+    mine, theirs = _scored(plugin["llama-f32"]), _scored(own["llama-f32"])
+    assert mine.shape == theirs.shape == (3 * MAX_TOKENS + 7 + 40 + 150 - 3,)
+    worst = np.max(np.abs(mine - theirs))
+    assert worst <= F32_LOGPROB_TOL, f"teacher-forced f32 logprobs differ by {worst:.2e}"
 
 
 def test_prefix_caching_f32(engines):
     plugin, own = engines
     mine, theirs = plugin["llama-f32"]["rounds"][1], own["llama-f32"]["rounds"][1]
     assert mine[0]["cached_tokens"] == theirs[0]["cached_tokens"] == 96
-    _compare(mine, theirs, _f32)
+    _compare(mine, theirs, F32_LOGPROB_TOL)
 
 
 def test_sliding_window_f32(engines):
     plugin, own = engines
     assert plugin["window-f32"]["impls"] == [[PLUGIN_IMPL, WINDOW]]
-    _compare(plugin["window-f32"]["rounds"][0], own["window-f32"]["rounds"][0], _f32)
+    _compare(plugin["window-f32"]["rounds"][0], own["window-f32"]["rounds"][0], F32_LOGPROB_TOL)
 
 
-def test_bf16_within_the_magnitude_aware_bound(engines):
+def test_bf16_as_close_to_f32_as_vllms_own(engines):
     plugin, own = engines
-    _compare(plugin["llama-bf16"]["rounds"][0], own["llama-bf16"]["rounds"][0], _bf16)
+    reference = _scored(own["llama-f32"])
+    mine, theirs = _scored(plugin["llama-bf16"]), _scored(own["llama-bf16"])
+    assert np.all(np.isfinite(mine)), "non-finite teacher-forced bf16 logprobs with the plugin"
+    mine_off, theirs_off = np.abs(mine - reference), np.abs(theirs - reference)
+
+    def rms(x):
+        return float(np.sqrt(np.mean(x**2)))
+
+    assert rms(mine_off) <= BF16_RMS_RATIO * rms(theirs_off), (
+        f"bf16 logprobs' RMS distance from f32: {rms(mine_off):.3e} with the plugin, "
+        f"{rms(theirs_off):.3e} with vLLM's own"
+    )
+    worst = int(np.argmax(mine_off))
+    assert mine_off[worst] <= BF16_MAX_RATIO * theirs_off.max(), (
+        f"bf16 logprob {worst} is {mine_off[worst]:.3e} from f32 with the plugin; vLLM's own "
+        f"strays {theirs_off.max():.3e} at most"
+    )
+    apart = float(np.max(np.abs(mine - theirs)))
+    _compare(
+        plugin["llama-bf16"]["rounds"][0],
+        own["llama-bf16"]["rounds"][0],
+        BF16_GENERATED_RATIO * apart,
+    )

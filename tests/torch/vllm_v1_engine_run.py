@@ -4,10 +4,13 @@ test_vllm_v1_engine.py (which starts this twice, with and without JAX_ATTN_VLLM=
     python vllm_v1_engine_run.py SPEC.json OUT.json
 
 SPEC: {"runs": [{"name", "model", "dtype", "engine": {LLM keywords}, "rounds": [[prompt token
-ids, ...], ...], "max_tokens"}]}; each round is one `generate` call, after the previous one
-(a later round can hit the prefix cache an earlier one filled). OUT: per run, the attention
-impls the model's layers hold (class path, sliding window), and per request the greedy tokens,
-their logprobs, the runner-up's logprobs and the prompt tokens served from the prefix cache.
+ids, ...], ...], "max_tokens", "scored": [token ids, ...] (optional)}]}; each round is one
+`generate` call, after the previous one (a later round can hit the prefix cache an earlier one
+filled). OUT: per run, the attention impls the model's layers hold (class path, sliding
+window), per request the greedy tokens, their logprobs, the runner-up's logprobs and the prompt
+tokens served from the prefix cache; and, teacher-forced, the logprob of every token of each
+`scored` sequence after the first given the ones before it (one `generate` call with
+`prompt_logprobs`, after the rounds).
 """
 
 import gc
@@ -56,9 +59,22 @@ def _run(run: dict) -> dict:
             )
         rounds.append(requests)
     result["rounds"] = rounds
+    if run.get("scored"):
+        result["scored"] = _score(llm, run["scored"])
     del llm
     gc.collect()
     return result
+
+
+def _score(llm, sequences: list) -> list:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    return [
+        [lps[token].logprob for token, lps in zip(seq[1:], out.prompt_logprobs[1:], strict=True)]
+        for seq, out in zip(sequences, outs, strict=True)
+    ]
 
 
 def main() -> None:
