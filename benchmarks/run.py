@@ -723,7 +723,10 @@ def shared_core_targets(results: dict, busy: dict | None) -> list[dict]:
         for w in SHARED_CORE_WORKLOADS
     ]
     w = "decode-f32-bs128"
-    theirs, ours = _busy_field(results, w, VLLM, "median_s"), _busy_field(results, w, CPU, "median_s")
+    theirs, ours = (
+        _busy_field(results, w, VLLM, "median_s"),
+        _busy_field(results, w, CPU, "median_s"),
+    )
     targets.append(
         _at_least(
             f"{w} beside busy processes: {VLLM} time / {CPU} time",
@@ -1170,7 +1173,9 @@ def _run(
     busy_record = None
     if busy is not None:
         cores = len(os.sched_getaffinity(0))
-        busy_record = dict(processes=busy.count, cores=cores, fair_share=fair_share(cores, busy.count))
+        busy_record = dict(
+            processes=busy.count, cores=cores, fair_share=fair_share(cores, busy.count)
+        )
         record["busy"] = busy_record
     rng = np.random.default_rng(0)
     columns = [*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn(),

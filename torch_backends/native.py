@@ -295,6 +295,7 @@ def ragged_paged_attention(
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
     kv_cache_dtype: str = "auto",
+    sinks: Float[Tensor, " num_heads"] | None = None,
 ) -> Float[Tensor, "num_tokens num_heads head_size"]:
     """`jax_attn.paged_attention`'s ragged step on the native kernel (the XLA handler's, bit for
     bit) into `out`; returns `out`. Sequence `s` owns query rows
@@ -307,8 +308,11 @@ def ragged_paged_attention(
     `[NB, BS, Hkv, D]` in any float dtype, or fp8 (torch's float8 dtypes with
     `kv_cache_dtype="auto"`, or uint8 bit patterns named by `kv_cache_dtype`: "fp8" /
     "fp8_e4m3", "fp8_e5m2"), read times `k_scale` / `v_scale`, which apply to fp8 caches only
-    (vLLM's rule). Bad shapes or values raise ValueError naming the argument before any read
-    or write."""
+    (vLLM's rule). `sinks`: one attention-sink logit per query head (gpt-oss's; vLLM's
+    `sinks`), a key with no value in every row's softmax: the output is
+    `sum_j p_j v_j / (sum_j p_j + exp(sinks[h] - max))`, not transformed by the scale, soft cap
+    or ALiBi. Bad shapes or values raise ValueError naming the argument before any read or
+    write."""
     if not available():
         raise RuntimeError(f"torch_backends.native is not available: {unavailable_reason()}")
     if kv_cache_dtype == "auto" and key_cache.element_size() != 1:
@@ -330,6 +334,7 @@ def ragged_paged_attention(
         _scale_tensor(k_scale),
         _scale_tensor(v_scale),
         kv_cache_dtype,
+        None if sinks is None else sinks.detach().to(torch.float32).contiguous(),
     )
     return out
 

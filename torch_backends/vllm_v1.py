@@ -30,8 +30,10 @@ Encoder attention (ENCODER_ONLY, ENCODER) has no cache: the step's keys and valu
 serve as a cache of one-token blocks, `key.view(T, 1, Hkv, D)`, sequence s owning blocks
 `query_start_loc[s] ...`.
 
-What vLLM's CPU_ATTN takes and this backend does not (attention sinks, cross-attention, head size
-512, per-request causal masks) is refused by name when the engine builds the model.
+Attention sinks (gpt-oss: one learned logit per query head, a key with no value in every row's
+softmax) go to the kernel as they are, in float32. What vLLM's CPU_ATTN takes and this backend
+does not (cross-attention, head size 512, per-request causal masks) is refused by name when the
+engine builds the model.
 """
 
 from dataclasses import dataclass
@@ -241,8 +243,8 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
         **extra_impl_args,
     ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if sinks is not None:
-            raise _refuse("attention sinks")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}")
         if extra_impl_args:
             raise _refuse(f"attention arguments {sorted(extra_impl_args)}")
         if attn_type not in (AttentionType.DECODER, *ENCODER_TYPES):
@@ -270,7 +272,8 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
         self.logits_soft_cap = logits_soft_cap or None
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sinks = None
+        # The layer's parameter itself: the model loads its weights after building the layer.
+        self.sinks = sinks
 
     # ------------------------------------------------------------------------------------------
 
@@ -360,5 +363,6 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
             k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float,
             kv_cache_dtype=kv_cache_dtype,
+            sinks=self.sinks,
         )
         return output

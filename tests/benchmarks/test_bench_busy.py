@@ -39,7 +39,7 @@ def test_spinners_spin_only_inside_running_and_end_with_close():
             time.sleep(0.5)
             assert all(_state(pid) in "RS" for pid in pids)
         assert [_state(pid) for pid in pids] == ["T", "T"]
-        assert all(_cpu_ticks(p) > b for p, b in zip(pids, before))
+        assert all(_cpu_ticks(p) > b for p, b in zip(pids, before, strict=True))
     assert not any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in pids)
 
 

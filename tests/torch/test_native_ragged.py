@@ -96,6 +96,8 @@ CHUNKED = [(9, 45), (16, 200), (3, 130)]  # chunks after cached prefixes
 # when there are enough per worker).
 MIXED = [(33, 33), (5, 71), *[(1, n) for n in (1, 2, 17, 64, 129, 200, 31, 96, 150)]]
 MIX_SHORT = [(1, 50), (20, 20), (1, 3), (4, 90), (1, 1)]  # lone decodes among the tiles
+# Few long decodes: the decode kernel splits each sequence's keys into parts (split-K).
+LONG_DECODES = [(1, 2900), (1, 2100), (1, 3000), (1, 1700)]
 
 F32, BF16, F16, E4M3 = torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn
 # id, batch, Hq, Hkv, D, BS, query dtype, cache dtype, bias, causal
@@ -111,18 +113,29 @@ GRID = [
     ("mixed-fp8-bf16q", MIXED, 8, 2, 128, 16, BF16, E4M3, None, True),
     ("prefill-fp8-f32q", PREFILL, 2, 2, 64, 128, F32, E4M3, "window", True),
     ("chunked-fp8-f16q", CHUNKED, 8, 2, 80, 16, F16, E4M3, "alibi", True),
+    ("mixed-f32-sinks", MIXED, 8, 2, 128, 16, F32, F32, "sinks", True),
+    ("mixed-bf16-sinks-all", MIXED, 8, 2, 128, 128, BF16, BF16, "sinks-all", True),
+    ("mixed-fp8-sinks", MIX_SHORT, 4, 1, 64, 16, BF16, E4M3, "sinks", True),
+    ("prefill-noncausal-sinks", PREFILL, 4, 2, 96, 16, F16, F16, "sinks", False),
+    ("split-decodes-f32-sinks", LONG_DECODES, 8, 2, 64, 128, F32, F32, "sinks", True),
+    ("split-decodes-bf16-sinks", LONG_DECODES, 8, 2, 128, 128, BF16, BF16, "sinks", True),
 ]
 
 
-def bias_kwargs(bias, num_heads):
+def bias_kwargs(bias, num_heads, gen=None):
     slopes = torch.tensor(alibi(num_heads), dtype=torch.float32)
+    # Sinks from well below a row's logits to well above them (gpt-oss's lie within +-5).
+    sinks = 3.0 * torch.randn(num_heads, generator=gen)
     return {
         None: {},
         "alibi": dict(alibi_slopes=slopes),
         "window": dict(sliding_window=23),
         "softcap": dict(logits_soft_cap=2.5),
         "all": dict(alibi_slopes=slopes, sliding_window=40, logits_soft_cap=4.0),
-    }[bias]
+        "sinks": dict(sinks=sinks),
+        "sinks-all": dict(sinks=sinks, alibi_slopes=slopes, sliding_window=40,
+                          logits_soft_cap=4.0),
+    }[bias]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -141,7 +154,7 @@ def test_ragged_op_matches_the_float64_oracle(
         block_size=block_size, dtype=dtype, cache_dtype=cache_dtype, k_scale=scales[0],
         v_scale=scales[1],
     )  # fmt: skip
-    kwargs = bias_kwargs(bias, num_heads)
+    kwargs = bias_kwargs(bias, num_heads, gen)
     scale = head_size**-0.5
     out = torch.full_like(query, float("nan"))
     result = native.ragged_paged_attention(
@@ -245,7 +258,7 @@ def _op_args(tensors, **over):
     args = dict(
         out=out, query=query, key_cache=kc, value_cache=vc, **meta, alibi_slopes=None,
         scale=0.125, causal=True, sliding_window=0, logits_soft_cap=0.0,
-        k_scale=torch.ones(1), v_scale=torch.ones(1), kv_cache_dtype="auto",
+        k_scale=torch.ones(1), v_scale=torch.ones(1), kv_cache_dtype="auto", sinks=None,
     )  # fmt: skip
     args.update(over)
     return tuple(args.values())
@@ -304,6 +317,8 @@ def test_bad_shapes_and_dtypes_name_the_argument(rng):
          r"query_start_loc must be int32 \[num_seqs \+ 1=6\]"),
         (dict(num_seqs=torch.tensor([3, 3], dtype=torch.int32)), r"num_seqs must be one int32"),
         (dict(alibi_slopes=torch.ones(3)), r"alibi_slopes must be float32 \[num_heads=4\]"),
+        (dict(sinks=torch.ones(5)), r"sinks must be float32 \[num_heads=4\]"),
+        (dict(sinks=torch.ones(4, dtype=torch.float64)), r"sinks must be float32"),
         (dict(k_scale=torch.ones(2)), r"k_scale must hold one value"),
         (dict(kv_cache_dtype="fp9"), r"kv_cache_dtype=fp9 needs a 1-byte cache"),
         (dict(query=query.to(torch.int32), out=out.to(torch.int32)),
@@ -348,7 +363,7 @@ def test_opcheck(rng):
     )  # fmt: skip
     kc, vc = (c.nan_to_num(0.0) for c in (kc, vc))  # opcheck compares outputs with NaN as unequal
     args = _op_args((torch.empty_like(query), query, kc, vc, meta), alibi_slopes=torch.rand(4),
-                    sliding_window=17, logits_soft_cap=5.0)  # fmt: skip
+                    sliding_window=17, logits_soft_cap=5.0, sinks=torch.randn(4))  # fmt: skip
     torch.library.opcheck(torch.ops.jax_attn.ragged_paged_attention.default, args)
 
 

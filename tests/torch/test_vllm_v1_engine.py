@@ -10,6 +10,8 @@ environment would, and runs three engines in turn (in-process engine core, one t
                 then a prompt sharing its first 96 tokens (three cached blocks)
     window-f32  the same with a 24-token sliding window (Mistral), prompts of 60 and 100
     llama-bf16  round one of llama-f32 in bfloat16
+    sinks-f32   round one on a gpt-oss (attention sinks, a 16-token window in every other
+                layer, 4 experts)
 
 float32: greedy tokens identical and logprobs within 1e-4 (a near tie, runner-up within 1e-4
 in vLLM's own run, may end the comparison there), generated and teacher-forced (each round-one
@@ -80,6 +82,28 @@ def _save_model(path: Path, seed: int, **extra) -> str:
     return str(path)
 
 
+def _save_sinks_model(path: Path, seed: int) -> str:
+    """A random-weight 2-layer gpt-oss (Hq 4, Hkv 2, D 64): every layer's attention has sinks
+    (drawn wide, N(0, 2), so that they matter), the first a 16-token sliding window."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=16, max_position_embeddings=1024,
+        layer_types=["sliding_attention", "full_attention"], initializer_range=0.2,
+        architectures=["GptOssForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                p.normal_(0.0, 2.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
 def _spec(models: dict, rng: np.random.Generator) -> dict:
     def prompt(n):
         return rng.integers(0, VOCAB, n).tolist()
@@ -101,6 +125,9 @@ def _spec(models: dict, rng: np.random.Generator) -> dict:
             dict(name="llama-bf16", model=models["llama"], dtype="bfloat16",
                  engine=engine | dict(enable_prefix_caching=False),
                  rounds=[round_one], max_tokens=MAX_TOKENS, scored=scored),
+            dict(name="sinks-f32", model=models["sinks"], dtype="float32",
+                 engine=engine | dict(enable_prefix_caching=False),
+                 rounds=[round_one], max_tokens=MAX_TOKENS),
         ]
     }  # fmt: skip
 
@@ -131,6 +158,7 @@ def engines(tmp_path_factory, run_seed):
     models = {
         "llama": _save_model(root / "llama", run_seed),
         "window": _save_model(root / "window", run_seed + 1, sliding_window=WINDOW),
+        "sinks": _save_sinks_model(root / "sinks", run_seed + 2),
     }
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(_spec(models, np.random.default_rng(run_seed))))
@@ -175,8 +203,8 @@ def _scored(run: dict) -> np.ndarray:
 def test_layers_hold_the_plugin_impl(engines):
     plugin, own = engines
     for name in plugin:
-        assert [impl for impl, _ in plugin[name]["impls"]] == [PLUGIN_IMPL], name
-        assert [impl for impl, _ in own[name]["impls"]] == [VLLM_IMPL], name
+        assert {impl for impl, _ in plugin[name]["impls"]} == {PLUGIN_IMPL}, name
+        assert {impl for impl, _ in own[name]["impls"]} == {VLLM_IMPL}, name
 
 
 def test_plain_and_chunked_prefill_f32(engines):
@@ -231,3 +259,9 @@ def test_bf16_as_close_to_f32_as_vllms_own(engines):
         own["llama-bf16"]["rounds"][0],
         BF16_GENERATED_RATIO * apart,
     )
+
+
+def test_attention_sinks_f32(engines):
+    plugin, own = engines
+    assert plugin["sinks-f32"]["impls"] == [[PLUGIN_IMPL, 16], [PLUGIN_IMPL, None]]
+    _compare(plugin["sinks-f32"]["rounds"][0], own["sinks-f32"]["rounds"][0], F32_LOGPROB_TOL)

@@ -121,6 +121,8 @@ CASES = {
     "bf16-fp8-e4m3": dict(dtype=torch.bfloat16, block_size=32, kv_cache_dtype="fp8"),
     "f32-fp8-e5m2-bs16": dict(dtype=torch.float32, block_size=16, kv_cache_dtype="fp8_e5m2"),
     "f32-non-causal": dict(dtype=torch.float32, block_size=16, causal=False),
+    "bf16-sinks-window": dict(dtype=torch.bfloat16, block_size=32, sinks=True, sliding_window=20),
+    "f32-sinks-fp8": dict(dtype=torch.float32, block_size=16, sinks=True, kv_cache_dtype="fp8"),
 }  # fmt: skip
 
 
@@ -153,10 +155,14 @@ def test_step_matches_the_oracle(case, seed):
     alibi = (
         torch.linspace(0.05, 0.5, num_heads).tolist() if kw.get("alibi") else None
     )  # fmt: skip
+    # gpt-oss's sinks: a bf16 parameter per head, filled after the layer is built.
+    sinks = torch.empty(num_heads, dtype=torch.bfloat16) if kw.get("sinks") else None
     impl = vllm_v1.NativeCPUAttentionImpl(
         num_heads, head_size, head_size**-0.5, num_kv_heads, alibi, kw.get("sliding_window"),
-        kv_cache_dtype, kw.get("soft_cap"),
+        kv_cache_dtype, kw.get("soft_cap"), sinks=sinks,
     )  # fmt: skip
+    if sinks is not None:
+        sinks.copy_(3.0 * torch.randn(num_heads, generator=gen))
     layer = types.SimpleNamespace(_k_scale_float=k_scale, _v_scale_float=v_scale)
     keys = [torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype) for n in seq_lens]
     values = [torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype) for n in seq_lens]
@@ -206,6 +212,7 @@ def test_step_matches_the_oracle(case, seed):
         alibi_slopes=alibi,
         sliding_window=kw.get("sliding_window"),
         logits_soft_cap=kw.get("soft_cap"),
+        sinks=sinks,
     )
     fp8 = FP8.get(kv_cache_dtype)
     assert_close(output[: sum(q_lens)].double(), expected, dtype, fp8)
@@ -244,18 +251,22 @@ def test_encoder_attention_reads_the_step_itself(attn_type, seed):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(sinks=torch.zeros(8)), "attention sinks"),
         (dict(attn_type=AttentionType.ENCODER_DECODER), r"cross-attention"),
         (dict(head_size=512), "head size 512"),
         (dict(kv_cache_dtype="fp8_inc"), "kv_cache_dtype='fp8_inc'"),
         (dict(use_alibi_sqrt=True), r"attention arguments \['use_alibi_sqrt'\]"),
     ],
-    ids=["sinks", "cross-attention", "head-512", "fp8-inc", "extra-argument"],
+    ids=["cross-attention", "head-512", "fp8-inc", "extra-argument"],
 )
 def test_refuses_what_it_cannot_run(kw, match):
     args = dict(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2) | kw
     with pytest.raises(NotImplementedError, match=f"JAX_ATTN_VLLM=1.*{match}"):
         vllm_v1.NativeCPUAttentionImpl(**args)
+
+
+def test_sinks_must_be_one_per_head():
+    with pytest.raises(ValueError, match=r"sinks must be \[num_heads=8\], got \(4,\)"):
+        vllm_v1.NativeCPUAttentionImpl(8, 64, 0.1, 2, sinks=torch.zeros(4))
 
 
 def test_refuses_block_size_not_a_multiple_of_16():

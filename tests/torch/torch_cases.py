@@ -25,8 +25,11 @@ def reference_attention(
     alibi_slopes=None,
     sliding_window=None,
     logits_soft_cap=None,
+    sinks=None,
 ):
-    """float64 attention per sequence; q `[Tq, Hq, D]`, k/v `[Tk, Hkv, D]`, bottom-right."""
+    """float64 attention per sequence; q `[Tq, Hq, D]`, k/v `[Tk, Hkv, D]`, bottom-right.
+    `sinks` `[Hq]`: each head's attention-sink logit, a key with no value in every row's
+    softmax (its column dropped after the softmax)."""
     q, k, v = (torch.as_tensor(x).double() for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
@@ -48,7 +51,11 @@ def reference_attention(
         if sliding_window is not None:
             keep &= (p_q - p_k) < sliding_window
         logits = logits.masked_fill(~keep, float("-inf"))
+        if sinks is not None:
+            sink = torch.as_tensor(sinks).double()[:, None, None].expand(-1, q_len, 1)
+            logits = torch.cat([logits, sink], dim=-1)
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no key -> 0
+        probs = probs[..., :k_len]  # the sinks' column, if any, dropped
         out[q0 : q0 + q_len] = torch.einsum("hqk,khd->qhd", probs, vi)
         q0, k0 = q0 + q_len, k0 + k_len
     return out

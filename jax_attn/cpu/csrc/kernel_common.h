@@ -213,6 +213,17 @@ struct Scratch {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Attention sinks (gpt-oss; vLLM's `sinks`): one learned logit per query head that joins the
+// softmax of each of the head's rows as a key with no value. Only the denominator changes:
+// out = sum_j exp(l_j - m) v_j / (sum_j exp(l_j - m) + exp(sink - m)), for the row's running
+// max m (natural-log logits). `sink` nullptr: none (share 0). A row with no visible key keeps
+// zeros (its sum is 0 and is tested first); a sink far above m drives the row to zeros.
+// ---------------------------------------------------------------------------------------------
+inline float sink_share(const float* sink, float max) {
+  return sink == nullptr ? 0.0f : std::exp(*sink - max);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Online softmax: the running state of one query row over chunks of keys. The accumulator
 // (sum of p * v, D floats) lives with the caller; `rescale` says what to multiply it by.
 // ---------------------------------------------------------------------------------------------
@@ -232,14 +243,19 @@ struct OnlineSoftmaxRow {
   }
   void add_sum(float chunk_sum) { sum += chunk_sum; }
   // 1 / sum, or 0 for a row that saw no key (all masked): its output is zeros, never NaN.
-  float inverse_sum() const { return sum > 0.0f ? 1.0f / sum : 0.0f; }
+  // With an attention sink (`sink`: its logit, or nullptr for none), 1 / (sum + exp(sink -
+  // max)): see sink_share.
+  float inverse_sum(const float* sink = nullptr) const {
+    return sum > 0.0f ? 1.0f / (sum + sink_share(sink, max)) : 0.0f;
+  }
 };
 
 // Merge split-K partials of one row: (max_i, sum_i, acc_i[D]) -> acc[D] / sum, times `out_scale`.
 // acc_i are unnormalized (sum of exp(logit - max_i) * v). Rows with no key anywhere give zeros.
+// `sink`: the row's attention sink (sink_share), or nullptr; counted once, here.
 inline void merge_partials(int num_parts, const float* maxes, const float* sums,
                            const float* const* accs, int head_size, float out_scale,
-                           float* out) {
+                           float* out, const float* sink = nullptr) {
   float m = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < num_parts; ++i) m = std::max(m, maxes[i]);
   for (int d = 0; d < head_size; ++d) out[d] = 0.0f;
@@ -251,7 +267,7 @@ inline void merge_partials(int num_parts, const float* maxes, const float* sums,
     total += sums[i] * w;
     for (int d = 0; d < head_size; ++d) out[d] += w * accs[i][d];
   }
-  const float inv = total > 0.0f ? out_scale / total : 0.0f;
+  const float inv = total > 0.0f ? out_scale / (total + sink_share(sink, m)) : 0.0f;
   for (int d = 0; d < head_size; ++d) out[d] *= inv;
 }
 

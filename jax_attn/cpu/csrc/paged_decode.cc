@@ -123,6 +123,7 @@ struct Problem {
   const int32_t* tables;    // [S, max_blocks]
   const int32_t* seq_lens;  // [S]
   const float* alibi;       // [Hq] or nullptr
+  const float* sinks;       // [Hq] or nullptr (kernel_common.h's sink_share)
   float qk_scale;           // scale * k_scale (* the fp8 widening factor, already in load16)
   float v_scale;
   int64_t window;  // <= 0: none
@@ -211,7 +212,7 @@ void finish_item(const Problem& p, const Item& it, RowsState& st, int64_t padded
   if (it.num_parts == 1) {
     for (int64_t r = 0; r < Hq; ++r) {
       store_output_row(p, it.seq, r, st.acc.get() + r * padded_d,
-                       st.rows[r].inverse_sum() * p.v_scale);
+                       st.rows[r].inverse_sum(p.sinks ? p.sinks + r : nullptr) * p.v_scale);
     }
     return;
   }
@@ -236,7 +237,8 @@ void finish_item(const Problem& p, const Item& it, RowsState& st, int64_t padded
       accs[i] = row + 16;
     }
     merge_partials(static_cast<int>(parts), maxes.data(), sums.data(), accs.data(),
-                   static_cast<int>(p.head_size), p.v_scale, merged.data());
+                   static_cast<int>(p.head_size), p.v_scale, merged.data(),
+                   p.sinks ? p.sinks + r : nullptr);
     store_output_row(p, it.seq, r, merged.data(), 1.0f);
   }
 }
@@ -1285,6 +1287,7 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
   p.tables = a.block_tables;
   p.seq_lens = a.seq_lens;
   p.alibi = a.alibi_slopes;
+  p.sinks = a.sinks;
   p.qk_scale = a.scale * a.k_scale;
   p.v_scale = a.v_scale;
   p.window = a.sliding_window;

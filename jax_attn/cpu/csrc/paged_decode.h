@@ -33,6 +33,7 @@ struct DecodeArgs {
   const int32_t* block_tables = nullptr;  // [S, max_blocks]
   const int32_t* seq_lens = nullptr;      // [S]
   const float* alibi_slopes = nullptr;    // [Hq], or nullptr for none
+  const float* sinks = nullptr;           // [Hq] attention sinks' logits, or nullptr for none
   float scale = 1.0f, k_scale = 1.0f, v_scale = 1.0f;
   int64_t sliding_window = 0;  // <= 0: none
   float logits_soft_cap = 0.0f;  // <= 0: none

@@ -207,7 +207,7 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
       alignas(64) float f[16];
       for (int i = 0; i < 16; ++i) {
         const int64_t r = r0 + i;
-        f[i] = r < M && row_sum[r] > 0.0f ? p.v_scale / row_sum[r] : 0.0f;  // no key: sum 0
+        f[i] = r < M ? output_factor(p, row_sum[r], row_max[r], kvh * G + r % G) : 0.0f;
       }
       for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
         __m512 x[16];

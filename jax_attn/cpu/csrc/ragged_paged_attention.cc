@@ -279,6 +279,7 @@ struct Problem {
   void* out;              // [T, Hq, D]
   const int32_t* block_tables;  // [S, MB]
   const float* slopes;          // [Hq] or nullptr
+  const float* sinks;           // [Hq] or nullptr: output_factor
   int64_t Hq, Hkv, G, D, Dp, BS, MB;
   float qk_scale;  // scale * k_scale * log2(e), folded into the queries
   float v_scale;   // folded into the output
@@ -289,6 +290,16 @@ struct Problem {
   bool amx;  // bf16 queries on a bf16 or fp8 cache, both products on AMX tiles (run_item_amx)
   bool stream_out;  // fused float32 output rows streamed (kStreamOutputBytes)
 };
+
+// What a finished row's p.v sum is multiplied by: v_scale / its softmax denominator, 0 for a
+// row that saw no visible key. The denominator is row_sum, plus the head's attention sink
+// (kernel_common.h) where there is one; logits here are base 2, so the sink's share is
+// 2^(sink * log2(e) - row_max).
+inline float output_factor(const Problem& p, float row_sum, float row_max, int64_t head) {
+  if (!(row_sum > 0.0f)) return 0.0f;
+  const float sink = p.sinks ? std::exp2(p.sinks[head] * kLog2e - row_max) : 0.0f;
+  return p.v_scale / (row_sum + sink);
+}
 
 struct Item {
   int64_t seq;
@@ -807,7 +818,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
       const bool last = k0 + kKeys >= it.k_end;
       if (fused_out && last) {
         for (int64_t r = 0; r < M; ++r) {
-          inv[r] = hs.row_sum[r] > 0.0f ? p.v_scale / hs.row_sum[r] : 0.0f;
+          inv[r] = output_factor(p, hs.row_sum[r], hs.row_max[r], (it.kvh + h) * G + r % G);
           out_rows[r] = out + ((it.t0 + r / G) * Hq + (it.kvh + h) * G + r % G) * D;
         }
       }
@@ -834,7 +845,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
   }
 
   next_query.issue_all();  // what q.k left
-  // Output rows: O / sum * v_scale; rows that saw no key (sum 0) are zeros.
+  // Output rows: O * output_factor; rows that saw no key (sum 0) are zeros.
   if (fused_out && it.k_end > it.k_begin) {
     if (p.stream_out) Vec::stream_fence();  // the streamed rows land before the task reports
     return;
@@ -842,7 +853,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
   for (int64_t h = 0; h < nh; ++h) {
     const HeadState& hs = heads[h];
     for (int64_t r = 0; r < M; ++r) {
-      const float inv = hs.row_sum[r] > 0.0f ? p.v_scale / hs.row_sum[r] : 0.0f;
+      const float inv = output_factor(p, hs.row_sum[r], hs.row_max[r], (it.kvh + h) * G + r % G);
       QT* o = out + ((it.t0 + r / G) * Hq + (it.kvh + h) * G + r % G) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = narrow<QT>(hs.O[r * Dp + d] * inv);
     }
@@ -1190,6 +1201,7 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
   p.out = a.out;
   p.block_tables = tables;
   p.slopes = a.alibi_slopes;
+  p.sinks = a.sinks;
   p.Hq = Hq;
   p.Hkv = Hkv;
   p.G = Hq / Hkv;
@@ -1287,6 +1299,7 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
     d.block_tables = tables + s0 * MB;
     d.seq_lens = lens + s0;
     d.alibi_slopes = p.slopes;
+    d.sinks = p.sinks;
     d.scale = a.scale;
     d.k_scale = a.k_scale;
     d.v_scale = p.v_scale;

@@ -33,6 +33,7 @@ struct RaggedArgs {
   const int32_t* seq_lens = nullptr;         // [S]
   const int32_t* block_tables = nullptr;     // [S, max_blocks]
   const float* alibi_slopes = nullptr;       // [Hq], or nullptr for none
+  const float* sinks = nullptr;  // [Hq] attention sinks' logits (kernel_common.h), or nullptr
   float scale = 1.0f, k_scale = 1.0f, v_scale = 1.0f;
   bool causal = true;
   int64_t sliding_window = 0;    // <= 0: none

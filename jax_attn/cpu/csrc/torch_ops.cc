@@ -15,12 +15,14 @@
 //   ragged_paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache,
 //       Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor num_seqs,
 //       Tensor? alibi_slopes, float scale, bool causal, int sliding_window,
-//       float logits_soft_cap, Tensor k_scale, Tensor v_scale, str kv_cache_dtype) -> ()
+//       float logits_soft_cap, Tensor k_scale, Tensor v_scale, str kv_cache_dtype,
+//       Tensor? sinks=None) -> ()
 //     jax_attn.paged_attention's ragged step (prefill, chunked prefill, decode, mixed) over the
 //     token-major caches [NB, BS, Hkv, D]: query and out [T, Hq, D]; int32 query_start_loc
 //     [S + 1], seq_lens [S], block_tables [S, max_blocks], num_seqs (one value: the real rows);
 //     out is written (rows past query_start_loc[num_seqs] as zeros). The XLA handler's kernel
 //     (ragged_paged_attention.h), its checks included. fp8 caches as in paged_decode_split.
+//     sinks: float32 [Hq], one attention-sink logit per query head (kernel_common.h), or none.
 //
 //   store_split(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache,
 //       Tensor slot_mapping) -> ()
@@ -236,7 +238,8 @@ void ragged_paged_attention_op(at::Tensor out, const at::Tensor& query,
                                const std::optional<at::Tensor>& alibi_slopes, double scale,
                                bool causal, int64_t sliding_window, double logits_soft_cap,
                                const at::Tensor& k_scale, const at::Tensor& v_scale,
-                               const std::string& kv_cache_dtype) {
+                               const std::string& kv_cache_dtype,
+                               const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK_VALUE(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got ",
                     query.sizes());
   TORCH_CHECK_VALUE(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
@@ -290,6 +293,14 @@ void ragged_paged_attention_op(at::Tensor out, const at::Tensor& query,
                       s.scalar_type(), " ", s.sizes());
     check_cpu_contiguous({{&s, "alibi_slopes"}});
     a.alibi_slopes = s.data_ptr<float>();
+  }
+  if (sinks.has_value()) {
+    const at::Tensor& s = *sinks;
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == a.num_heads && s.scalar_type() == at::kFloat,
+                      "sinks must be float32 [num_heads=", a.num_heads, "], got ",
+                      s.scalar_type(), " ", s.sizes());
+    check_cpu_contiguous({{&s, "sinks"}});
+    a.sinks = s.data_ptr<float>();
   }
   a.query_type = query_dtype(query);
   TORCH_CHECK_VALUE(a.query_type != DType::kOther, "query dtype ", query.scalar_type(),
@@ -541,7 +552,8 @@ TORCH_LIBRARY(jax_attn, m) {
       "ragged_paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
       "Tensor num_seqs, Tensor? alibi_slopes, float scale, bool causal, int sliding_window, "
-      "float logits_soft_cap, Tensor k_scale, Tensor v_scale, str kv_cache_dtype) -> ()");
+      "float logits_soft_cap, Tensor k_scale, Tensor v_scale, str kv_cache_dtype, "
+      "Tensor? sinks=None) -> ()");
   m.def(
       "store_split(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
