@@ -125,7 +125,10 @@ def _random(gen: torch.Generator, shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+    # A fresh row-major copy: `contiguous()` keeps a size-1 dimension's odd stride, which
+    # `view(torch.uint8)` refuses.
+    dense = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t.detach())
+    return dense.reshape(-1).view(torch.uint8)
 
 
 def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
@@ -886,11 +889,12 @@ def draw_ragged(gen: torch.Generator, kinds: Counter) -> Call:
         "logits_soft_cap": _pick(gen, [0.0, 0.0, 30.0, 2.0]),
         "k_scale": torch.tensor([_pick(gen, [1.0, 0.5])]),
         "v_scale": torch.tensor([_pick(gen, [1.0, 2.0])]), "kv_cache_dtype": kv_dtype,
+        "sinks": (torch.randn(hq, generator=gen) * 3.0) if _chance(gen, 0.3) else None,
     }  # fmt: skip
     for _ in range(_pick(gen, [0, 1, 1, 2, 3])):
         kind = _pick(gen, ["seq_lens", "block_tables", "query_start_loc", "num_seqs",
                            "index-tensor", "tensor", "scale", "kv_cache_dtype", "slopes",
-                           "extreme", "heads", "aliased-out"])  # fmt: skip
+                           "extreme", "heads", "aliased-out", "sinks"])  # fmt: skip
         kinds[kind] += 1
         if kind == "seq_lens" and rows:
             i = _int(gen, 0, rows)
@@ -909,6 +913,9 @@ def draw_ragged(gen: torch.Generator, kinds: Counter) -> Call:
                                            torch.tensor([num_seqs])])  # fmt: skip
         elif kind == "aliased-out" and tokens:
             args["out"] = args["query"]
+        elif kind == "sinks":
+            args["sinks"] = _pick(gen, [torch.ones(hq + 1), torch.ones(hq).double(),
+                                        torch.ones(2 * hq)[::2], torch.ones(1, hq)])  # fmt: skip
         elif kind != "aliased-out":
             _break_attention_args(
                 gen, kind, args, query, out, ["block_tables", "seq_lens", "query_start_loc"], kinds
@@ -959,6 +966,12 @@ def _ragged_rules(a: dict) -> list:
     if slopes is not None:
         if slopes.dim() != 1 or slopes.shape[0] != hq or slopes.dtype != torch.float32:
             return ["alibi_slopes must be"]
+    sinks = a["sinks"]
+    if sinks is not None:
+        if sinks.dim() != 1 or sinks.shape[0] != hq or sinks.dtype != torch.float32:
+            return ["sinks must be float32"]
+        if not _cpu_contiguous([(sinks, "sinks")], broken):
+            return broken
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return ["query dtype"]
     kv_dtype = a["kv_cache_dtype"]
@@ -1040,8 +1053,11 @@ def _check_ragged(a: dict) -> str | None:
         if window > 0:
             seen &= rel > -window
         logits = logits.masked_fill(~seen[:, None, :], -math.inf)
+        if a["sinks"] is not None:  # one more logit per head, for a key with no value
+            sink = a["sinks"].double()[None, :, None].expand(end - start, hq, 1)
+            logits = torch.cat([logits, sink], dim=-1)
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows seeing no key: zeros
-        want[start:end] = torch.einsum("thl,lhd->thd", probs, v)
+        want[start:end] = torch.einsum("thl,lhd->thd", probs[..., :n], v)
     return _against_float64(a, want)
 
 
