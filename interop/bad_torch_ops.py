@@ -781,12 +781,19 @@ def _dequantize(cache: torch.Tensor, kv_dtype: str, scale: float) -> torch.Tenso
 
 def _comparable(a: dict) -> bool:
     """Whether an attention call that ran is compared with float64: finite, moderate scales,
-    soft cap and slopes (else running without a crash is all that is asked)."""
+    soft cap and slopes, and logits of the size the tolerance rows are set for (else running
+    without a crash is all that is asked). The draws' queries and keys are normal, so a logit's
+    typical size is |scale * k_scale| * sqrt(D); at most 10 here (every draw without a scale
+    mutation: 1.0 * sqrt(96) = 9.8). Above it, a float32 logit's rounding moves the output
+    past float32's absolute row: k_scale 3 at scale 1 and D 96 (logits ~29) gave 5.4e-5
+    against 3.2e-5 (seed 29, example 320358)."""
     scale, cap, slopes = a["scale"], a["logits_soft_cap"], a["alibi_slopes"]
     k_scale, v_scale = float(a["k_scale"].reshape(-1)[0]), float(a["v_scale"].reshape(-1)[0])
     moderate = all(1 / 16 <= v <= 16 for v in (k_scale, v_scale))
     finite = math.isfinite(scale) and abs(scale) < 1e3 and math.isfinite(cap) and cap < 1e3
-    return moderate and finite and (slopes is None or bool(slopes.isfinite().all()))
+    if not (moderate and finite and (slopes is None or bool(slopes.isfinite().all()))):
+        return False
+    return abs(scale * k_scale) * math.sqrt(a["query"].shape[-1]) <= 10.0
 
 
 def _against_float64(a: dict, want: torch.Tensor) -> str | None:
