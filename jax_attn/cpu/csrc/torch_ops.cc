@@ -119,6 +119,18 @@ void check_cpu_contiguous(std::initializer_list<Named> tensors) {
   }
 }
 
+// An optional float32 [num_heads] argument (ALiBi slopes, attention sinks): its data, nullptr
+// when absent, or ValueError naming it.
+const float* per_head(const std::optional<at::Tensor>& t, int64_t num_heads, const char* name) {
+  if (!t.has_value()) return nullptr;
+  const at::Tensor& s = *t;
+  TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == num_heads && s.scalar_type() == at::kFloat, name,
+                    " must be float32 [num_heads=", num_heads, "], got ", s.scalar_type(), " ",
+                    s.sizes());
+  check_cpu_contiguous({{&s, name}});
+  return s.data_ptr<float>();
+}
+
 // vLLM's split key cache [num_blocks, num_kv_heads, head_size / x, block_size, x]: its x,
 // which must hold 16 bytes, or ValueError.
 int64_t split_x(const at::Tensor& key_cache) {
@@ -206,14 +218,7 @@ void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tenso
                     "seq_lens must be int32 [num_seqs=", a.num_seqs, "], got ",
                     seq_lens.scalar_type(), " ", seq_lens.sizes());
   a.max_blocks = block_tables.size(1);
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& s = *alibi_slopes;
-    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == a.num_heads && s.scalar_type() == at::kFloat,
-                      "alibi_slopes must be float32 [num_heads=", a.num_heads, "], got ",
-                      s.scalar_type(), " ", s.sizes());
-    check_cpu_contiguous({{&s, "alibi_slopes"}});
-    a.alibi_slopes = s.data_ptr<float>();
-  }
+  a.alibi_slopes = per_head(alibi_slopes, a.num_heads, "alibi_slopes");
   a.query_type = query_dtype(query);
   a.cache_type = cache_dtype(key_cache, kv_cache_dtype);
   a.query = query.data_ptr();
@@ -286,22 +291,8 @@ void ragged_paged_attention_op(at::Tensor out, const at::Tensor& query,
   a.seq_rows = rows;
   a.max_blocks = block_tables.size(1);
   a.num_seqs = num_seqs.data_ptr<int32_t>()[0];
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& s = *alibi_slopes;
-    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == a.num_heads && s.scalar_type() == at::kFloat,
-                      "alibi_slopes must be float32 [num_heads=", a.num_heads, "], got ",
-                      s.scalar_type(), " ", s.sizes());
-    check_cpu_contiguous({{&s, "alibi_slopes"}});
-    a.alibi_slopes = s.data_ptr<float>();
-  }
-  if (sinks.has_value()) {
-    const at::Tensor& s = *sinks;
-    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == a.num_heads && s.scalar_type() == at::kFloat,
-                      "sinks must be float32 [num_heads=", a.num_heads, "], got ",
-                      s.scalar_type(), " ", s.sizes());
-    check_cpu_contiguous({{&s, "sinks"}});
-    a.sinks = s.data_ptr<float>();
-  }
+  a.alibi_slopes = per_head(alibi_slopes, a.num_heads, "alibi_slopes");
+  a.sinks = per_head(sinks, a.num_heads, "sinks");
   a.query_type = query_dtype(query);
   TORCH_CHECK_VALUE(a.query_type != DType::kOther, "query dtype ", query.scalar_type(),
                     " must be float32, bfloat16 or float16");
