@@ -147,12 +147,14 @@ def dense_reference(
     alibi_slopes=None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks=None,
 ) -> np.ndarray:
     """float64 NumPy attention of the workload's queries over its (cache-rounded) keys.
 
     Written straight from the spec, one sequence at a time, with no paging at all: the
     simplest possible statement of the math, for checking both the JAX oracle and the
-    fast paths. Query rows are `query.astype(float64)`.
+    fast paths. Query rows are `query.astype(float64)`. `sinks` `[Hq]`: attention sinks, one
+    logit per head that joins every row's softmax with no value.
     """
     num_heads, head_size = w.query.shape[1:]
     scale = head_size**-0.5 if scale is None else scale
@@ -178,10 +180,14 @@ def dense_reference(
             keep &= p_q - p_k < sliding_window
         logits = np.where(keep[None], logits, -np.inf)
         row_max = logits.max(axis=-1, keepdims=True, initial=-np.inf)
-        weights = np.where(
-            keep[None], np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0)), 0.0
-        )
+        if sinks is not None:
+            sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], row_max.shape)
+            row_max = np.maximum(row_max, sink)
+        row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+        weights = np.where(keep[None], np.exp(logits - row_max), 0.0)
         total = weights.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total = total + np.exp(sink - row_max)
         probs = weights / np.where(total > 0, total, 1.0)
         out[start : start + q_len] = np.einsum("hqk,khd->qhd", probs, v)
         start += q_len

@@ -151,13 +151,20 @@ def update(
     return m_new, denom, acc
 
 
-def finish(state: State) -> Float[Array, "num_tiles tile_q num_heads head_size"]:
+def finish(
+    state: State, sinks: Float[Array, " num_heads"] | None = None
+) -> Float[Array, "num_tiles tile_q num_heads head_size"]:
     """The normalized float32 output; rows whose keys are all masked, and invalid rows, are
-    zeros."""
-    _, denom, acc = state
+    zeros. `sinks` (attention sinks, one logit per query head): a key with no value in every
+    row's softmax, so each row's normalizer gains exp(sink - m)."""
+    m, denom, acc = state
     num_tiles, num_kv_heads, group, tile_q, head_size = acc.shape
     # Rows that saw no key give zeros (their acc may hold NaN from a keyless tile's reads).
-    seen = (denom > 0)[..., None]
+    seen = denom > 0
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
+        denom = denom + jnp.exp(sink - jnp.where(seen, m, 0.0))
+    seen = seen[..., None]
     out = jnp.where(seen, acc / jnp.where(seen, denom[..., None], 1.0), 0.0)
     # [N, Hkv, G, Q, D] -> [N, Q, Hkv, G, D] -> [N, Q, Hq, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(num_tiles, tile_q, num_kv_heads * group, head_size)

@@ -211,6 +211,14 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
             args, kwargs = check_values(query, key_cache, *args, check=check, **kwargs)
             asked = impl
             impl, interpret = _resolve(impl, interpret, query, key_cache)
+            if impl == "pallas" and kwargs.get("sinks") is not None:
+                # The Pallas kernels have no attention sinks yet: "auto" takes the XLA path.
+                if asked != "auto":
+                    raise ValueError(
+                        "impl='pallas' does not take attention sinks (sinks=...) yet: use "
+                        "impl='xla' (or 'auto', which picks it), or impl='cpu' on a CPU"
+                    )
+                impl, interpret = "xla", None
             if impl in ("pallas", "cpu") and (sharded := _partitioned(query, key_cache)):
                 # One kernel per device, which XLA cannot partition: "auto" takes the XLA path
                 # (partitioned by kv head), an explicit kernel is refused.
@@ -378,6 +386,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     k_scale: float | Float[Array, ""] = 1.0,
     v_scale: float | Float[Array, ""] = 1.0,
+    sinks: Float[Array, " num_heads"] | None = None,
     impl: Impl = "auto",
     interpret: bool | None = None,
 ) -> Float[Array, "num_tokens num_heads head_size"]:
@@ -395,6 +404,11 @@ def paged_attention(
     kernel; `RuntimeError` when it is not available here), "reference" (the dense oracle),
     "auto" (the fastest that takes these shapes where the arrays live: pallas on GPU and TPU,
     cpu on CPU, else xla; see `resolve_impl`). `scale` defaults to `head_size ** -0.5`.
+
+    `sinks` `[num_heads]` (gpt-oss's attention sinks): one logit per query head that joins
+    every row's softmax as a key with no value, so a row's output is
+    `sum_j p_j v_j / (sum_j p_j + exp(sinks[h] - max))` (not scaled, capped or biased). Taken
+    by "xla", "cpu" and "reference"; "pallas" refuses it ("auto" then picks "xla").
     Jitted inside (the choice of `impl` is made before), and jit-able from outside.
 
     `check` (keyword of the entry, default `jax_attn.config.check`, on): when the metadata
@@ -413,19 +427,21 @@ def paged_attention(
     shape_rules.check_metadata(metadata, query.shape[0])
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     bias["causal"] = causal
+    shape_rules.check_sinks(sinks, query.shape[1])
     md = metadata
     ragged = (md.query_start_loc, md.seq_lens, md.block_tables, md.num_seqs)
+    if impl == "pallas":
+        ragged_paged_attention = _pallas_kernels(query, interpret).ragged_paged_attention
+        return ragged_paged_attention(
+            query, key_cache, value_cache, *ragged, scale=scale, interpret=interpret, **bias
+        )
+    bias["sinks"] = sinks
     if impl == "reference":
         from jax_attn import reference
 
         return reference.paged_attention(
             query, key_cache, value_cache, md, scale=scale, **bias
         ).astype(query.dtype)
-    if impl == "pallas":
-        ragged_paged_attention = _pallas_kernels(query, interpret).ragged_paged_attention
-        return ragged_paged_attention(
-            query, key_cache, value_cache, *ragged, scale=scale, interpret=interpret, **bias
-        )
     if impl == "cpu":
         return cpu_kernels().ragged_paged_attention(
             query, key_cache, value_cache, *ragged, scale=scale, **bias
@@ -450,12 +466,14 @@ def paged_decode(
     logits_soft_cap: float | None = None,
     k_scale: float | Float[Array, ""] = 1.0,
     v_scale: float | Float[Array, ""] = 1.0,
+    sinks: Float[Array, " num_heads"] | None = None,
     impl: Impl = "auto",
     interpret: bool | None = None,
 ) -> Float[Array, "num_seqs num_heads head_size"]:
     """One new query token per sequence, at position `seq_lens[i] - 1`, over the paged cache.
 
-    Rows with `seq_lens[i] == 0` (padding) give zeros. Same keywords as `paged_attention`;
+    Rows with `seq_lens[i] == 0` (padding) give zeros. Same keywords as `paged_attention`
+    (`sinks` included);
     the value checks (`check`) cover the block tables, `seq_lens` and the scales.
     """
     bias = dict(
@@ -468,14 +486,16 @@ def paged_decode(
     shape_rules.check_attention_args(query, key_cache, value_cache, query_axis="num_seqs", **bias)
     shape_rules.check_decode_arrays(block_tables, seq_lens, query.shape[0])
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    shape_rules.check_sinks(sinks, query.shape[1])
     args = (query, key_cache, value_cache, block_tables, seq_lens)
+    if impl == "pallas":
+        pallas_decode = _pallas_kernels(query, interpret).paged_decode
+        return pallas_decode(*args, scale=scale, interpret=interpret, **bias)
+    bias["sinks"] = sinks
     if impl == "reference":
         from jax_attn import reference
 
         return reference.paged_decode(*args, scale=scale, **bias).astype(query.dtype)
-    if impl == "pallas":
-        pallas_decode = _pallas_kernels(query, interpret).paged_decode
-        return pallas_decode(*args, scale=scale, interpret=interpret, **bias)
     if impl == "cpu":
         return cpu_kernels().paged_decode(*args, scale=scale, **bias)
     return paged_decode_xla(*args, scale=scale, **bias)

@@ -35,11 +35,13 @@ def _dense_rows(
     sliding_window,
     logits_soft_cap,
     dtype,
+    sinks=None,
 ):
     """softmax(bias(scale * q.k)) v for rows `[T, Hq, D]` against keys `[L, Hkv, D]`.
 
     `allowed[t, j]` says whether query t and key j belong together at all (same sequence,
-    key inside the sequence); causality and the window are applied here on top.
+    key inside the sequence); causality and the window are applied here on top. `sinks`
+    `[Hq]`: each head's attention-sink logit joins every row's softmax with no value.
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     kv_head = jnp.arange(num_heads, dtype=jnp.int32) // (num_heads // num_kv_heads)
@@ -58,9 +60,15 @@ def _dense_rows(
         keep = keep & (-distance < sliding_window)
     logits = jnp.where(keep[None], logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
-    weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    if sinks is not None:
+        sink = jnp.broadcast_to(jnp.asarray(sinks).astype(dtype)[:, None, None], row_max.shape)
+        row_max = jnp.maximum(row_max, sink)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(logits - row_max)
     weights = jnp.where(keep[None], weights, 0.0)  # exact zeros where masked
     total = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sink - row_max)
     probs = weights / jnp.where(total > 0, total, 1.0)  # rows with no key stay all-zero
     v = jnp.where(allowed.any(axis=0)[:, None, None], v, 0.0)  # never touch unused memory
     return jnp.einsum("htl,lhd->thd", probs, v)
@@ -86,6 +94,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     k_scale: float | Float[Array, ""] = 1.0,
     v_scale: float | Float[Array, ""] = 1.0,
+    sinks: Float[Array, " num_heads"] | None = None,
     dtype=None,
 ) -> Float[Array, "num_tokens num_heads head_size"]:
     """Oracle for `jax_attn.paged_attention`; result in `dtype` (float64 with x64)."""
@@ -121,6 +130,7 @@ def paged_attention(
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             dtype=dtype,
+            sinks=sinks,
         )
         return jnp.where(mine[:, None, None], out, 0.0)
 
@@ -143,6 +153,7 @@ def paged_decode(
     logits_soft_cap: float | None = None,
     k_scale: float | Float[Array, ""] = 1.0,
     v_scale: float | Float[Array, ""] = 1.0,
+    sinks: Float[Array, " num_heads"] | None = None,
     dtype=None,
 ) -> Float[Array, "num_seqs num_heads head_size"]:
     """Oracle for `jax_attn.paged_decode`: one query at position `seq_len - 1` per sequence."""
@@ -167,6 +178,7 @@ def paged_decode(
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             dtype=dtype,
+            sinks=sinks,
         )
         return out[0]
 

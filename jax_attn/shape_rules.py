@@ -118,6 +118,16 @@ def check_query_and_cache(query, key_cache, value_cache, *, query_axis: str) -> 
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
 
 
+def check_sinks(sinks, num_heads: int) -> None:
+    """Attention sinks: None, or one float logit per query head."""
+    if sinks is None:
+        return
+    if jnp.shape(sinks) != (num_heads,):
+        raise ValueError(f"sinks must be [num_heads={num_heads}], got shape {jnp.shape(sinks)}")
+    if not jnp.issubdtype(jnp.asarray(sinks).dtype, jnp.floating):
+        raise TypeError(f"sinks.dtype={jnp.asarray(sinks).dtype} must be a float dtype")
+
+
 def check_bias_args(num_heads: int, alibi_slopes, sliding_window, logits_soft_cap) -> None:
     """ALiBi slopes one per query head, a positive window and soft cap (or None)."""
     if alibi_slopes is not None and tuple(jnp.shape(alibi_slopes)) != (num_heads,):

@@ -222,6 +222,7 @@ def _paged_tiles(
     logits_soft_cap,
     k_scale,
     v_scale,
+    sinks=None,
 ):
     """Blockwise attention of query tiles against their sequences' paged keys; float32."""
     _, block_size, num_kv_heads, head_size = key_cache.shape
@@ -263,7 +264,8 @@ def _paged_tiles(
 
         state = online_softmax.initial_state(queries, tiles, flat_k, flat_v)
         # A while loop of as many steps as the tiles' longest need (not reverse-differentiable).
-        return online_softmax.finish(jax.lax.fori_loop(0, tiles.iters.max(), step, state))
+        state = jax.lax.fori_loop(0, tiles.iters.max(), step, state)
+        return online_softmax.finish(state, sinks)
 
     # logit = scale * q.(k * k_scale): fold both scales into the queries once.
     tiles = _TileSet(

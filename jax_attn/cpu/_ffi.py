@@ -64,11 +64,18 @@ def check_bias(sliding_window: int | None, logits_soft_cap: float | None) -> Non
         raise ValueError(f"{logits_soft_cap=} must be > 0 (or None)")
 
 
-def f32_slopes(alibi_slopes):
-    """The kernels' slopes operand: float32 [num_heads], or empty for no ALiBi."""
-    if alibi_slopes is None:
+def f32_per_head(x):
+    """The kernels' per-head operands (ALiBi slopes, attention sinks): float32 [num_heads],
+    or empty for none."""
+    if x is None:
         return jnp.zeros((0,), jnp.float32)
-    return alibi_slopes.astype(jnp.float32)
+    return jnp.asarray(x).astype(jnp.float32)
+
+
+def check_per_head(name: str, x, num_heads: int) -> None:
+    """ValueError unless `x` is None or [num_heads]."""
+    if x is not None and jnp.shape(x) != (num_heads,):
+        raise ValueError(f"{name} must be [{num_heads=}], got {jnp.shape(x)}")
 
 
 def f32_scalar(x):

@@ -32,7 +32,7 @@ def decode_path(cache_dtype, query_dtype, block_size: int) -> str:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _decode(config, query, key_cache, value_cache, block_tables, seq_lens, slopes, ks, vs):
+def _decode(config, query, key_cache, value_cache, block_tables, seq_lens, slopes, sinks, ks, vs):
     scale, sliding_window, logits_soft_cap, split_tokens = config
     return _ffi.call_like_query(TARGET, query)(
         query,
@@ -41,6 +41,7 @@ def _decode(config, query, key_cache, value_cache, block_tables, seq_lens, slope
         block_tables,
         seq_lens,
         slopes,
+        sinks,
         ks,
         vs,
         scale=np.float32(scale),
@@ -69,6 +70,7 @@ def paged_decode(
     logits_soft_cap: float | None = None,
     k_scale: float | Float[Array, ""] = 1.0,
     v_scale: float | Float[Array, ""] = 1.0,
+    sinks: Float[Array, " num_heads"] | None = None,
     split_tokens: int | None = None,
 ) -> Float[Array, "num_seqs num_heads head_size"]:
     """One new query token per sequence, at position `seq_lens[i] - 1`, over the paged cache.
@@ -80,6 +82,7 @@ def paged_decode(
     on a bf16 or fp8 cache whose block size is a multiple of 16 run both products on AMX tiles
     where the CPU has them (`decode_path` says which code runs). Online softmax in float32.
     Rows with `seq_lens[i] == 0` give zeros. `scale` defaults to `head_size ** -0.5`.
+    `sinks`: attention sinks (see `jax_attn.paged_attention`).
     `split_tokens` (keys per split-K part; None: chosen from the batch)
     exists for tests.
 
@@ -103,8 +106,8 @@ def paged_decode(
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name}.dtype={x.dtype} must be int32")
     _ffi.check_bias(sliding_window, logits_soft_cap)
-    if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
-        raise ValueError(f"alibi_slopes must be [{num_heads=}], got {alibi_slopes.shape}")
+    _ffi.check_per_head("alibi_slopes", alibi_slopes, num_heads)
+    _ffi.check_per_head("sinks", sinks, num_heads)
     config = (
         float(query.shape[-1] ** -0.5 if scale is None else scale),
         int(sliding_window or 0),
@@ -118,7 +121,8 @@ def paged_decode(
         value_cache,
         block_tables.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
-        _ffi.f32_slopes(alibi_slopes),
+        _ffi.f32_per_head(alibi_slopes),
+        _ffi.f32_per_head(sinks),
         _ffi.f32_scalar(k_scale),
         _ffi.f32_scalar(v_scale),
     )

@@ -27,7 +27,7 @@ TARGET = "jax_attn_cpu_ragged_paged_attention"
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _ragged(config, query, key_cache, value_cache, qsl, seq_lens, tables, num_seqs, ks, vs, sl):
+def _ragged(config, query, key_cache, value_cache, qsl, seq_lens, tables, num_seqs, ks, vs, sl, sk):
     scale, causal, sliding_window, logits_soft_cap = config
     return _ffi.call_like_query(TARGET, query)(
         query,
@@ -40,6 +40,7 @@ def _ragged(config, query, key_cache, value_cache, qsl, seq_lens, tables, num_se
         ks,
         vs,
         sl,
+        sk,
         scale=np.float32(scale),
         causal=np.int64(causal),
         sliding_window=np.int64(sliding_window),
@@ -55,7 +56,15 @@ _ragged.defjvp(
 
 
 def _check_shapes(
-    query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, num_seqs, alibi_slopes
+    query,
+    key_cache,
+    value_cache,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    num_seqs,
+    alibi_slopes,
+    sinks,
 ) -> None:
     _ffi.check_caches(
         query,
@@ -86,8 +95,8 @@ def _check_shapes(
     ).items():
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name}.dtype={x.dtype} must be int32")
-    if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
-        raise ValueError(f"alibi_slopes must be [{num_heads=}], got {alibi_slopes.shape}")
+    _ffi.check_per_head("alibi_slopes", alibi_slopes, num_heads)
+    _ffi.check_per_head("sinks", sinks, num_heads)
 
 
 @functools.partial(
@@ -109,6 +118,7 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     k_scale: float | Float[Array, ""] = 1.0,
     v_scale: float | Float[Array, ""] = 1.0,
+    sinks: Float[Array, " num_heads"] | None = None,
 ) -> Float[Array, "num_tokens num_heads head_size"]:
     """`jax_attn.paged_attention` on the native CPU kernel; result in `query.dtype`.
 
@@ -133,6 +143,7 @@ def ragged_paged_attention(
         block_tables,
         num_seqs,
         alibi_slopes,
+        sinks,
     )
     _ffi.check_bias(sliding_window, logits_soft_cap)
     config = (
@@ -152,5 +163,6 @@ def ragged_paged_attention(
         jnp.asarray(num_seqs).astype(jnp.int32).reshape(()),
         _ffi.f32_scalar(k_scale),
         _ffi.f32_scalar(v_scale),
-        _ffi.f32_slopes(alibi_slopes),
+        _ffi.f32_per_head(alibi_slopes),
+        _ffi.f32_per_head(sinks),
     )

@@ -149,6 +149,7 @@ def _ragged_operands(**replace):
         k_scale=jnp.ones((), jnp.float32),
         v_scale=jnp.ones((), jnp.float32),
         alibi_slopes=jnp.zeros((0,), jnp.float32),
+        sinks=jnp.zeros((0,), jnp.float32),
     )
     ops.update(replace)
     return ops
@@ -178,6 +179,7 @@ def test_ragged_handler_checks_element_counts():
         (dict(seq_lens=jnp.asarray([4, 4], jnp.int32)), r"seq_lens must have num_seqs=1"),
         (dict(query_start_loc=jnp.asarray([0], jnp.int32)), r"query_start_loc must have num_"),
         (dict(alibi_slopes=jnp.ones((3,), jnp.float32)), r"alibi_slopes must have num_heads=2"),
+        (dict(sinks=jnp.ones((3,), jnp.float32)), r"sinks must have num_heads=2 entries, got 3"),
         (
             dict(
                 key_cache=jnp.zeros((2, 0, 1, 8), jnp.float32),
@@ -205,6 +207,7 @@ def test_decode_handler_checks_element_counts():
             block_tables=jnp.asarray([[1], [0]], jnp.int32),
             seq_lens=jnp.asarray([3, 4], jnp.int32),
             alibi_slopes=jnp.zeros((0,), jnp.float32),
+            sinks=jnp.zeros((0,), jnp.float32),
             k_scale=jnp.ones((), jnp.float32),
             v_scale=jnp.ones((), jnp.float32),
         )
@@ -222,6 +225,7 @@ def test_decode_handler_checks_element_counts():
         (dict(seq_lens=jnp.asarray([3, 2**31 - 1], jnp.int32)), r"seq_lens\[1\]=2147483647"),
         (dict(block_tables=jnp.asarray([[1], [-(2**31)]], jnp.int32)), r"block_tables\[1, 0\]"),
         (dict(alibi_slopes=jnp.ones((3,), jnp.float32)), r"alibi_slopes must be \[num_heads\]"),
+        (dict(sinks=jnp.ones((1,), jnp.float32)), r"sinks must be \[num_heads\] or empty"),
     ]
     for replace, message in cases:
         with pytest.raises(Exception, match=message):

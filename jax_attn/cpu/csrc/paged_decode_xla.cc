@@ -23,7 +23,8 @@ std::string dims_str(ffi::AnyBuffer::Dimensions dims) {
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
                        ffi::AnyBuffer value_cache, ffi::Buffer<ffi::S32> block_tables,
                        ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> alibi_slopes,
-                       ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                       ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> k_scale,
+                       ffi::Buffer<ffi::F32> v_scale,
                        ffi::Result<ffi::AnyBuffer> out, float scale, int64_t sliding_window,
                        float logits_soft_cap, int64_t split_tokens) {
   const auto qd = query.dimensions();
@@ -69,6 +70,11 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
     return ffi::Error::InvalidArgument("alibi_slopes must be [num_heads] or empty, got " +
                                        dims_str(alibi_slopes.dimensions()));
   }
+  const size_t num_sinks = sinks.element_count();
+  if (num_sinks != 0 && num_sinks != static_cast<size_t>(a.num_heads)) {
+    return ffi::Error::InvalidArgument("sinks must be [num_heads] or empty, got " +
+                                       dims_str(sinks.dimensions()));
+  }
   if (k_scale.element_count() != 1 || v_scale.element_count() != 1) {
     return ffi::Error::InvalidArgument("k_scale and v_scale must be scalars");
   }
@@ -86,6 +92,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
   a.block_tables = block_tables.typed_data();
   a.seq_lens = seq_lens.typed_data();
   a.alibi_slopes = num_slopes ? alibi_slopes.typed_data() : nullptr;
+  a.sinks = num_sinks ? sinks.typed_data() : nullptr;
   a.scale = scale;
   a.k_scale = k_scale.typed_data()[0];
   a.v_scale = v_scale.typed_data()[0];
@@ -100,8 +107,8 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
 }  // namespace
 }  // namespace jax_attn_cpu
 
-// Arguments: query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes ([Hq], or
-// [0] for none), k_scale, v_scale (f32 scalars); attributes: scale, sliding_window (0: none),
+// Arguments: query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes and sinks
+// ([Hq], or [0] for none), k_scale, v_scale (f32 scalars); attributes: scale, sliding_window (0: none),
 // logits_soft_cap (0: none), split_tokens (keys per split-K part; 0: automatic).
 JAX_ATTN_EXPORT_HANDLER(jax_attn_cpu_paged_decode);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_paged_decode, jax_attn_cpu::PagedDecode,
@@ -113,6 +120,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_paged_decode, jax_attn_cpu::PagedDeco
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block_tables
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seq_lens
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // alibi_slopes
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // sinks
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // k_scale
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_scale
                                   .Ret<xla::ffi::AnyBuffer>()              // output

@@ -29,7 +29,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer query,
                                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> k_scale,
                                 ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> alibi_slopes,
-                                ffi::Result<ffi::AnyBuffer> out, float scale, int64_t causal,
+                                ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float scale, int64_t causal,
                                 int64_t sliding_window, float logits_soft_cap) {
   // Shapes and element counts first: the kernel reads no element of a buffer whose size was
   // not checked here. (Its own checks repeat the size and dtype rules for other callers; these
@@ -76,6 +76,11 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer query,
     return invalid("alibi_slopes must have num_heads=" + str(Hq) + " entries, got " +
                    str(static_cast<int64_t>(num_slopes)));
   }
+  const size_t num_sinks = sinks.element_count();
+  if (num_sinks != 0 && num_sinks != static_cast<size_t>(Hq)) {
+    return invalid("sinks must have num_heads=" + str(Hq) + " entries, got " +
+                   str(static_cast<int64_t>(num_sinks)));
+  }
   const ffi::DataType qt = query.element_type();
   if (!supported_query(qt)) {
     return invalid(std::string("query dtype ") + dtype_name(qt) +
@@ -110,6 +115,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer query,
   a.seq_lens = seq_lens.typed_data();
   a.block_tables = block_tables.typed_data();
   a.alibi_slopes = num_slopes ? alibi_slopes.typed_data() : nullptr;
+  a.sinks = num_sinks ? sinks.typed_data() : nullptr;
   a.scale = scale;
   a.k_scale = k_scale.typed_data()[0];
   a.v_scale = v_scale.typed_data()[0];
@@ -126,7 +132,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer query,
 
 // query [T, Hq, D], key_cache/value_cache [NB, BS, Hkv, D], query_start_loc i32[S + 1],
 // seq_lens i32[S], block_tables i32[S, max_blocks], num_seqs i32[], k_scale f32[], v_scale f32[],
-// alibi_slopes f32[Hq] or f32[0] -> out [T, Hq, D] in the query dtype; attributes: scale,
+// alibi_slopes f32[Hq] or f32[0], sinks (attention sinks' logits) f32[Hq] or f32[0] -> out
+// [T, Hq, D] in the query dtype; attributes: scale,
 // causal (0 / 1), sliding_window (0: none), logits_soft_cap (0: none).
 JAX_ATTN_EXPORT_HANDLER(jax_attn_cpu_ragged_paged_attention);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_ragged_paged_attention,
@@ -143,6 +150,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_ragged_paged_attention,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // k_scale
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_scale
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // alibi_slopes
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // sinks
                                   .Ret<xla::ffi::AnyBuffer>()              // output
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("causal")
