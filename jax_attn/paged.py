@@ -211,14 +211,7 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
             args, kwargs = check_values(query, key_cache, *args, check=check, **kwargs)
             asked = impl
             impl, interpret = _resolve(impl, interpret, query, key_cache)
-            if impl == "pallas" and kwargs.get("sinks") is not None:
-                # The Pallas kernels have no attention sinks yet: "auto" takes the XLA path.
-                if asked != "auto":
-                    raise ValueError(
-                        "impl='pallas' does not take attention sinks (sinks=...) yet: use "
-                        "impl='xla' (or 'auto', which picks it), or impl='cpu' on a CPU"
-                    )
-                impl, interpret = "xla", None
+            impl, interpret = _with_sinks(impl, interpret, asked, kwargs.get("sinks"))
             if impl in ("pallas", "cpu") and (sharded := _partitioned(query, key_cache)):
                 # One kernel per device, which XLA cannot partition: "auto" takes the XLA path
                 # (partitioned by kv head), an explicit kernel is refused.
@@ -235,6 +228,19 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
         return entry
 
     return decorate
+
+
+def _with_sinks(impl: str, interpret, asked: str, sinks):
+    """(impl, interpret) for a call with attention sinks: the Pallas kernels have none yet, so
+    "auto" takes the XLA path there and an explicit impl="pallas" is refused by name."""
+    if impl != "pallas" or sinks is None:
+        return impl, interpret
+    if asked != "auto":
+        raise ValueError(
+            "impl='pallas' does not take attention sinks (sinks=...) yet: use impl='xla' (or "
+            "'auto', which picks it), or impl='cpu' on a CPU"
+        )
+    return "xla", None
 
 
 def _partitioned(*arrays) -> str | None:

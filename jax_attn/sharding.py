@@ -12,7 +12,7 @@ axis `dp` (size `m`):
     key_cache, value_cache        [m*NB, BS, Hc, D]         P(dp, None, tp, None)
     query (ragged or decode)      [m*T, Hq, D]              P(dp, tp, None)
     key, value (write_kv)         [m*T, Hc, D]              P(dp, tp, None)
-    alibi_slopes                  [Hq]                      P(tp)
+    alibi_slopes, sinks           [Hq]                      P(tp)
     metadata arrays, slot_mapping [m*(S+1)], [m*S, ...], .. P(dp)       (P() without dp)
     metadata.num_seqs             [m]                       P(dp)       (scalar P() without dp)
 
@@ -203,15 +203,17 @@ class PagedSharding:
         alibi_slopes: Float[Array, " num_heads"] | None = None,
         k_scale: float | Float[Array, ""] = 1.0,
         v_scale: float | Float[Array, ""] = 1.0,
+        sinks: Float[Array, " num_heads"] | None = None,
         impl: paged.Impl = "auto",
         interpret: bool | None = None,
         **static,
     ) -> Float[Array, "num_tokens num_heads head_size"]:
         """`jax_attn.paged_attention` per shard (same keywords); output sharded like `query`."""
         self._check(query, key_cache, value_cache)
-        impl, interpret = paged._resolve(impl, interpret, query, key_cache)
-        fn = _sharded(self, "paged_attention", impl, interpret, alibi_slopes is not None, static)
-        return fn(query, key_cache, value_cache, metadata, alibi_slopes, k_scale, v_scale)
+        impl, interpret = self._resolve(impl, interpret, query, key_cache, sinks)
+        per_head = (alibi_slopes is not None, sinks is not None)
+        fn = _sharded(self, "paged_attention", impl, interpret, per_head, static)
+        return fn(query, key_cache, value_cache, metadata, alibi_slopes, sinks, k_scale, v_scale)
 
     def paged_decode(
         self,
@@ -224,17 +226,26 @@ class PagedSharding:
         alibi_slopes: Float[Array, " num_heads"] | None = None,
         k_scale: float | Float[Array, ""] = 1.0,
         v_scale: float | Float[Array, ""] = 1.0,
+        sinks: Float[Array, " num_heads"] | None = None,
         impl: paged.Impl = "auto",
         interpret: bool | None = None,
         **static,
     ) -> Float[Array, "num_seqs num_heads head_size"]:
         """`jax_attn.paged_decode` per shard (same keywords); output sharded like `query`."""
         self._check(query, key_cache, value_cache)
-        impl, interpret = paged._resolve(impl, interpret, query, key_cache)
-        fn = _sharded(self, "paged_decode", impl, interpret, alibi_slopes is not None, static)
+        impl, interpret = self._resolve(impl, interpret, query, key_cache, sinks)
+        per_head = (alibi_slopes is not None, sinks is not None)
+        fn = _sharded(self, "paged_decode", impl, interpret, per_head, static)
         return fn(
-            query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, k_scale, v_scale
-        )
+            query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, sinks, k_scale,
+            v_scale,
+        )  # fmt: skip
+
+    @staticmethod
+    def _resolve(impl, interpret, query, key_cache, sinks):
+        asked = impl
+        impl, interpret = paged._resolve(impl, interpret, query, key_cache)
+        return paged._with_sinks(impl, interpret, asked, sinks)
 
     def write_kv(
         self,
@@ -255,7 +266,7 @@ class PagedSharding:
                 f"key.shape={key.shape} must have {self.cache_kv_heads} heads on axis 1, like "
                 "the sharded cache (expand_kv_heads repeats Hkv heads when Hkv < tp)"
             )
-        fn = _sharded(self, "write_kv", None, None, False, {})
+        fn = _sharded(self, "write_kv", None, None, (False, False), {})
         return fn(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
 
     def _check(self, query, key_cache, value_cache):
@@ -277,10 +288,13 @@ def _local_metadata(md: RaggedMetadata) -> RaggedMetadata:
 
 
 @functools.lru_cache(maxsize=256)
-def _sharded_cached(layout, kind, impl, interpret, has_alibi, static_items):
+def _sharded_cached(layout, kind, impl, interpret, per_head, static_items):
     static = dict(static_items)
     heads, cache_spec, batch = layout.heads_spec, layout.cache_spec, layout.batch_spec
+    # ALiBi slopes and attention sinks, [Hq] each: split over tp like the query's heads.
+    has_alibi, has_sinks = per_head
     alibi_spec = P(layout.tp_axis) if has_alibi else None
+    sinks_spec = P(layout.tp_axis) if has_sinks else None
     if kind == "write_kv":
 
         def body(kc, vc, k, v, slots, k_scale, v_scale):
@@ -294,27 +308,31 @@ def _sharded_cached(layout, kind, impl, interpret, has_alibi, static_items):
         run = dict(impl=impl, interpret=interpret, **static)
         if kind == "paged_attention":
 
-            def body(q, kc, vc, md, slopes, k_scale, v_scale):
+            def body(q, kc, vc, md, slopes, sinks, k_scale, v_scale):
                 return entry(
                     q,
                     kc,
                     vc,
                     _local_metadata(md),
                     alibi_slopes=slopes,
+                    sinks=sinks,
                     k_scale=k_scale,
                     v_scale=v_scale,
                     **run,
                 )
 
-            in_specs = (heads, cache_spec, cache_spec, layout.metadata_spec, alibi_spec, P(), P())
+            in_specs = (heads, cache_spec, cache_spec, layout.metadata_spec, alibi_spec,
+                        sinks_spec, P(), P())  # fmt: skip
         else:
 
-            def body(q, kc, vc, bt, sl, slopes, k_scale, v_scale):
+            def body(q, kc, vc, bt, sl, slopes, sinks, k_scale, v_scale):
                 return entry(
-                    q, kc, vc, bt, sl, alibi_slopes=slopes, k_scale=k_scale, v_scale=v_scale, **run
-                )
+                    q, kc, vc, bt, sl, alibi_slopes=slopes, sinks=sinks, k_scale=k_scale,
+                    v_scale=v_scale, **run,
+                )  # fmt: skip
 
-            in_specs = (heads, cache_spec, cache_spec, batch, batch, alibi_spec, P(), P())
+            in_specs = (heads, cache_spec, cache_spec, batch, batch, alibi_spec, sinks_spec, P(),
+                        P())  # fmt: skip
         out_specs = heads
         donate = ()
     if impl != "pallas":
@@ -344,9 +362,10 @@ def _vary(x, axes: tuple[str, ...]):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _sharded(layout, kind, impl, interpret, has_alibi, static):
+def _sharded(layout, kind, impl, interpret, per_head, static):
+    """per_head: (ALiBi slopes given, sinks given)."""
     unknown = set(static) - set(_STATIC)
     if unknown:
         raise TypeError(f"{kind}: unexpected keyword arguments {sorted(unknown)}")
     items = tuple(sorted(static.items()))
-    return _sharded_cached(layout, kind, impl, interpret, has_alibi, items)
+    return _sharded_cached(layout, kind, impl, interpret, per_head, items)

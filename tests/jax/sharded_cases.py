@@ -120,6 +120,8 @@ def run_case(case: dict, seed: int) -> dict:
         kw["interpret"] = pltpu.InterpretParams() if case.get("tpu") else True
     if case.get("alibi"):
         kw["alibi_slopes"] = jax_attn.alibi_slopes(hq)
+    if case.get("sinks"):  # attention sinks, [Hq] split over tp like the heads
+        kw["sinks"] = jnp.asarray(3.0 * rng.standard_normal(hq), jnp.float32)
     cache_shape = (nb, bs, hkv, d)
 
     # One device, one dp group at a time.
@@ -199,11 +201,13 @@ def layout_fn(layout, kind):
 
         impl = kw["impl"]
         interpret = kw.get("interpret")
-        return sharding._sharded(layout, kind, impl, interpret, "alibi_slopes" in kw, {})
+        per_head = ("alibi_slopes" in kw, "sinks" in kw)
+        return sharding._sharded(layout, kind, impl, interpret, per_head, {})
 
     def lowered(kw, scale_kw):
         fn = get(kw, scale_kw)
-        extra = (kw.get("alibi_slopes"), scale_kw.get("k_scale", 1.0), scale_kw.get("v_scale", 1.0))
+        extra = (kw.get("alibi_slopes"), kw.get("sinks"), scale_kw.get("k_scale", 1.0),
+                 scale_kw.get("v_scale", 1.0))  # fmt: skip
         return _Bound(fn, extra)
 
     return lowered
@@ -303,6 +307,7 @@ def cases() -> dict[str, dict]:
     out["dp2xtp4-hq8-hkv8-reference"] = dict(tp=4, dp=2, hq=8, hkv=8, impl="reference")
     out["tp4-hq8-hkv4-xla-decode"] = dict(tp=4, hq=8, hkv=4, impl="xla", kind="decode")
     out["tp4-hq8-hkv4-xla-alibi"] = dict(tp=4, hq=8, hkv=4, impl="xla", alibi=True)
+    out["tp4-hq8-hkv2-xla-sinks"] = dict(tp=4, hq=8, hkv=2, impl="xla", sinks=True, alibi=True)
     out["tp4-hq8-hkv4-xla-bf16"] = dict(tp=4, hq=8, hkv=4, impl="xla", dtype="bfloat16")
     out["tp4-hq8-hkv4-xla-fp8"] = dict(tp=4, hq=8, hkv=4, impl="xla", cache_dtype="float8_e4m3fn")
     out["dp2xtp4-hq8-hkv2-xla-fp8-decode"] = dict(
@@ -324,6 +329,9 @@ def cases() -> dict[str, dict]:
         tp=4, hq=8, hkv=4, impl="cpu", kind="decode", needs_cpu=True
     )
     out["dp2xtp4-hq8-hkv2-cpu"] = dict(tp=4, dp=2, hq=8, hkv=2, impl="cpu", needs_cpu=True)
+    out["dp2xtp4-hq8-hkv2-cpu-decode-sinks"] = dict(
+        tp=4, dp=2, hq=8, hkv=2, impl="cpu", kind="decode", sinks=True, needs_cpu=True
+    )
     out["tp8-hq8-hkv1-cpu-decode-fp8"] = dict(
         tp=8, hq=8, hkv=1, impl="cpu", kind="decode", cache_dtype="float8_e4m3fn", needs_cpu=True
     )

@@ -39,6 +39,8 @@ DEFAULT = [
     "tp4-hq8-hkv4-cpu-decode",
     "dp2xtp4-hq8-hkv2-cpu",
     "tp8-hq8-hkv1-cpu-decode-fp8",
+    "tp4-hq8-hkv2-xla-sinks",
+    "dp2xtp4-hq8-hkv2-cpu-decode-sinks",
     "gspmd-tp4-hq8-hkv4",
     "gspmd-tp8-hq8-hkv8",
     "refuse-pallas-on-sharded-arrays",
