@@ -125,8 +125,9 @@ def measure(sizes: dict[str, int], *, quick: bool, reps: int) -> dict:
         out = layout.paged_decode(*args).block_until_ready()
         compile_s = time.perf_counter() - t0
         impl, interpret = paged._resolve("auto", None, args[0], args[1])
-        step = sharding._sharded(layout, "paged_decode", impl, interpret, False, {})
-        hlo = step.lower(*args, None, 1.0, 1.0).compile().as_text()
+        # No ALiBi slopes and no attention sinks: two None operands before the scales.
+        step = sharding._sharded(layout, "paged_decode", impl, interpret, (False, False), {})
+        hlo = step.lower(*args, None, None, 1.0, 1.0).compile().as_text()
         prepared.append((tp, layout, args, out, compile_s, impl, hlo))
 
     # Timed in rounds, each round calling every mesh once in a rotated order, so machine noise
