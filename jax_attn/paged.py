@@ -410,12 +410,12 @@ def paged_attention(
     kernel; `RuntimeError` when it is not available here), "reference" (the dense oracle),
     "auto" (the fastest that takes these shapes where the arrays live: pallas on GPU and TPU,
     cpu on CPU, else xla; see `resolve_impl`). `scale` defaults to `head_size ** -0.5`.
+    Jitted inside (the choice of `impl` is made before), and jit-able from outside.
 
     `sinks` `[num_heads]` (gpt-oss's attention sinks): one logit per query head that joins
     every row's softmax as a key with no value, so a row's output is
     `sum_j p_j v_j / (sum_j p_j + exp(sinks[h] - max))` (not scaled, capped or biased). Taken
     by "xla", "cpu" and "reference"; "pallas" refuses it ("auto" then picks "xla").
-    Jitted inside (the choice of `impl` is made before), and jit-able from outside.
 
     `check` (keyword of the entry, default `jax_attn.config.check`, on): when the metadata
     and scales are concrete, the rules of `validate` plus finite positive scales are checked
@@ -479,8 +479,8 @@ def paged_decode(
     """One new query token per sequence, at position `seq_lens[i] - 1`, over the paged cache.
 
     Rows with `seq_lens[i] == 0` (padding) give zeros. Same keywords as `paged_attention`
-    (`sinks` included);
-    the value checks (`check`) cover the block tables, `seq_lens` and the scales.
+    (`sinks` included); the value checks (`check`) cover the block tables, `seq_lens` and the
+    scales.
     """
     bias = dict(
         alibi_slopes=alibi_slopes,

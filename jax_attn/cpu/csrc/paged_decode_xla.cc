@@ -108,8 +108,8 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffe
 }  // namespace jax_attn_cpu
 
 // Arguments: query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes and sinks
-// ([Hq], or [0] for none), k_scale, v_scale (f32 scalars); attributes: scale, sliding_window (0: none),
-// logits_soft_cap (0: none), split_tokens (keys per split-K part; 0: automatic).
+// ([Hq], or [0] for none), k_scale, v_scale (f32 scalars); attributes: scale, sliding_window
+// (0: none), logits_soft_cap (0: none), split_tokens (keys per split-K part; 0: automatic).
 JAX_ATTN_EXPORT_HANDLER(jax_attn_cpu_paged_decode);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_paged_decode, jax_attn_cpu::PagedDecode,
                               xla::ffi::Ffi::Bind()

@@ -818,8 +818,9 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
       const bool last = k0 + kKeys >= it.k_end;
       if (fused_out && last) {
         for (int64_t r = 0; r < M; ++r) {
-          inv[r] = output_factor(p, hs.row_sum[r], hs.row_max[r], (it.kvh + h) * G + r % G);
-          out_rows[r] = out + ((it.t0 + r / G) * Hq + (it.kvh + h) * G + r % G) * D;
+          const int64_t head = (it.kvh + h) * G + r % G;
+          inv[r] = output_factor(p, hs.row_sum[r], hs.row_max[r], head);
+          out_rows[r] = out + ((it.t0 + r / G) * Hq + head) * D;
         }
       }
       PvArgs pv{hs.O,
@@ -853,8 +854,9 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
   for (int64_t h = 0; h < nh; ++h) {
     const HeadState& hs = heads[h];
     for (int64_t r = 0; r < M; ++r) {
-      const float inv = output_factor(p, hs.row_sum[r], hs.row_max[r], (it.kvh + h) * G + r % G);
-      QT* o = out + ((it.t0 + r / G) * Hq + (it.kvh + h) * G + r % G) * D;
+      const int64_t head = (it.kvh + h) * G + r % G;
+      const float inv = output_factor(p, hs.row_sum[r], hs.row_max[r], head);
+      QT* o = out + ((it.t0 + r / G) * Hq + head) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = narrow<QT>(hs.O[r * Dp + d] * inv);
     }
   }

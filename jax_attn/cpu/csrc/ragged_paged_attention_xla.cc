@@ -29,8 +29,9 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer query,
                                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> k_scale,
                                 ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> alibi_slopes,
-                                ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float scale, int64_t causal,
-                                int64_t sliding_window, float logits_soft_cap) {
+                                ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out,
+                                float scale, int64_t causal, int64_t sliding_window,
+                                float logits_soft_cap) {
   // Shapes and element counts first: the kernel reads no element of a buffer whose size was
   // not checked here. (Its own checks repeat the size and dtype rules for other callers; these
   // keep the handler's messages and their order.)
@@ -133,8 +134,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer query,
 // query [T, Hq, D], key_cache/value_cache [NB, BS, Hkv, D], query_start_loc i32[S + 1],
 // seq_lens i32[S], block_tables i32[S, max_blocks], num_seqs i32[], k_scale f32[], v_scale f32[],
 // alibi_slopes f32[Hq] or f32[0], sinks (attention sinks' logits) f32[Hq] or f32[0] -> out
-// [T, Hq, D] in the query dtype; attributes: scale,
-// causal (0 / 1), sliding_window (0: none), logits_soft_cap (0: none).
+// [T, Hq, D] in the query dtype; attributes: scale, causal (0 / 1), sliding_window (0: none),
+// logits_soft_cap (0: none).
 JAX_ATTN_EXPORT_HANDLER(jax_attn_cpu_ragged_paged_attention);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_attn_cpu_ragged_paged_attention,
                               jax_attn_cpu::RaggedPagedAttention,
