@@ -42,6 +42,9 @@ except ImportError:  # the torch-only tests run without JAX
     jax = None
 
 RUN_SEED = int(os.environ.get("JAX_ATTN_TEST_SEED", random.SystemRandom().randrange(2**31)))
+# pytest-xdist's workers import this module again: they inherit the seed the header names
+# (else each drew its own, and a failure under -n could not be replayed).
+os.environ["JAX_ATTN_TEST_SEED"] = str(RUN_SEED)
 
 
 def pytest_report_header(config):
