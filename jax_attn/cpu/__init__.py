@@ -14,8 +14,9 @@ prefetches off (on vLLM's split layout, N sets their distance in kv-head tiles f
 values twice as far; jax_attn's own cache prefetches the next tile),
 `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen bf16 and fp8 keys (under bf16 queries) to
 float32 instead of dotting them with vdpbf16ps and `JAX_ATTN_CPU_DECODE_QUADS=0` keeps
-decode's groups of 4 query rows or more on the tile path instead of the quads (all three read
-per call: for A/B timing),
+decode's groups of 4 query rows or more on the tile path instead of the quads, and
+`JAX_ATTN_CPU_DECODE_AMX=1` / `0` puts decode on the AMX tiles at every GQA group size / none
+(all read per call: for A/B timing and the AMX decode's tests),
 `JAX_ATTN_CPU_AMX=0` keeps the bf16 products of the ragged kernel and of decode off the AMX
 tiles (read once per process; `decode_path(...)` says what decode runs). `isa()` names what
 the kernels run here: the bf16 products' instruction set (AMX tiles where the CPU has them and

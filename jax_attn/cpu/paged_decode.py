@@ -17,18 +17,21 @@ from jax_attn.cpu import _build, _ffi
 TARGET = "jax_attn_cpu_paged_decode"
 
 
-def decode_path(cache_dtype, query_dtype, block_size: int) -> str:
+def decode_path(cache_dtype, query_dtype, block_size: int, group: int) -> str:
     """Which code `paged_decode` runs here for caches of `cache_dtype` under queries of
-    `query_dtype` at `block_size` (jax_attn's token-major layout): "amx" (bf16 queries on a
-    bf16 or fp8 cache, block size a multiple of 16, on a CPU whose AMX tiles this process may use),
-    "vector" (AVX-512 or the portable code), or "unavailable" (no native kernels)."""
+    `query_dtype` at `block_size` (jax_attn's token-major layout) with `group` query heads per kv
+    head: "amx" (bf16 queries on a bf16 or fp8 cache, block size a multiple of 16, a group of at
+    least 5 on bf16 or 4 on fp8, on a CPU whose AMX tiles this process may use: smaller groups
+    run faster on the vector code), "vector" (AVX-512 or the portable code), or "unavailable"
+    (no native kernels). `JAX_ATTN_CPU_DECODE_AMX=1` puts every group size on the tiles, `0`
+    none."""
     fn = _build.c_function("jax_attn_cpu_decode_on_amx")
     if fn is None:
         return "unavailable"
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     names = (jnp.dtype(cache_dtype).name.encode(), jnp.dtype(query_dtype).name.encode())
-    return "amx" if fn(*names, 0, int(block_size)) else "vector"
+    return "amx" if fn(*names, 0, int(block_size), int(group)) else "vector"
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -80,7 +83,8 @@ def paged_decode(
     order, 4 tokens of every kv head at a time, keys and values read in place (widened in
     registers); float16 and fp8 caches kv head by kv head through widened copies. bf16 queries
     on a bf16 or fp8 cache whose block size is a multiple of 16 run both products on AMX tiles
-    where the CPU has them (`decode_path` says which code runs). Online softmax in float32.
+    where the CPU has them and the GQA group is large enough to fill them (`decode_path` says
+    which code runs). Online softmax in float32.
     Rows with `seq_lens[i] == 0` give zeros. `scale` defaults to `head_size ** -0.5`.
     `sinks`: attention sinks (see `jax_attn.paged_attention`).
     `split_tokens` (keys per split-K part; None: chosen from the batch)

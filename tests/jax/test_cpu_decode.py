@@ -237,8 +237,10 @@ def test_every_fp8_code_is_read_exactly(cache_dtype, query_dtype, dot, rng, monk
 # The AMX path (bf16 queries on a token-major bf16 or fp8 cache, block size a multiple of 16,
 # on CPUs with AMX tiles): query row groups of 1-16 (padded to 1/2/4/8/16 lanes) and over 16 (two
 # groups), head sizes that pad the last 32 dims, block sizes of one to eight key tiles, windows
-# that start inside a key tile or a 128-key step, ALiBi, soft cap, split-K parts.
-AMX = cpu.decode_path("bfloat16", "bfloat16", 16) == "amx"
+# that start inside a key tile or a 128-key step, ALiBi, soft cap, split-K parts. By default the
+# tiles take only groups of 5 or more (4 on fp8); these tests put every group on them
+# (JAX_ATTN_CPU_DECODE_AMX=1, read per call).
+AMX = cpu.decode_path("bfloat16", "bfloat16", 16, 16) == "amx"
 amx_only = pytest.mark.skipif(not AMX, reason=f"decode runs no AMX tiles here ({cpu.isa()})")
 AMX_CASES = [
     *(
@@ -279,8 +281,11 @@ AMX_CASES = [
 
 @amx_only
 @pytest.mark.parametrize("case", AMX_CASES, ids=str)
-def test_cpu_paged_decode_amx_matches_float64(case: Case, rng):
-    assert cpu.decode_path(case.cache_dtype or case.dtype, case.dtype, case.block_size) == "amx"
+def test_cpu_paged_decode_amx_matches_float64(case: Case, rng, monkeypatch):
+    monkeypatch.setenv("JAX_ATTN_CPU_DECODE_AMX", "1")
+    group = case.num_heads // case.num_kv_heads
+    path = cpu.decode_path(case.cache_dtype or case.dtype, case.dtype, case.block_size, group)
+    assert path == "amx"
     _check_against_float64(case, rng)
 
 
@@ -293,13 +298,19 @@ def test_cpu_paged_decode_bf16_grid_matches_float64(case: Case, rng):
     _check_against_float64(case, rng)
 
 
-def test_decode_path_names_amx_exactly_where_it_runs():
-    """AMX for bf16 on bf16 at block sizes that are multiples of 16, where the ragged kernel's
-    tiles run too (the CPU has them and the process may use them); never for other dtypes."""
+def test_decode_path_names_amx_exactly_where_it_runs(monkeypatch):
+    """AMX for bf16 queries on a bf16 cache with groups of 5 or more and on fp8 with 4 or more,
+    at block sizes that are multiples of 16, where the ragged kernel's tiles run too (the CPU
+    has them and the process may use them); never for other dtypes. JAX_ATTN_CPU_DECODE_AMX=1
+    takes every group, 0 none."""
     tiles = "amx-bf16" in (cpu.isa() or "")
-    for cache in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+    monkeypatch.delenv("JAX_ATTN_CPU_DECODE_AMX", raising=False)
+    for cache, smallest in (("bfloat16", 5), ("float8_e4m3fn", 4), ("float8_e5m2", 4)):
         for bs in (16, 32, 128, 256):
-            assert (cpu.decode_path(cache, "bfloat16", bs) == "amx") == tiles, (cache, bs)
+            for group in (1, 2, 3, 4, 5, 7, 8, 16, 40):
+                on_tiles = tiles and group >= smallest
+                got = cpu.decode_path(cache, "bfloat16", bs, group)
+                assert (got == "amx") == on_tiles, (cache, bs, group, got)
     for cache, query, bs in [
         ("bfloat16", "bfloat16", 8),
         ("bfloat16", "bfloat16", 24),
@@ -309,7 +320,12 @@ def test_decode_path_names_amx_exactly_where_it_runs():
         ("float8_e4m3fn", "float32", 16),
         ("float8_e5m2", "bfloat16", 8),
     ]:
-        assert cpu.decode_path(cache, query, bs) == "vector", (cache, query, bs)
+        assert cpu.decode_path(cache, query, bs, 16) == "vector", (cache, query, bs)
+    monkeypatch.setenv("JAX_ATTN_CPU_DECODE_AMX", "1")
+    assert (cpu.decode_path("bfloat16", "bfloat16", 128, 1) == "amx") == tiles
+    assert cpu.decode_path("bfloat16", "bfloat16", 24, 1) == "vector"
+    monkeypatch.setenv("JAX_ATTN_CPU_DECODE_AMX", "0")
+    assert cpu.decode_path("bfloat16", "bfloat16", 128, 16) == "vector"
 
 
 def test_bf16_decode_without_amx_matches_float64():
@@ -320,7 +336,7 @@ def test_bf16_decode_without_amx_matches_float64():
         import numpy as np
         import test_cpu_decode as t
         from jax_attn import cpu
-        assert cpu.decode_path("bfloat16", "bfloat16", 128) == "vector"
+        assert cpu.decode_path("bfloat16", "bfloat16", 128, 16) == "vector"
         for case in (t.Case(dtype="bfloat16", num_heads=32, num_kv_heads=8, block_size=128),
                      t.Case(dtype="bfloat16", head_size=80, alibi=True, sliding_window=40),
                      t.Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", block_size=32)):

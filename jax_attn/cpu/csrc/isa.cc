@@ -24,9 +24,11 @@ extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa()
 }
 
 // Whether jax_attn.cpu.paged_decode runs a step of this kind on the AMX tiles here (dtypes by
-// name, as dtype_name spells them; layout 0 token-major, 1 vLLM's split): 1, else 0.
+// name, as dtype_name spells them; layout 0 token-major, 1 vLLM's split; `group` query heads
+// per kv head): 1, else 0.
 extern "C" __attribute__((visibility("default"))) int jax_attn_cpu_decode_on_amx(
-    const char* cache_dtype, const char* query_dtype, int split_layout, int64_t block_size) {
+    const char* cache_dtype, const char* query_dtype, int split_layout, int64_t block_size,
+    int64_t group) {
   using namespace jax_attn_cpu;
   const auto parse = [](const char* name) {
     for (DType dt : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2}) {
@@ -35,7 +37,7 @@ extern "C" __attribute__((visibility("default"))) int jax_attn_cpu_decode_on_amx
     return DType::kOther;
   };
   return decode_on_amx(split_layout ? CacheLayout::kSplit : CacheLayout::kTokenMajor,
-                       parse(cache_dtype), parse(query_dtype), block_size)
+                       parse(cache_dtype), parse(query_dtype), block_size, group)
              ? 1
              : 0;
 }

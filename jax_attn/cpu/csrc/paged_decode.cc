@@ -31,7 +31,12 @@
 //   The vdpbf16ps values took the bf16 decode's math from L2 from 2.57 to 1.93 ms and the fp8
 //   decode's from 2.83 to 2.13 (32 x 1024 keys, block 128, 2-core Zen 5 VM; NOTES.md).
 // - bf16 queries on a token-major bf16 or fp8 cache at block sizes that are multiples of 16,
-//   on CPUs with AMX-BF16: both products on AMX tiles (decode_item_amx).
+//   on CPUs with AMX-BF16, for GQA groups of 5 rows or more (bf16 caches) or 4 or more (fp8):
+//   both products on AMX tiles (decode_item_amx). Smaller groups fill too little of a tile, and
+//   there the vector path below is faster (Sapphire Rapids VM, 32 x 1024 keys, block 128, ms,
+//   tiles / vector: bf16 G 1 14.2 / 9.6, G 2 4.8 / 3.7, G 4 5.4-5.9 / 4.6-5.0, G 5 6.1 /
+//   6.8-7.2, G 8 5.7-6.7 / 7.5-7.8, G 16 1.6 / 3.4; fp8 G 1 8.9 / 5.8, G 2 3.5 / 3.5, G 3
+//   4.5 / 4.5, G 4 4.3 / 5.3; NOTES.md).
 // - Elsewhere (AVX512_BF16), bf16 queries on a token-major bf16 or fp8 cache with GQA groups of
 //   4 rows or more and head sizes that are multiples of 8: the quads (attend_tile_quads), 4
 //   query rows to a vector, one per 128-bit lane, so a key's 16-byte pieces are broadcast and
@@ -89,6 +94,8 @@
 
 #include <array>
 #include <cstdio>
+#include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -1224,15 +1231,27 @@ ItemFn pick_item_fn(DType cache_type, DType query_type, int64_t head_size) {
 
 }  // namespace
 
-bool decode_on_amx(CacheLayout layout, DType cache_type, DType query_type, int64_t block_size) {
+// The smallest GQA group (query rows per kv head) the AMX decode takes on this cache dtype:
+// where it beats the vector path (measured, see the top of this file). $JAX_ATTN_CPU_DECODE_AMX
+// (read at every call): "1" tiles at every group size (the AMX decode's own tests), "0" never.
+inline int64_t amx_decode_min_group(DType cache_type) {
+  const char* env = std::getenv("JAX_ATTN_CPU_DECODE_AMX");
+  if (env != nullptr && std::strcmp(env, "1") == 0) return 1;
+  if (env != nullptr && std::strcmp(env, "0") == 0) return std::numeric_limits<int64_t>::max();
+  return cache_type == DType::kBF16 ? 5 : 4;
+}
+
+bool decode_on_amx(CacheLayout layout, DType cache_type, DType query_type, int64_t block_size,
+                   int64_t group) {
 #if JAX_ATTN_AMX && JAX_ATTN_DECODE_BF16_DOT
   const bool cache_ok = cache_type == DType::kBF16 ||
                         (JAX_ATTN_DECODE_FP8_DOT &&
                          (cache_type == DType::kF8E4M3FN || cache_type == DType::kF8E5M2));
   return layout == CacheLayout::kTokenMajor && cache_ok && query_type == DType::kBF16 &&
-         block_size % 16 == 0 && dot_enabled() && amx_available();
+         block_size % 16 == 0 && group >= amx_decode_min_group(cache_type) && dot_enabled() &&
+         amx_available();
 #else
-  (void)layout, (void)cache_type, (void)query_type, (void)block_size;
+  (void)layout, (void)cache_type, (void)query_type, (void)block_size, (void)group;
   return false;
 #endif
 }
@@ -1254,7 +1273,8 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
   }
   ItemFn item_fn = pick_item_fn(a.cache_type, a.query_type, a.head_size);
 #if JAX_ATTN_AMX && JAX_ATTN_DECODE_BF16_DOT
-  if (item_fn != nullptr && decode_on_amx(a.layout, a.cache_type, a.query_type, a.block_size)) {
+  if (item_fn != nullptr && decode_on_amx(a.layout, a.cache_type, a.query_type, a.block_size,
+                                          a.num_heads / a.num_kv_heads)) {
     switch (a.cache_type) {
       case DType::kBF16: item_fn = decode_item_amx<bf16_t>; break;
 #if JAX_ATTN_DECODE_FP8_DOT

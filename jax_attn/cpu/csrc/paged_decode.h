@@ -41,9 +41,11 @@ struct DecodeArgs {
 };
 
 // Whether a step of this kind runs on the AMX tiles here (bf16 queries on a token-major bf16
-// cache, block size a multiple of 16, on a CPU whose tiles this process may use); else on
-// AVX-512 (or the portable code).
-bool decode_on_amx(CacheLayout layout, DType cache_type, DType query_type, int64_t block_size);
+// or fp8 cache, block size a multiple of 16, `group` query heads per kv head of at least 5 on
+// bf16 or 4 on fp8, on a CPU whose tiles this process may use); else on AVX-512 (or the
+// portable code).
+bool decode_on_amx(CacheLayout layout, DType cache_type, DType query_type, int64_t block_size,
+                   int64_t group);
 
 // Runs the step on `workers`. Returns "" on success, else a message naming the argument and
 // the rule (sizes, dtypes, seq_lens outside [0, max_blocks * block_size], a block id outside
