@@ -99,7 +99,28 @@ def _prepare_jax_cpu(data: Data) -> Prepared:
     )
     if problem:
         raise Skip(f"skipped: {problem}")
-    return _prepare_jax(data, impl="cpu")
+    prepared = _prepare_jax(data, impl="cpu")
+    prepared.info["path"] = cpu_path(spec)
+    return prepared
+
+
+def cpu_path(spec: Spec) -> str:
+    """What the native kernels run for `spec` here, as the record and the table note say it:
+    the bf16 products' instruction set of the ragged kernel (prefills) and the decode kernel's
+    path (decodes: AMX tiles only for GQA groups that fill them, `jax_attn.cpu.decode_path`)."""
+    from jax_attn import cpu
+
+    bf16 = spec.dtype == "bfloat16"
+    cache = spec.cache_dtype or spec.dtype
+    parts = []
+    if spec.num_prefills:
+        amx = bf16 and "amx-bf16" in (cpu.isa() or "")
+        parts.append("prefill on " + ("amx" if amx else "vector"))
+    if spec.num_prefills < spec.num_seqs:
+        group = spec.num_heads // spec.num_kv_heads
+        path = cpu.decode_path(cache, spec.dtype, spec.block_size, group)
+        parts.append(f"decode on {path} (group {group})")
+    return ", ".join(parts)
 
 
 def _prepare_jax(data: Data, impl: str) -> Prepared:

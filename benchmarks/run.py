@@ -1090,6 +1090,8 @@ def render(console, record: dict) -> None:
                 note = row["note"]
                 if "compile_s" in row:
                     note = f"compile {row['compile_s']:.2f} s"
+                if row.get("path"):
+                    note = f"{row['path']}; {note}" if note else row["path"]
                 if "busy" in row:
                     loaded = row["busy"]
                     note = (
