@@ -210,8 +210,9 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
         def entry(query, key_cache, *args, impl="auto", interpret=None, check=None, **kwargs):
             args, kwargs = check_values(query, key_cache, *args, check=check, **kwargs)
             asked = impl
-            impl, interpret = _resolve(impl, interpret, query, key_cache)
-            impl, interpret = _with_sinks(impl, interpret, asked, kwargs.get("sinks"))
+            impl, interpret = _resolve_with_sinks(
+                impl, interpret, query, key_cache, kwargs.get("sinks")
+            )
             if impl in ("pallas", "cpu") and (sharded := _partitioned(query, key_cache)):
                 # One kernel per device, which XLA cannot partition: "auto" takes the XLA path
                 # (partitioned by kv head), an explicit kernel is refused.
@@ -230,9 +231,11 @@ def _resolves_impl(static_argnames: tuple[str, ...], check_values):
     return decorate
 
 
-def _with_sinks(impl: str, interpret, asked: str, sinks):
-    """(impl, interpret) for a call with attention sinks: the Pallas kernels have none yet, so
-    "auto" takes the XLA path there and an explicit impl="pallas" is refused by name."""
+def _resolve_with_sinks(impl: str, interpret, query, key_cache, sinks):
+    """`_resolve` for a call that may have attention sinks: the Pallas kernels have none yet,
+    so "auto" takes the XLA path there and an explicit impl="pallas" is refused by name."""
+    asked = impl
+    impl, interpret = _resolve(impl, interpret, query, key_cache)
     if impl != "pallas" or sinks is None:
         return impl, interpret
     if asked != "auto":

@@ -210,7 +210,7 @@ class PagedSharding:
     ) -> Float[Array, "num_tokens num_heads head_size"]:
         """`jax_attn.paged_attention` per shard (same keywords); output sharded like `query`."""
         self._check(query, key_cache, value_cache)
-        impl, interpret = self._resolve(impl, interpret, query, key_cache, sinks)
+        impl, interpret = paged._resolve_with_sinks(impl, interpret, query, key_cache, sinks)
         per_head = (alibi_slopes is not None, sinks is not None)
         fn = _sharded(self, "paged_attention", impl, interpret, per_head, static)
         return fn(query, key_cache, value_cache, metadata, alibi_slopes, sinks, k_scale, v_scale)
@@ -233,19 +233,13 @@ class PagedSharding:
     ) -> Float[Array, "num_seqs num_heads head_size"]:
         """`jax_attn.paged_decode` per shard (same keywords); output sharded like `query`."""
         self._check(query, key_cache, value_cache)
-        impl, interpret = self._resolve(impl, interpret, query, key_cache, sinks)
+        impl, interpret = paged._resolve_with_sinks(impl, interpret, query, key_cache, sinks)
         per_head = (alibi_slopes is not None, sinks is not None)
         fn = _sharded(self, "paged_decode", impl, interpret, per_head, static)
         return fn(
             query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, sinks, k_scale,
             v_scale,
         )  # fmt: skip
-
-    @staticmethod
-    def _resolve(impl, interpret, query, key_cache, sinks):
-        asked = impl
-        impl, interpret = paged._resolve(impl, interpret, query, key_cache)
-        return paged._with_sinks(impl, interpret, asked, sinks)
 
     def write_kv(
         self,

@@ -439,23 +439,17 @@ def test_jax_cpu_rows_name_the_kernel_path_they_ran(monkeypatch):
 
     monkeypatch.delenv("JAX_ATTN_CPU_DECODE_AMX", raising=False)
     specs = named_workloads(False)
-    amx = "amx-bf16" in (cpu.isa() or "")
+    tiles = "amx" if "amx-bf16" in (cpu.isa() or "") else "vector"  # where the tiles run
     for name, group in (("decode-bf16-bs128", 4), ("decode-fp8-bs128", 4)):
         spec = specs[name]
         assert spec.num_heads // spec.num_kv_heads == group
         path = cpu.decode_path(spec.cache_dtype or spec.dtype, spec.dtype, 128, group)
         assert cpu_path(spec) == f"decode on {path} (group {group})"
-    assert (
-        cpu_path(specs["decode-fp8-bs128"]) == f"decode on {'amx' if amx else 'vector'} (group 4)"
-    )
+    assert cpu_path(specs["decode-fp8-bs128"]) == f"decode on {tiles} (group 4)"
     assert cpu_path(specs["decode-bf16-bs128"]) == "decode on vector (group 4)"
     assert cpu_path(specs["decode-f32-bs16"]) == "decode on vector (group 4)"
-    prefill = "amx" if amx else "vector"
-    assert cpu_path(specs["prefill-bf16-bs128"]) == f"prefill on {prefill}"
+    assert cpu_path(specs["prefill-bf16-bs128"]) == f"prefill on {tiles}"
     assert cpu_path(specs["prefill-8x512-bs128"]) == "prefill on vector"
-    assert cpu_path(specs["mixed-bf16-bs128"]) == (
-        f"prefill on {prefill}, decode on vector (group 4)"
-    )
+    assert cpu_path(specs["mixed-bf16-bs128"]) == f"prefill on {tiles}, decode on vector (group 4)"
     monkeypatch.setenv("JAX_ATTN_CPU_DECODE_AMX", "1")
-    forced = "amx" if amx else "vector"
-    assert cpu_path(specs["decode-bf16-bs128"]) == f"decode on {forced} (group 4)"
+    assert cpu_path(specs["decode-bf16-bs128"]) == f"decode on {tiles} (group 4)"
