@@ -368,6 +368,22 @@ def test_cpu_ragged_amx_non_positive_scale(scale, rng):
     assert_close(out, expected, case.dtype)
 
 
+@amx_only
+def test_cpu_ragged_amx_rising_logits(rng):
+    """Logits that rise along the keys (ALiBi slopes from 0.01 to 0.6 per key, natural units):
+    the AMX path's lazy reference moves on some steps and not others, from a few per item to
+    every step, and the output still matches float64."""
+    case = Case(batch="long", dtype="bfloat16", alibi=True, num_heads=8, num_kv_heads=2)
+    md, query, kc, vc, kwargs, _ = _run(case, rng)
+    kwargs["alibi_slopes"] = jnp.asarray(np.geomspace(0.01, 0.6, 8), jnp.float32)
+    out = _call(query, kc, vc, md, **kwargs)
+    with jax.enable_x64(True):
+        expected = jax_attn.reference.paged_attention(
+            query, kc, vc, md, scale=query.shape[-1] ** -0.5, **kwargs
+        )
+    assert_close(out, expected, case.dtype)
+
+
 def test_cpu_ragged_bf16_without_amx_matches_float64():
     """JAX_ATTN_CPU_AMX=0 (read once per process): the vdpbf16ps path, in a fresh process, on a
     case the AMX path would take here."""

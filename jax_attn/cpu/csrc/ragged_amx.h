@@ -24,15 +24,25 @@
 // prefixes of one kv head packs its keys and values once (AmxPacked), for all its items.
 // ---------------------------------------------------------------------------------------------
 
-// A task's packed keys and values: keys [0, rows) of one kv head, keys ldk bf16 apart, values
-// transposed with keys ldv apart (a multiple of 32 plus 32: off a 4 KiB row stride).
+// Keys per step and query rows per block of the AMX path. A block's running output (O^T, [Dp][32]
+// floats: 16 KiB at D 128), its two logit buffers and its query pairs stay in L1 while it walks
+// all its keys (blocks outer, steps inner).
+constexpr int64_t kAmxKeys = 128;
+constexpr int64_t kAmxRows = 32;
+
+// Packed keys and values of one kv head: keys [base, base + rows), key k at row k - base of
+// `keys` (ldk bf16 apart), its values at column k - base of `values` (transposed, rows ldv
+// apart: a multiple of 32 plus 32, off a 4 KiB row stride). A task's tiles that all read key
+// prefixes share one (base 0, run_task_amx); an item with several row blocks and no such task
+// packs its own range once (item_packed).
 struct AmxPacked {
   bf16_t* keys = nullptr;
   bf16_t* values = nullptr;
   int64_t ldk = 0, ldv = 0;
-  int64_t rows = 0;
+  int64_t base = 0, rows = 0;
 };
 thread_local Scratch tls_amx;
+thread_local Scratch tls_amx_item;
 
 // Packs keys and values [k0, k0 + nv) of kv head kvh of sequence item.seq: keys into
 // keys[j][Dk] for j in [0, round_up(nv, 16)), values into VT[d][j] for j in [0, round_up(nv, 32))
@@ -62,41 +72,81 @@ void amx_pack(const Problem& p, const int32_t* table, int64_t kvh, int64_t k0, i
   }
 }
 
-// O^T[d][r] *= alpha[r] for dims [d0, d0 + 16 DT) and rows [r0, r0 + 16 RT): the running
-// output's rescale, on the block the tiles load next (it is in L1 for them).
+// Packs what `packed` lacks of keys [packed.base, end) (from its last whole 32-key chunk on).
+template <typename CT>
+void amx_pack_to(const Problem& p, const int32_t* table, int64_t kvh, int64_t end,
+                 AmxPacked& packed) {
+  if (end <= packed.base + packed.rows) return;
+  const int64_t from = packed.rows / 32 * 32;
+  amx_pack<CT>(p, table, kvh, packed.base + from, end - packed.base - from,
+               packed.keys + from * packed.ldk, packed.ldk, packed.values + from, packed.ldv);
+  packed.rows = end - packed.base;
+}
+
+// Buffers for packed keys [0, rows) at head size D (Dp: D padded to the vector width).
+inline AmxPacked amx_buffers(Scratch& scratch, int64_t rows, int64_t D, int64_t Dp) {
+  AmxPacked packed;
+  packed.ldk = round_up(D, 32);
+  packed.ldv = round_up(rows, 32) + 32;
+  const int64_t key_rows = round_up(rows, 32);
+  const int64_t bf16s = key_rows * packed.ldk + Dp * packed.ldv;
+  packed.keys = reinterpret_cast<bf16_t*>(scratch.get(static_cast<size_t>(bf16s / 2 + 16)));
+  packed.values = packed.keys + key_rows * packed.ldk;
+  return packed;
+}
+
+// O^T[d][r] *= alpha[r] for dims [d0, d0 + 16 DT) and rows [0, 16 RT) (rows ld floats apart):
+// the running output's rescale, on the block the tiles load next (it is in L1 for them).
 template <int DT, int RT>
-inline void amx_rescale(float* OT, int64_t Mp, const float* alpha, int64_t d0, int64_t r0) {
+inline void amx_rescale(float* OT, int64_t ld, const float* alpha, int64_t d0) {
   __m512 a[RT];
-  for (int v = 0; v < RT; ++v) a[v] = _mm512_loadu_ps(alpha + r0 + 16 * v);
+  for (int v = 0; v < RT; ++v) a[v] = _mm512_loadu_ps(alpha + 16 * v);
   for (int64_t d = d0; d < d0 + 16 * DT; ++d) {
     for (int v = 0; v < RT; ++v) {
-      float* o = OT + d * Mp + r0 + 16 * v;
+      float* o = OT + d * ld + 16 * v;
       _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), a[v]));
     }
   }
 }
 
+// Whether any of the 16 rt factors alpha[0, 16 rt) differs from 1 (the lazy reference leaves
+// most steps' factors at exactly 1: no rescale then).
+inline bool amx_rescales(const float* alpha, int rt) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(alpha), one, _CMP_NEQ_UQ);
+  if (rt > 1) m |= _mm512_cmp_ps_mask(_mm512_loadu_ps(alpha + 16), one, _CMP_NEQ_UQ);
+  return m != 0;
+}
+
+// One item: per kv head, its rows in blocks of kAmxRows, each block through all its keys in
+// steps of kAmxKeys (q.k, softmax, p.v) and then out. With packed keys and values the next
+// step's q.k is issued before this step's softmax (two logit buffers): the tiles compute while
+// the vector units run the softmax. A single-block item without packed keys (decodes, short
+// chunks) packs each step's keys as it reaches them.
 template <typename CT>
-void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
+void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
   const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq;
   const int64_t Dk = round_up(D, 32);
   const int64_t M = it.nt * G, Mp = round_up(M, W);
-  // Scratch (floats): Qt2 [Dk / 2][Mp], O^T [Dp][Mp], St [kKeys][Mp], 5 row vectors [Mp], and
-  // without a task's packing the step's keys [kKeys][Dk] and values [Dp][kKeys + 32] in bf16.
-  const int64_t ldv_step = kKeys + 32;
-  const int64_t floats = Dk / 2 * Mp + Dp * Mp + kKeys * Mp + 5 * Mp +
-                         (packed ? 0 : kKeys * Dk / 2 + Dp * ldv_step / 2);
+  const bool item_pack = task_packed == nullptr && Mp > kAmxRows;
+  const bool step_pack = task_packed == nullptr && !item_pack;
+  // Scratch (floats): Qt2 [Dk / 2][Mp], O^T [Dp][32], two logit buffers [kAmxKeys][32], 5 row
+  // vectors [Mp], and when packing per step the step's keys [kAmxKeys][Dk] and values
+  // [Dp][kAmxKeys + 32] in bf16.
+  const int64_t ldv_step = kAmxKeys + 32;
+  const int64_t floats = Dk / 2 * Mp + Dp * kAmxRows + 2 * kAmxKeys * kAmxRows + 5 * Mp +
+                         (step_pack ? kAmxKeys * Dk / 2 + Dp * ldv_step / 2 : 0);
   float* base = tls_scratch.get(static_cast<size_t>(floats));
   uint32_t* Qt2 = reinterpret_cast<uint32_t*>(base);
   float* OT = base + Dk / 2 * Mp;
-  float* St = OT + Dp * Mp;
-  float* row_max = St + kKeys * Mp;
+  float* logit_buffers[2] = {OT + Dp * kAmxRows, OT + Dp * kAmxRows + kAmxKeys * kAmxRows};
+  float* row_max = logit_buffers[1] + kAmxKeys * kAmxRows;
   float* row_sum = row_max + Mp;
   float* alpha = row_sum + Mp;
   float* q_pos = alpha + Mp;
   float* slope = q_pos + Mp;
   bf16_t* step_keys = reinterpret_cast<bf16_t*>(slope + Mp);
-  bf16_t* step_values = step_keys + kKeys * Dk;
+  bf16_t* step_values = step_keys + kAmxKeys * Dk;
 
   const bf16_t* query = static_cast<const bf16_t*>(p.query);
   bf16_t* out = static_cast<bf16_t*>(p.out);
@@ -104,6 +154,9 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
   const bool transform = p.cap > 0.0f || p.slopes != nullptr;
   const bool scaled = p.qk_scale > 0.0f;  // the softmax applies the scale (kScaled)
   const __m512 scale = _mm512_set1_ps(p.qk_scale);
+  AmxPacked own;
+  if (item_pack) own = amx_buffers(tls_amx_item, it.k_end - it.k_begin, D, Dp);
+  AmxPacked* packed = item_pack ? &own : task_packed;
   TileScope tiles;
   for (int64_t kvh = it.kvh; kvh < it.kvh + it.num_kv; ++kvh) {
     const auto row = [&](int64_t r) {
@@ -117,110 +170,111 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* packed) {
       row_max[r] = kMasked;
       row_sum[r] = 0.0f;
     }
-    for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kKeys) {
-      const int64_t nv = std::min<int64_t>(kKeys, it.k_end - k0);
-      const bf16_t* keys;
-      const bf16_t* values;
-      int64_t ldv;
-      if (packed != nullptr) {  // one kv head, keys from 0 (run_task_amx): pack what is missing
-        if (k0 + nv > packed->rows) {
-          const int64_t from = packed->rows / 32 * 32;
-          amx_pack<CT>(p, table, kvh, from, k0 + nv - from, packed->keys + from * packed->ldk,
-                       packed->ldk, packed->values + from, packed->ldv);
-          packed->rows = k0 + nv;
-        }
-        keys = packed->keys + k0 * packed->ldk;
-        values = packed->values + k0;
-        ldv = packed->ldv;
-      } else {
-        amx_pack<CT>(p, table, kvh, k0, nv, step_keys, Dk, step_values, ldv_step);
-        keys = step_keys;
-        values = step_values;
-        ldv = ldv_step;
-      }
-      const int64_t ldk = packed != nullptr ? packed->ldk : Dk;
-      const bool mask = step_masks(p, it, k0, nv);
-      const int64_t visible = step_visible(p, it, k0);
-      const bool first = k0 == it.k_begin;
-      const int64_t nc = round_up(nv, 16), pairs = (nv + 1) / 2;
-      // Blocks of 32 rows, each through q.k, softmax and p.v while its logits ([kKeys][32]
-      // floats) and its O^T columns stay in L1. A block's keys stop at its last row's (the
-      // softmax masks the key blocks q.k skips, without reading them). The next block's q.k
-      // is issued before this block's softmax: the tiles compute while the vector units run
-      // the softmax, whose logits were stored a block earlier (a load right behind a tile
-      // store waits for it).
-      const auto row_tiles = [&](int64_t r0) { return Mp - r0 >= 32 ? 2 : 1; };
-      const auto keys_of = [&](int64_t r0) {  // keys the block's last row sees
-        return std::min(nv, keys_seen(visible, G, r0 + 16 * row_tiles(r0) - 1));
+    if (item_pack) {
+      own.base = it.k_begin;
+      own.rows = 0;
+    }
+    if (packed != nullptr) amx_pack_to<CT>(p, table, kvh, it.k_end, *packed);
+    const int64_t ldk = packed != nullptr ? packed->ldk : Dk;
+    const int64_t ldv = packed != nullptr ? packed->ldv : ldv_step;
+    const auto keys_at = [&](int64_t k0) {
+      return packed != nullptr ? packed->keys + (k0 - packed->base) * ldk : step_keys;
+    };
+    const auto values_at = [&](int64_t k0) {
+      return packed != nullptr ? packed->values + (k0 - packed->base) : step_values;
+    };
+
+    for (int64_t r0 = 0; r0 < Mp; r0 += kAmxRows) {
+      const int rt = Mp - r0 >= 32 ? 2 : 1;
+      const int64_t rows = std::min<int64_t>(kAmxRows, M - r0);  // real rows of the block
+      // Keys of step k0 that the block's last row sees (it sees the most: causal limits grow
+      // with the row), at most the step's.
+      const auto seen_at = [&](int64_t k0) {
+        const int64_t nv = std::min<int64_t>(kAmxKeys, it.k_end - k0);
+        return std::min(nv, keys_seen(step_visible(p, it, k0), G, r0 + rows - 1));
       };
-      const auto logits = [&](int64_t r0) {  // S^T = K Qt2, unscaled
-        const int64_t nk = std::min(nc, round_up(keys_of(r0), 16));
+      const auto logits = [&](int64_t k0, float* St) {  // S^T = K Qt2, unscaled
+        const int64_t nk = round_up(seen_at(k0), 16);
+        const bf16_t* keys = keys_at(k0);
         for (int64_t n0 = 0; n0 < nk; n0 += 32) {
-          with_tiles(nk - n0 >= 32 ? 2 : 1, row_tiles(r0), [&](auto kt, auto rt) {
-            amx_block<decltype(kt)::value, decltype(rt)::value>(
-                keys + n0 * ldk, ldk, Qt2 + r0, Mp, Dk / 32, St + n0 * Mp + r0, Mp, true);
+          with_tiles(nk - n0 >= 32 ? 2 : 1, rt, [&](auto kt, auto rtc) {
+            amx_block<decltype(kt)::value, decltype(rtc)::value>(
+                keys + n0 * ldk, ldk, Qt2 + r0, Mp, Dk / 32, St + n0 * kAmxRows, kAmxRows, true);
           });
         }
       };
-      const auto softmax_and_values = [&](int64_t r0) {
-        const int rt = row_tiles(r0);
-        const int64_t seen = keys_of(r0);
+      int buffer = 0;
+      for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kAmxKeys, buffer ^= 1) {
+        const int64_t seen = seen_at(k0);
+        const bool first = k0 == it.k_begin;
+        if (seen <= 0 && !first) break;  // later steps are past the block's causal limit
+        float* St = logit_buffers[buffer];
+        if (step_pack) {
+          const int64_t nv = std::min<int64_t>(kAmxKeys, it.k_end - k0);
+          amx_pack<CT>(p, table, kvh, k0, nv, step_keys, Dk, step_values, ldv_step);
+          logits(k0, St);
+        } else {
+          if (first) logits(k0, St);
+          const int64_t next = k0 + kAmxKeys;
+          if (next < it.k_end && seen_at(next) > 0) logits(next, logit_buffers[buffer ^ 1]);
+        }
+        const bool mask = step_masks(p, it, k0, seen);
         if (scaled) {
-          softmax_step<true, true>(p, St + r0, Mp, std::min<int64_t>(32, M - r0), nv, k0,
-                                   transform, mask, q_pos + r0, slope + r0, nullptr,
-                                   row_max + r0, row_sum + r0, alpha + r0);
+          softmax_step<true, true, true>(p, St, kAmxRows, rows, seen, k0, transform, mask,
+                                         q_pos + r0, slope + r0, nullptr, row_max + r0,
+                                         row_sum + r0, alpha + r0);
         } else {  // qk_scale <= 0: scaled here (max(s * scale) is not max(s) * scale)
-          for (int64_t n = 0; n < std::min(nc, round_up(seen, 16)); ++n) {
+          for (int64_t n = 0; n < round_up(seen, 16); ++n) {
             for (int v = 0; v < rt; ++v) {
-              float* x = St + n * Mp + r0 + 16 * v;
+              float* x = St + n * kAmxRows + 16 * v;
               _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_loadu_ps(x), scale));
             }
           }
-          softmax_step<true>(p, St + r0, Mp, std::min<int64_t>(32, M - r0), nv, k0, transform,
-                             mask, q_pos + r0, slope + r0, nullptr, row_max + r0,
-                             row_sum + r0, alpha + r0);
+          softmax_step<true, false, true>(p, St, kAmxRows, rows, seen, k0, transform, mask,
+                                          q_pos + r0, slope + r0, nullptr, row_max + r0,
+                                          row_sum + r0, alpha + r0);
         }
-        // Pairs past the step's last key, up to the end of its 32-key chunk, hold stale
+        // Pairs past the block's last key, up to the end of its 32-key chunk, hold stale
         // logits: zeros (the chunk's values there are zeros or finite, never read as such).
+        const int64_t pairs = (seen + 1) / 2;
         for (int64_t i = pairs; i < round_up(pairs, 16); ++i) {
-          std::memset(St + i * Mp + r0, 0, sizeof(float) * 16 * rt);
+          std::memset(St + i * kAmxRows, 0, sizeof(float) * 16 * rt);
         }
         const uint32_t* Pp = reinterpret_cast<const uint32_t*>(St);
         const int64_t chunks = (seen + 31) / 32;
+        const bool rescale = !first && amx_rescales(alpha + r0, rt);
+        const bf16_t* values = values_at(k0);
         for (int64_t d0 = 0; d0 < Dp; d0 += 32) {  // O^T = alpha O^T + VT Pp
           with_tiles(Dp - d0 >= 32 ? 2 : 1, rt, [&](auto dt, auto rtc) {
             constexpr int kD = decltype(dt)::value, kR = decltype(rtc)::value;
-            if (!first) amx_rescale<kD, kR>(OT, Mp, alpha, d0, r0);
-            amx_block<kD, kR>(values + d0 * ldv, ldv, Pp + r0, Mp, chunks, OT + d0 * Mp + r0,
-                              Mp, first);
+            if (rescale) amx_rescale<kD, kR>(OT, kAmxRows, alpha + r0, d0);
+            amx_block<kD, kR>(values + d0 * ldv, ldv, Pp, kAmxRows, chunks,
+                              OT + d0 * kAmxRows, kAmxRows, first);
           });
         }
-      };
-      logits(0);
-      for (int64_t r0 = 0; r0 < Mp; r0 += 32) {
-        if (r0 + 32 < Mp) logits(r0 + 32);
-        softmax_and_values(r0);
       }
-    }
-    // Output rows: O^T transposed 16 x 16 at a time, * v_scale / row_sum (0: no visible key).
-    for (int64_t r0 = 0; r0 < M; r0 += 16) {
-      alignas(64) float f[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t r = r0 + i;
-        f[i] = r < M ? output_factor(p, row_sum[r], row_max[r], kvh * G + r % G) : 0.0f;
-      }
-      for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
-        __m512 x[16];
+      // The block's output rows: O^T transposed 16 x 16 at a time, * v_scale / row_sum (0: no
+      // visible key).
+      for (int64_t b0 = 0; b0 < rows; b0 += 16) {
+        alignas(64) float f[16];
         for (int i = 0; i < 16; ++i) {
-          x[i] = it.k_end > it.k_begin ? _mm512_loadu_ps(OT + (d0 + i) * Mp + r0)
-                                       : _mm512_setzero_ps();
+          const int64_t r = r0 + b0 + i;
+          f[i] = r < M ? output_factor(p, row_sum[r], row_max[r], kvh * G + r % G) : 0.0f;
         }
-        transpose16x16(x);  // x[j]: row r0 + j, dims [d0, d0 + 16)
-        const __mmask16 m = tail_mask(D - d0);
-        for (int64_t j = 0; j < std::min<int64_t>(16, M - r0); ++j) {
-          const int64_t r = r0 + j;
-          bf16_t* o = out + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D + d0;
-          _mm256_mask_storeu_epi16(o, m, narrow16_bf16(_mm512_mul_ps(x[j], _mm512_set1_ps(f[j]))));
+        for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
+          __m512 x[16];
+          for (int i = 0; i < 16; ++i) {
+            x[i] = it.k_end > it.k_begin ? _mm512_loadu_ps(OT + (d0 + i) * kAmxRows + b0)
+                                         : _mm512_setzero_ps();
+          }
+          transpose16x16(x);  // x[j]: row r0 + b0 + j, dims [d0, d0 + 16)
+          const __mmask16 m = tail_mask(D - d0);
+          for (int64_t j = 0; j < std::min<int64_t>(16, rows - b0); ++j) {
+            const int64_t r = r0 + b0 + j;
+            bf16_t* o = out + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D + d0;
+            _mm256_mask_storeu_epi16(o, m,
+                                     narrow16_bf16(_mm512_mul_ps(x[j], _mm512_set1_ps(f[j]))));
+          }
         }
       }
     }
@@ -235,14 +289,7 @@ template <typename CT>
 void run_task_amx(const Problem& p, const Item* items, int64_t num_items) {
   const auto [prefixes, max_end] = key_prefixes(items, num_items);
   AmxPacked packed;
-  packed.ldk = round_up(p.D, 32);
-  packed.ldv = round_up(max_end, 32) + 32;
-  const int64_t key_rows = round_up(max_end, 32);
-  const int64_t bytes = 2 * (key_rows * packed.ldk + p.Dp * packed.ldv);
-  if (prefixes) {
-    packed.keys = reinterpret_cast<bf16_t*>(tls_amx.get(static_cast<size_t>(bytes / 4 + 16)));
-    packed.values = packed.keys + key_rows * packed.ldk;
-  }
+  if (prefixes) packed = amx_buffers(tls_amx, max_end, p.D, p.Dp);
   for (int64_t i = 0; i < num_items; ++i) {
     run_item_amx<CT>(p, items[i], packed.keys != nullptr ? &packed : nullptr);
   }

@@ -326,7 +326,12 @@ struct Task {  // items [first, first + num_items), run in order by one thread
 // kScaled (AMX path): St holds unscaled logits and p.qk_scale (> 0) is applied here: in the
 // first pass where a mask or transform rewrites the logits anyway, else folded into the row max
 // and the exponent (exp2(s * scale - max): one FMA, no pass that writes St).
-template <bool kTransform, bool kMask, bool kPairs, bool kScaled = false>
+// kLazy (AMX path): a row's reference (row_max) moves only when the step's max passes it by more
+// than kLazyMargin, so most steps leave alpha at exactly 1 and the running output unscaled. Any
+// reference works for the softmax (output and sum share it); this one keeps every probability
+// below 2^kLazyMargin, far inside float32 and bf16 range, with the same relative rounding.
+constexpr float kLazyMargin = 8.0f;
+template <bool kTransform, bool kMask, bool kPairs, bool kScaled = false, bool kLazy = false>
 JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t Mp, int64_t M,
                                int64_t nv, int64_t k0, const float* q_pos, const float* slope,
                                const float* step_max, float* row_max, float* row_sum,
@@ -359,7 +364,9 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
     // Unscaled logits (kScaled without a rewrite): the max of s * scale is the max * scale.
     if (kScaled && !(kTransform || kMask)) chunk_max = Vec::mul(chunk_max, scale);
     const V old_max = Vec::load(row_max + rv);
-    const V new_max = Vec::max(old_max, chunk_max);
+    const V new_max =
+        kLazy ? Vec::if_lt(Vec::add(old_max, Vec::set1(kLazyMargin)), chunk_max, chunk_max, old_max)
+              : Vec::max(old_max, chunk_max);
     const V ref = Vec::max(new_max, Vec::set1(kNoKey));
     const V a = Vec::exp2(Vec::sub(old_max, ref));
     V sum = Vec::zero();
@@ -396,13 +403,13 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
 }
 
 // transform: the call has a soft cap or ALiBi; mask: the step masks logits.
-template <bool kPairs, bool kScaled = false>
+template <bool kPairs, bool kScaled = false, bool kLazy = false>
 inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int64_t nv,
                          int64_t k0, bool transform, bool mask, const float* q_pos,
                          const float* slope, const float* step_max, float* row_max,
                          float* row_sum, float* alpha) {
   const auto rows = [&](auto transform, auto masked) {
-    softmax_rows<decltype(transform)::value, decltype(masked)::value, kPairs, kScaled>(
+    softmax_rows<decltype(transform)::value, decltype(masked)::value, kPairs, kScaled, kLazy>(
         p, St, Mp, M, nv, k0, q_pos, slope, step_max, row_max, row_sum, alpha);
   };
   const std::true_type yes;
