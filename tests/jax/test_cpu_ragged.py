@@ -330,6 +330,8 @@ AMX_CASES = [
     Case(batch="interleaved", dtype="bfloat16", num_heads=16, num_kv_heads=8, soft_cap=3.0),
     Case(batch="long", dtype="bfloat16", causal=False, block_size=32),
     Case(batch="chunked", dtype="bfloat16", causal=False, alibi=True, sliding_window=20),
+    # A bf16 output over 8 MiB (1027 tokens x 16 heads x 256): its rows are streamed.
+    Case(batch="large", dtype="bfloat16", head_size=256, num_heads=16, num_kv_heads=4),
     # fp8 caches (scales from the case) widened to bf16 for the tiles.
     Case(batch="long", dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=80),
     Case(batch="mixed", dtype="bfloat16", cache_dtype="float8_e5m2", alibi=True, block_size=8),

@@ -118,6 +118,50 @@ inline bool amx_rescales(const float* alpha, int rt) {
   return m != 0;
 }
 
+// Output rows [r0, r0 + rows) of kv head kvh: O^T ([Dp][kAmxRows]) transposed 16 x 16 at a
+// time, times v_scale / row_sum (0: no visible key), 32 dims (one 64-byte line) per store. With
+// Problem::stream_out and D a multiple of 32 every piece is a whole aligned line, streamed: a
+// large output is not read for ownership first (prefill-8x512: 33.5 MB of bf16 output).
+inline void amx_write_rows(const Problem& p, const Item& it, int64_t kvh, int64_t r0,
+                           int64_t rows, const float* OT, const float* row_sum,
+                           const float* row_max) {
+  const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq;
+  bf16_t* out = static_cast<bf16_t*>(p.out);
+  const bool stream = p.stream_out && D % 32 == 0;
+  const bool any_key = it.k_end > it.k_begin;
+  for (int64_t b0 = 0; b0 < rows; b0 += 16) {
+    __m512 f[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t r = r0 + b0 + i;
+      f[i] = _mm512_set1_ps(b0 + i < rows
+                                ? output_factor(p, row_sum[r], row_max[r], kvh * G + r % G)
+                                : 0.0f);
+    }
+    for (int64_t d0 = 0; d0 < Dp; d0 += 32) {
+      __m512 lo[16], hi[16];  // dims [d0, d0 + 16) and [d0 + 16, d0 + 32) of rows b0 + i
+      for (int i = 0; i < 16; ++i) {
+        lo[i] = any_key ? _mm512_loadu_ps(OT + (d0 + i) * kAmxRows + b0) : _mm512_setzero_ps();
+        hi[i] = any_key && d0 + 16 < Dp ? _mm512_loadu_ps(OT + (d0 + 16 + i) * kAmxRows + b0)
+                                        : _mm512_setzero_ps();
+      }
+      transpose16x16(lo);  // lo[j]: row b0 + j
+      transpose16x16(hi);
+      const __mmask32 m = mask32(D - d0);
+      for (int64_t j = 0; j < std::min<int64_t>(16, rows - b0); ++j) {
+        const int64_t r = r0 + b0 + j;
+        bf16_t* o = out + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D + d0;
+        const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi[j], f[j]),
+                                                       _mm512_mul_ps(lo[j], f[j]));
+        if (stream) {
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(o), x);
+        } else {
+          _mm512_mask_storeu_epi16(o, m, x);
+        }
+      }
+    }
+  }
+}
+
 // One item: per kv head, its rows in blocks of kAmxRows, each block through all its keys in
 // steps of kAmxKeys (q.k, softmax, p.v) and then out. With packed keys and values the next
 // step's q.k is issued before this step's softmax (two logit buffers): the tiles compute while
@@ -149,7 +193,6 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
   bf16_t* step_values = step_keys + kAmxKeys * Dk;
 
   const bf16_t* query = static_cast<const bf16_t*>(p.query);
-  bf16_t* out = static_cast<bf16_t*>(p.out);
   const int32_t* table = p.block_tables + it.seq * p.MB;
   const bool transform = p.cap > 0.0f || p.slopes != nullptr;
   const bool scaled = p.qk_scale > 0.0f;  // the softmax applies the scale (kScaled)
@@ -253,32 +296,10 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
           });
         }
       }
-      // The block's output rows: O^T transposed 16 x 16 at a time, * v_scale / row_sum (0: no
-      // visible key).
-      for (int64_t b0 = 0; b0 < rows; b0 += 16) {
-        alignas(64) float f[16];
-        for (int i = 0; i < 16; ++i) {
-          const int64_t r = r0 + b0 + i;
-          f[i] = r < M ? output_factor(p, row_sum[r], row_max[r], kvh * G + r % G) : 0.0f;
-        }
-        for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
-          __m512 x[16];
-          for (int i = 0; i < 16; ++i) {
-            x[i] = it.k_end > it.k_begin ? _mm512_loadu_ps(OT + (d0 + i) * kAmxRows + b0)
-                                         : _mm512_setzero_ps();
-          }
-          transpose16x16(x);  // x[j]: row r0 + b0 + j, dims [d0, d0 + 16)
-          const __mmask16 m = tail_mask(D - d0);
-          for (int64_t j = 0; j < std::min<int64_t>(16, rows - b0); ++j) {
-            const int64_t r = r0 + b0 + j;
-            bf16_t* o = out + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D + d0;
-            _mm256_mask_storeu_epi16(o, m,
-                                     narrow16_bf16(_mm512_mul_ps(x[j], _mm512_set1_ps(f[j]))));
-          }
-        }
-      }
+      amx_write_rows(p, it, kvh, r0, rows, OT, row_sum, row_max);
     }
   }
+  if (p.stream_out) _mm_sfence();  // the streamed rows land before the task reports
 }
 
 // run_task's AMX counterpart: items in order; a task of key-prefix tiles of one kv head shares
