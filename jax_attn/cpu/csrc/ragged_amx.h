@@ -14,20 +14,22 @@
 // ---------------------------------------------------------------------------------------------
 // The AMX path (bf16 queries on a bf16 or fp8 cache, where the CPU has AMX-BF16 and Linux grants
 // the tiles): both products on tiles (amx_tiles.h), the softmax and the masks the vdpbf16ps
-// path's own (softmax_step with probability pairs). Per item, one kv head at a time, keys in
-// steps of kKeys:
+// path's own (softmax_step with probability pairs, a lazy reference). Per item, one kv head at a
+// time, 32 query rows at a time, keys in steps of kAmxKeys:
 //   keys   -> Kp [nv][Dk] bf16 (packed; fp8 widened; zeros past D and past the step's keys)
 //   values -> VT [Dp][32-key chunks] bf16 (transposed)
 //   S^T = Kp Qt2 (tiles), * qk_scale, row max -> softmax -> Pp pairs in place
-//   O^T = alpha O^T + VT Pp (tiles)
-// and the output rows from O^T, transposed, at the end. A task whose tiles all read key
-// prefixes of one kv head packs its keys and values once (AmxPacked), for all its items.
+//   O^T = alpha O^T + VT Pp (tiles; alpha is 1 on most steps, and then no rescale)
+// and the block's output rows from O^T, transposed, at the end. Keys and values are packed once
+// per task (tiles of one kv head's key prefixes) or per item (AmxPacked).
 // ---------------------------------------------------------------------------------------------
 
 // Keys per step and query rows per block of the AMX path. A block's running output (O^T, [Dp][32]
-// floats: 16 KiB at D 128), its two logit buffers and its query pairs stay in L1 while it walks
-// all its keys (blocks outer, steps inner).
-constexpr int64_t kAmxKeys = 128;
+// floats: 16 KiB at D 128) and its query pairs stay in L1 while it walks all its keys (blocks
+// outer, steps inner). 256 keys a step against 128: each p.v block product runs 8 chunks of 32
+// keys per load and store of its C tiles instead of 4 (prefill-bf16 20.7 -> 19.3 ms, chunked
+// 58.7 -> 54.8, medians of 3 alternated; 512: no better).
+constexpr int64_t kAmxKeys = 256;
 constexpr int64_t kAmxRows = 32;
 
 // Packed keys and values of one kv head: keys [base, base + rows), key k at row k - base of
@@ -163,10 +165,10 @@ inline void amx_write_rows(const Problem& p, const Item& it, int64_t kvh, int64_
 }
 
 // One item: per kv head, its rows in blocks of kAmxRows, each block through all its keys in
-// steps of kAmxKeys (q.k, softmax, p.v) and then out. With packed keys and values the next
-// step's q.k is issued before this step's softmax (two logit buffers): the tiles compute while
-// the vector units run the softmax. A single-block item without packed keys (decodes, short
-// chunks) packs each step's keys as it reaches them.
+// steps of kAmxKeys (q.k, softmax, p.v) and then out. A single-block item without packed keys
+// (decodes, short chunks) packs each step's keys as it reaches them. The tiles and the vector
+// units do not work at once on one core here (NOTES.md: a q.k issued ahead of the softmax, in
+// the softmax's gaps, saved nothing), so the steps simply run in order.
 template <typename CT>
 void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
   const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq;
@@ -174,17 +176,17 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
   const int64_t M = it.nt * G, Mp = round_up(M, W);
   const bool item_pack = task_packed == nullptr && Mp > kAmxRows;
   const bool step_pack = task_packed == nullptr && !item_pack;
-  // Scratch (floats): Qt2 [Dk / 2][Mp], O^T [Dp][32], two logit buffers [kAmxKeys][32], 5 row
-  // vectors [Mp], and when packing per step the step's keys [kAmxKeys][Dk] and values
+  // Scratch (floats): Qt2 [Dk / 2][Mp], O^T [Dp][32], logits St [kAmxKeys][32], 5 row vectors
+  // [Mp], and when packing per step the step's keys [kAmxKeys][Dk] and values
   // [Dp][kAmxKeys + 32] in bf16.
   const int64_t ldv_step = kAmxKeys + 32;
-  const int64_t floats = Dk / 2 * Mp + Dp * kAmxRows + 2 * kAmxKeys * kAmxRows + 5 * Mp +
+  const int64_t floats = Dk / 2 * Mp + Dp * kAmxRows + kAmxKeys * kAmxRows + 5 * Mp +
                          (step_pack ? kAmxKeys * Dk / 2 + Dp * ldv_step / 2 : 0);
   float* base = tls_scratch.get(static_cast<size_t>(floats));
   uint32_t* Qt2 = reinterpret_cast<uint32_t*>(base);
   float* OT = base + Dk / 2 * Mp;
-  float* logit_buffers[2] = {OT + Dp * kAmxRows, OT + Dp * kAmxRows + kAmxKeys * kAmxRows};
-  float* row_max = logit_buffers[1] + kAmxKeys * kAmxRows;
+  float* St = OT + Dp * kAmxRows;
+  float* row_max = St + kAmxKeys * kAmxRows;
   float* row_sum = row_max + Mp;
   float* alpha = row_sum + Mp;
   float* q_pos = alpha + Mp;
@@ -236,7 +238,7 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
         const int64_t nv = std::min<int64_t>(kAmxKeys, it.k_end - k0);
         return std::min(nv, keys_seen(step_visible(p, it, k0), G, r0 + rows - 1));
       };
-      const auto logits = [&](int64_t k0, float* St) {  // S^T = K Qt2, unscaled
+      const auto logits = [&](int64_t k0) {  // S^T = K Qt2, unscaled
         const int64_t nk = round_up(seen_at(k0), 16);
         const bf16_t* keys = keys_at(k0);
         for (int64_t n0 = 0; n0 < nk; n0 += 32) {
@@ -246,21 +248,15 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
           });
         }
       };
-      int buffer = 0;
-      for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kAmxKeys, buffer ^= 1) {
+      for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kAmxKeys) {
         const int64_t seen = seen_at(k0);
         const bool first = k0 == it.k_begin;
         if (seen <= 0 && !first) break;  // later steps are past the block's causal limit
-        float* St = logit_buffers[buffer];
         if (step_pack) {
           const int64_t nv = std::min<int64_t>(kAmxKeys, it.k_end - k0);
           amx_pack<CT>(p, table, kvh, k0, nv, step_keys, Dk, step_values, ldv_step);
-          logits(k0, St);
-        } else {
-          if (first) logits(k0, St);
-          const int64_t next = k0 + kAmxKeys;
-          if (next < it.k_end && seen_at(next) > 0) logits(next, logit_buffers[buffer ^ 1]);
         }
+        logits(k0);
         const bool mask = step_masks(p, it, k0, seen);
         if (scaled) {
           softmax_step<true, true, true>(p, St, kAmxRows, rows, seen, k0, transform, mask,

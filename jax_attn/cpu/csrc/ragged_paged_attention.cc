@@ -379,11 +379,11 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
         return Vec::sub(s, ref);
       };
       for (int64_t i = 0; 2 * i < nv; ++i) {
-        const V e0 = Vec::exp2(shifted(Vec::load(St + 2 * i * Mp + rv)));
+        const V e0 = Vec::exp2_bf16(shifted(Vec::load(St + 2 * i * Mp + rv)));
         sum = Vec::add(sum, e0);
         V e1 = Vec::zero();
         if (2 * i + 1 < nv) {
-          e1 = Vec::exp2(shifted(Vec::load(St + (2 * i + 1) * Mp + rv)));
+          e1 = Vec::exp2_bf16(shifted(Vec::load(St + (2 * i + 1) * Mp + rv)));
           sum = Vec::add(sum, e1);
         }
         _mm512_storeu_si512(Pp + i * Mp + rv, probability_pair(e0, e1));
