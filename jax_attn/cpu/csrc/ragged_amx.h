@@ -36,7 +36,7 @@ constexpr int64_t kAmxRows = 32;
 // `keys` (ldk bf16 apart), its values at column k - base of `values` (transposed, rows ldv
 // apart: a multiple of 32 plus 32, off a 4 KiB row stride). A task's tiles that all read key
 // prefixes share one (base 0, run_task_amx); an item with several row blocks and no such task
-// packs its own range once (item_packed).
+// packs its own range once (run_item_amx's item_pack).
 struct AmxPacked {
   bf16_t* keys = nullptr;
   bf16_t* values = nullptr;

@@ -288,7 +288,7 @@ struct Problem {
   bool causal;
   bool dot;  // bf16 queries on a bf16 cache, both products through vdpbf16ps (needs an even D)
   bool amx;  // bf16 queries on a bf16 or fp8 cache, both products on AMX tiles (run_item_amx)
-  bool stream_out;  // fused float32 output rows streamed (kStreamOutputBytes)
+  bool stream_out;  // output rows streamed (fused float32, AMX bf16): kStreamOutputBytes
 };
 
 // What a finished row's p.v sum is multiplied by: v_scale / its softmax denominator, 0 for a
