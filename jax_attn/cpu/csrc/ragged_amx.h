@@ -1,7 +1,7 @@
 // Part of the ragged kernel (ragged_paged_attention.cc), not a header of its own: included by
 // that file inside its namespaces after run_task. It uses the kernel's Problem, Item, Scratch,
-// key_prefixes, step_masks, step_visible, transpose_queries and softmax_step, ragged_bf16.h's
-// narrow16_bf16, and amx_tiles.h's tile products; it includes nothing itself.
+// key_prefixes, keys_seen, step_masks, step_visible, output_factor, transpose_queries and
+// softmax_step, and amx_tiles.h's tile products; it includes nothing itself.
 //
 // The AMX path (AMX-TILE and AMX-BF16, beside AVX512_BF16), compiled only under
 // `#if JAX_ATTN_AMX && JAX_ATTN_BF16_DOT` (JAX_ATTN_AMX: amx_tiles.h, built with

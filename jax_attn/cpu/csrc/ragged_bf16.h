@@ -8,7 +8,7 @@
 // and the kernel compiles none of its calls (every use sits under `#if JAX_ATTN_BF16_DOT`).
 // The interface the kernel calls: qk_block_bf16 (head_logits), pv_block_bf16 (pv_call),
 // pack_value_pair (run_item: the value pairs of a step or a task), probability_pair
-// (softmax_rows under kPairs) and narrow16_bf16 (bf16 output rows, here and in ragged_amx.h).
+// (softmax_rows under kPairs) and narrow16_bf16 (the bf16 output rows here).
 #pragma once
 
 #if JAX_ATTN_AVX512 && defined(__AVX512BF16__)
