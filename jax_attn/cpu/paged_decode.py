@@ -17,21 +17,29 @@ from jax_attn.cpu import _build, _ffi
 TARGET = "jax_attn_cpu_paged_decode"
 
 
-def decode_path(cache_dtype, query_dtype, block_size: int, group: int) -> str:
-    """Which code `paged_decode` runs here for caches of `cache_dtype` under queries of
-    `query_dtype` at `block_size` (jax_attn's token-major layout) with `group` query heads per kv
-    head: "amx" (bf16 queries on a bf16 or fp8 cache, block size a multiple of 16, a group of at
-    least 5 on bf16 or 4 on fp8, on a CPU whose AMX tiles this process may use: smaller groups
-    run faster on the vector code), "vector" (AVX-512 or the portable code), or "unavailable"
-    (no native kernels). `JAX_ATTN_CPU_DECODE_AMX=1` puts every group size on the tiles, `0`
-    none."""
+def decode_path(
+    cache_dtype, query_dtype, block_size: int, group: int, layout: str = "token-major"
+) -> str:
+    """Which code the native decode runs here for caches of `cache_dtype` under queries of
+    `query_dtype` at `block_size` with `group` query heads per kv head: "amx", "vector"
+    (AVX-512 or the portable code), or "unavailable" (no native kernels).
+
+    "amx" needs bf16 queries on a bf16 or fp8 cache and a CPU whose AMX tiles this process may
+    use. In `layout` "token-major" (jax_attn's caches, `paged_decode`): block sizes that are
+    multiples of 16 and groups of at least 5 on bf16 or 4 on fp8 (smaller groups run faster on
+    the vector code). In "split" (vLLM's, the torch half's `paged_decode_split`): block sizes
+    16, 32 or multiples of 64, every group (its tiles read the cache as it lies).
+    `JAX_ATTN_CPU_DECODE_AMX=1` puts every group size on the tiles, `0` none."""
+    if layout not in ("token-major", "split"):
+        raise ValueError(f"layout={layout!r} must be 'token-major' or 'split'")
     fn = _build.c_function("jax_attn_cpu_decode_on_amx")
     if fn is None:
         return "unavailable"
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     names = (jnp.dtype(cache_dtype).name.encode(), jnp.dtype(query_dtype).name.encode())
-    return "amx" if fn(*names, 0, int(block_size), int(group)) else "vector"
+    split = int(layout == "split")
+    return "amx" if fn(*names, split, int(block_size), int(group)) else "vector"
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))

@@ -301,7 +301,8 @@ def test_cpu_paged_decode_bf16_grid_matches_float64(case: Case, rng):
 def test_decode_path_names_amx_exactly_where_it_runs(monkeypatch):
     """AMX for bf16 queries on a bf16 cache with groups of 5 or more and on fp8 with 4 or more,
     at block sizes that are multiples of 16, where the ragged kernel's tiles run too (the CPU
-    has them and the process may use them); never for other dtypes. JAX_ATTN_CPU_DECODE_AMX=1
+    has them and the process may use them); on the split layout every group at blocks of 16, 32
+    or multiples of 64; never for other dtypes. JAX_ATTN_CPU_DECODE_AMX=1
     takes every group, 0 none."""
     tiles = "amx-bf16" in (cpu.isa() or "")
     monkeypatch.delenv("JAX_ATTN_CPU_DECODE_AMX", raising=False)
@@ -321,11 +322,24 @@ def test_decode_path_names_amx_exactly_where_it_runs(monkeypatch):
         ("float8_e5m2", "bfloat16", 8),
     ]:
         assert cpu.decode_path(cache, query, bs, 16) == "vector", (cache, query, bs)
+    # vLLM's split layout (the torch half's decode): every group, blocks of 16, 32 or k * 64.
+    for cache in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        for bs in (16, 32, 64, 128, 192, 256):
+            for group in (1, 3, 4, 8):
+                got = cpu.decode_path(cache, "bfloat16", bs, group, layout="split")
+                assert (got == "amx") == tiles, (cache, bs, group, got)
+        for bs in (8, 48, 96):
+            assert cpu.decode_path(cache, "bfloat16", bs, 4, layout="split") == "vector"
+    for cache, query in [("bfloat16", "float32"), ("float32", "float32"), ("float16", "float16")]:
+        assert cpu.decode_path(cache, query, 128, 4, layout="split") == "vector", (cache, query)
+    with pytest.raises(ValueError, match="layout='nhd' must be"):
+        cpu.decode_path("bfloat16", "bfloat16", 128, 4, layout="nhd")
     monkeypatch.setenv("JAX_ATTN_CPU_DECODE_AMX", "1")
     assert (cpu.decode_path("bfloat16", "bfloat16", 128, 1) == "amx") == tiles
     assert cpu.decode_path("bfloat16", "bfloat16", 24, 1) == "vector"
     monkeypatch.setenv("JAX_ATTN_CPU_DECODE_AMX", "0")
     assert cpu.decode_path("bfloat16", "bfloat16", 128, 16) == "vector"
+    assert cpu.decode_path("bfloat16", "bfloat16", 128, 4, layout="split") == "vector"
 
 
 def test_bf16_decode_without_amx_matches_float64():

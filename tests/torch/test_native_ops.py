@@ -104,6 +104,11 @@ GRID = [
     # widened key tile; a partial quad, a last 32-dim chunk of 16, two quads.
     (torch.bfloat16, "fp8", 112, 128, 5, "window"),
     (torch.bfloat16, "fp8_e5m2", 96, 16, 8, "alibi"),
+    # bf16 queries on CPUs with AMX tiles (decode_amx_split.h): a last value tile of 8 dims,
+    # blocks of 64 and 256 (one and four key tiles), 8 and 9 query rows (two and three groups).
+    (torch.bfloat16, "auto", 120, 64, 8, "window"),
+    (torch.bfloat16, "fp8", 128, 256, 9, "alibi"),
+    (torch.bfloat16, "fp8_e5m2", 64, 64, 1, "softcap"),
 ]
 
 

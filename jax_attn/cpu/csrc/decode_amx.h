@@ -72,6 +72,7 @@ inline int64_t amx_o_dim(int64_t j, int64_t n) {
   return 32 * (j / 2) + 8 * (n / 4) + 4 * (j % 2) + n % 4;
 }
 
+
 // Contiguous runs of keys and of values (the same offsets in either cache) requested into L2
 // in address order, a few lines at a time.
 class RunPrefetcher {
@@ -102,6 +103,65 @@ class RunPrefetcher {
   int64_t lines_[kMaxRuns] = {};
   int64_t runs_ = 0, run_ = 0, line_ = 0, total_ = 0, done_ = 0;
 };
+
+// One step of the AMX decodes' online softmax, for W query rows (W a power of 2 <= 16) on the
+// flat [key][W] float32 logits x (vecs vectors; lane l of a vector: row l % W, its key l / W):
+// scaled by qk_scale, capped, ALiBi-biased (slopes lane l: row l % W's; a key's distance from
+// the query is its index + dist0), -inf outside the step's visible keys [vlo, vhi); then each
+// replaced by exp(x - new max), and the rows' max and sum (lanes l < W of row_max / row_sum,
+// every lane kept) moved on. Returns alpha, the factor the rows' O must be multiplied by (lane
+// l: row l % W; zeros for a row that had seen no key).
+inline __m512 amx_step_softmax(const Problem& p, float* x, int64_t vecs, int W, int64_t vlo,
+                               int64_t vhi, int64_t dist0, __m512 slopes, float* row_max,
+                               float* row_sum) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float lane_key[16];
+  for (int l = 0; l < 16; ++l) lane_key[l] = static_cast<float>(l / W);
+  const __m512 lane_keys = _mm512_load_ps(lane_key);
+  const int64_t keys_per_vec = 16 / W;
+  auto fold = [&](__m512 v, bool is_max) {
+    for (int s = 8; s >= W; s >>= 1) {
+      const __m512i idx = _mm512_xor_si512(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32(s));
+      const __m512 u = _mm512_permutexvar_ps(idx, v);
+      v = is_max ? _mm512_max_ps(v, u) : _mm512_add_ps(v, u);
+    }
+    return v;
+  };
+  __m512 step_max = neg_inf;
+  for (int64_t z = 0; z < vecs; ++z) {
+    const int64_t key0 = z * keys_per_vec;
+    const __m512 keys = _mm512_add_ps(lane_keys, _mm512_set1_ps(static_cast<float>(key0)));
+    const __mmask16 valid =
+        _mm512_cmp_ps_mask(keys, _mm512_set1_ps(static_cast<float>(vlo)), _CMP_GE_OQ) &
+        _mm512_cmp_ps_mask(keys, _mm512_set1_ps(static_cast<float>(vhi)), _CMP_LT_OQ);
+    __m512 v = _mm512_mul_ps(_mm512_load_ps(x + 16 * z), _mm512_set1_ps(p.qk_scale));
+    if (p.cap > 0.0f) v = soft_cap16(v, p.cap);
+    if (p.alibi) {
+      const __m512 dist = _mm512_add_ps(keys, _mm512_set1_ps(static_cast<float>(dist0)));
+      v = _mm512_fmadd_ps(slopes, dist, v);
+    }
+    v = _mm512_mask_mov_ps(neg_inf, valid, v);
+    _mm512_store_ps(x + 16 * z, v);
+    step_max = _mm512_max_ps(step_max, v);
+  }
+  const __m512 old_max = _mm512_load_ps(row_max);
+  const __m512 new_max = _mm512_max_ps(old_max, fold(step_max, true));
+  const __mmask16 seen = _mm512_cmp_ps_mask(old_max, neg_inf, _CMP_NEQ_OQ);
+  const __m512 alpha = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(old_max, new_max)));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t z = 0; z < vecs; ++z) {
+    const __m512 v = _mm512_load_ps(x + 16 * z);
+    const __mmask16 live = _mm512_cmp_ps_mask(v, neg_inf, _CMP_NEQ_UQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(v, new_max)));
+    _mm512_store_ps(x + 16 * z, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  _mm512_store_ps(row_max, new_max);
+  _mm512_store_ps(row_sum, _mm512_fmadd_ps(_mm512_load_ps(row_sum), alpha, fold(sum, false)));
+  return alpha;
+}
 
 template <typename KV>
 void decode_item_amx(const Problem& p, const Item& it, float* scratch,
@@ -188,21 +248,6 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
   bf16_t* packed = reinterpret_cast<bf16_t*>(packed_buf.get());
   bf16_t* staged = reinterpret_cast<bf16_t*>(staged_buf.get());
 
-  // Lane constants: the key of lane l within its vector (l / W) and, for the folds, l ^ s.
-  alignas(64) float lane_key[16];
-  for (int l = 0; l < 16; ++l) lane_key[l] = static_cast<float>(l / W);
-  const __m512 lane_keys = _mm512_load_ps(lane_key);
-  const int64_t keys_per_vec = 16 / W;
-  auto fold = [&](__m512 x, bool is_max) {
-    for (int s = 8; s >= W; s >>= 1) {
-      const __m512i idx = _mm512_xor_si512(
-          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-          _mm512_set1_epi32(s));
-      const __m512 y = _mm512_permutexvar_ps(idx, x);
-      x = is_max ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y);
-    }
-    return x;
-  };
   // P's transpose: row g of a 32-key chunk takes flat element 32 W c + j W + g for key j, from
   // the pair of bf16 vectors holding flat [64 q, 64 q + 64).
   alignas(64) uint16_t perm_idx[16][32];
@@ -322,39 +367,9 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
         const __m512 slopes = _mm512_load_ps(slope);
         const int64_t vecs = ntiles * W;  // 16 keys x W rows per key tile
         float* x_all = logits_buf.get() + hg * logits_size;
-        __m512 step_max = neg_inf;
-        for (int64_t z = 0; z < vecs; ++z) {
-          const int64_t key0 = z * keys_per_vec;
-          const __m512 keys = _mm512_add_ps(lane_keys, _mm512_set1_ps(static_cast<float>(key0)));
-          const __mmask16 valid =
-              _mm512_cmp_ps_mask(keys, _mm512_set1_ps(static_cast<float>(vlo)), _CMP_GE_OQ) &
-              _mm512_cmp_ps_mask(keys, _mm512_set1_ps(static_cast<float>(vhi)), _CMP_LT_OQ);
-          __m512 x = _mm512_mul_ps(_mm512_load_ps(x_all + 16 * z), _mm512_set1_ps(p.qk_scale));
-          if (p.cap > 0.0f) x = soft_cap16(x, p.cap);
-          if (p.alibi) {
-            const __m512 dist =
-                _mm512_add_ps(keys, _mm512_set1_ps(static_cast<float>(pos0 - q_pos)));
-            x = _mm512_fmadd_ps(slopes, dist, x);
-          }
-          x = _mm512_mask_mov_ps(neg_inf, valid, x);
-          _mm512_store_ps(x_all + 16 * z, x);
-          step_max = _mm512_max_ps(step_max, x);
-        }
-        const __m512 old_max = _mm512_load_ps(row_max.get() + 16 * hg);
-        const __m512 new_max = _mm512_max_ps(old_max, fold(step_max, true));
-        const __mmask16 seen = _mm512_cmp_ps_mask(old_max, neg_inf, _CMP_NEQ_OQ);
-        const __m512 alpha = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(old_max, new_max)));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t z = 0; z < vecs; ++z) {
-          const __m512 x = _mm512_load_ps(x_all + 16 * z);
-          const __mmask16 live = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_UQ);
-          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, new_max)));
-          _mm512_store_ps(x_all + 16 * z, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        _mm512_store_ps(row_max.get() + 16 * hg, new_max);
-        float* sums = row_sum.get() + 16 * hg;
-        _mm512_store_ps(sums, _mm512_fmadd_ps(_mm512_load_ps(sums), alpha, fold(sum, false)));
+        const __m512 alpha =
+            amx_step_softmax(p, x_all, vecs, W, vlo, vhi, pos0 - q_pos, slopes,
+                             row_max.get() + 16 * hg, row_sum.get() + 16 * hg);
 
         // P chunks [W][32] bf16: row g, key j = flat element (32 c + j) W + g.
         for (int64_t c = 0; c < chunks; ++c) {

@@ -37,6 +37,13 @@
 //   tiles / vector: bf16 G 1 14.2 / 9.6, G 2 4.8 / 3.7, G 4 5.4-5.9 / 4.6-5.0, G 5 6.1 /
 //   6.8-7.2, G 8 5.7-6.7 / 7.5-7.8, G 16 1.6 / 3.4; fp8 G 1 8.9 / 5.8, G 2 3.5 / 3.5, G 3
 //   4.5 / 4.5, G 4 4.3 / 5.3; NOTES.md).
+// - bf16 queries on vLLM's split layout, bf16 or fp8 cache, at blocks of 16, 32 or multiples
+//   of 64, on CPUs with AMX-BF16, any group: decode_item_amx_split (decode_amx_split.h), both
+//   products on tiles read from the cache as it lies (a head block's 8-dim key slices are
+//   64-token tiles against a block-diagonal query tile; its [D][BS] values are the A operand
+//   of O^T). Faster than the vector split path at every group (Sapphire Rapids VM, 32 x 1024
+//   keys, block 128, ms, tiles / vector: bf16 G 1 11.6 / 12.3, G 2 4.4 / 5.9, G 4 4.3-4.8 /
+//   6.2-7.6, G 8 6.1 / 11.1; fp8 G 4 4.7 / 5.6-6.0; NOTES.md).
 // - Elsewhere (AVX512_BF16), bf16 queries on a token-major bf16 or fp8 cache with GQA groups of
 //   4 rows or more and head sizes that are multiples of 8: the quads (attend_tile_quads), 4
 //   query rows to a vector, one per 128-bit lane, so a key's 16-byte pieces are broadcast and
@@ -1135,6 +1142,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
 // this kernel of its own, included here inside this file's namespaces: it uses Problem, Item,
 // RowsState and finish_item above.
 #include "decode_amx.h"
+#include "decode_amx_split.h"
 
 #endif  // JAX_ATTN_AVX512
 
@@ -1247,9 +1255,14 @@ bool decode_on_amx(CacheLayout layout, DType cache_type, DType query_type, int64
   const bool cache_ok = cache_type == DType::kBF16 ||
                         (JAX_ATTN_DECODE_FP8_DOT &&
                          (cache_type == DType::kF8E4M3FN || cache_type == DType::kF8E5M2));
-  return layout == CacheLayout::kTokenMajor && cache_ok && query_type == DType::kBF16 &&
-         block_size % 16 == 0 && group >= amx_decode_min_group(cache_type) && dot_enabled() &&
-         amx_available();
+  if (layout == CacheLayout::kSplit) {
+    return cache_ok && query_type == DType::kBF16 &&
+           split_amx_block_ok(block_size) &&
+           amx_decode_min_group(cache_type) != std::numeric_limits<int64_t>::max() &&  // not off
+           dot_enabled() && amx_available();
+  }
+  return cache_ok && query_type == DType::kBF16 && block_size % 16 == 0 &&
+         group >= amx_decode_min_group(cache_type) && dot_enabled() && amx_available();
 #else
   (void)layout, (void)cache_type, (void)query_type, (void)block_size, (void)group;
   return false;
@@ -1275,11 +1288,18 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
 #if JAX_ATTN_AMX && JAX_ATTN_DECODE_BF16_DOT
   if (item_fn != nullptr && decode_on_amx(a.layout, a.cache_type, a.query_type, a.block_size,
                                           a.num_heads / a.num_kv_heads)) {
+    const bool split = a.layout == CacheLayout::kSplit;
     switch (a.cache_type) {
-      case DType::kBF16: item_fn = decode_item_amx<bf16_t>; break;
+      case DType::kBF16:
+        item_fn = split ? decode_item_amx_split<bf16_t> : decode_item_amx<bf16_t>;
+        break;
 #if JAX_ATTN_DECODE_FP8_DOT
-      case DType::kF8E4M3FN: item_fn = decode_item_amx<e4m3_t>; break;
-      case DType::kF8E5M2: item_fn = decode_item_amx<e5m2_t>; break;
+      case DType::kF8E4M3FN:
+        item_fn = split ? decode_item_amx_split<e4m3_t> : decode_item_amx<e4m3_t>;
+        break;
+      case DType::kF8E5M2:
+        item_fn = split ? decode_item_amx_split<e5m2_t> : decode_item_amx<e5m2_t>;
+        break;
 #endif
       default: break;
     }

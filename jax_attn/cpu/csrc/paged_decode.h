@@ -40,10 +40,10 @@ struct DecodeArgs {
   int64_t split_tokens = 0;      // keys per split-K part; 0: chosen from the batch
 };
 
-// Whether a step of this kind runs on the AMX tiles here (bf16 queries on a token-major bf16
-// or fp8 cache, block size a multiple of 16, `group` query heads per kv head of at least 5 on
-// bf16 or 4 on fp8, on a CPU whose tiles this process may use); else on AVX-512 (or the
-// portable code).
+// Whether a step of this kind runs on the AMX tiles here (bf16 queries on a bf16 or fp8 cache,
+// on a CPU whose tiles this process may use; token-major: block size a multiple of 16, `group`
+// query heads per kv head of at least 5 on bf16 or 4 on fp8; split: block size 16, 32 or a
+// multiple of 64, any group); else on AVX-512 (or the portable code).
 bool decode_on_amx(CacheLayout layout, DType cache_type, DType query_type, int64_t block_size,
                    int64_t group);
 
