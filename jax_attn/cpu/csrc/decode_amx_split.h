@@ -96,16 +96,20 @@ inline void stage_fp8_block(const uint8_t* kb, const uint8_t* vb, int64_t D, int
                          _mm512_shuffle_i64x2(out[0], out[1], 0xDD));
     }
   }
-  for (int64_t d = 0; d < D; ++d) {
-    for (int64_t t = 0; t < BS; t += 64) {
-      const int64_t n = std::min<int64_t>(64, BS - t);
-      const __mmask64 m =
-          mask64(std::clamp<int64_t>(vhi - t, 0, n)) & ~mask64(std::clamp<int64_t>(vlo - t, 0, n));
-      __m512i out[2];
-      fp8_to_bf16_64(vb + d * BS + t, m, fp8, out);
-      _mm512_mask_storeu_epi16(staged_v + d * BS + t, mask32(n), out[0]);
-      if (n > 32) _mm512_mask_storeu_epi16(staged_v + d * BS + t + 32, mask32(n - 32), out[1]);
-    }
+  // The values' [D][BS] block is contiguous: 64 codes at a time over all of it (a block of 16
+  // or 32 tokens puts 4 or 2 dims' rows in one conversion, with the same tokens visible in each).
+  auto visible = [&](int64_t t, int64_t n) {  // tokens [t, t + n) of the block, n <= 64
+    return mask64(std::clamp<int64_t>(vhi - t, 0, n)) & ~mask64(std::clamp<int64_t>(vlo - t, 0, n));
+  };
+  __mmask64 rows_mask = 0;
+  if (BS < 64) {
+    for (int64_t k = 0; k < 64; k += BS) rows_mask |= visible(0, BS) << k;
+  }
+  for (int64_t off = 0; off < D * BS; off += 64) {
+    __m512i out[2];
+    fp8_to_bf16_64(vb + off, BS < 64 ? rows_mask : visible(off % BS, 64), fp8, out);
+    _mm512_store_si512(staged_v + off, out[0]);
+    _mm512_store_si512(staged_v + off + 32, out[1]);
   }
 }
 #endif
