@@ -379,8 +379,11 @@ def fuzz(
 
 # -Werror too: the kernels build warning-free, natively and portably (and the tests'
 # sanitizer builds, tests/jax/test_cpu_build.py, share this cache key).
+# -O2 (after the build's -O3): the sanitizers' usual level; -O3 took 1.5x as long to compile
+# paged_decode.cc instrumented (323 s against 215 on one Sapphire Rapids core).
 SANITIZE_FLAGS = (
-    "-fsanitize=address,undefined -fno-sanitize-recover=all -DJAX_ATTN_CPU_FEW_HEAD_SIZES -Werror"
+    "-fsanitize=address,undefined -fno-sanitize-recover=all -O2 -DJAX_ATTN_CPU_FEW_HEAD_SIZES"
+    " -Werror"
 )
 PORTABLE_FLAGS = "-march=x86-64-v3"  # no AVX-512: the kernels' 8-wide GCC-vector path
 

@@ -47,6 +47,12 @@ RUN_SEED = int(os.environ.get("JAX_ATTN_TEST_SEED", random.SystemRandom().randra
 os.environ["JAX_ATTN_TEST_SEED"] = str(RUN_SEED)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # The tests marked `long` first: pytest-xdist hands tests out in collection order, so each
+    # starts at once on a worker of its own instead of closing the session alone.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 def pytest_report_header(config):
     return f"jax-attn test seed: {RUN_SEED} (replay with JAX_ATTN_TEST_SEED={RUN_SEED})"
 

@@ -88,7 +88,10 @@ def _torch_library(build):
         units=lambda: [build.CSRC / unit for unit in UNITS],
         include_dirs=lambda: [str(include), str(include / "torch" / "csrc" / "api" / "include")],
         version=lambda: "torch " + torch.__version__,
-        compile_flags=lambda: [abi, *omp_compile],
+        # the kernels' own units run on their own workers: only torch_ops.cc (at::parallel_for)
+        # needs OpenMP, so the others compile as the XLA library's and share its objects
+        compile_flags=lambda: [abi],
+        unit_flags=lambda unit: omp_compile if unit.name == "torch_ops.cc" else [],
         link_flags=lambda: [
             f"-L{lib_dir}",
             f"-Wl,-rpath,{lib_dir}",

@@ -14,6 +14,13 @@ flags: any change rebuilds, nothing else does. The compiler writes a temporary f
 renamed into place, under a file lock, so concurrent processes (pytest-xdist workers) build at
 most once and never load a half-written library.
 
+Objects are cached too, in `cpu-kernels/objects/`, keyed by what the compiler is given: the
+unit's preprocessed text, the flags that are not preprocessor flags, the compiler's version and
+the CPU's feature flags. The kernels' units include no framework header, so the XLA library and
+every torch library with the same flags (torch's ABI macro at the compiler's default) link the
+same kernel objects: a sanitized build of the torch ops reuses the XLA one's, and another torch
+version compiles only torch_ops.cc.
+
 Only the standard library is imported at module level: torch_backends, which must not import
 JAX, loads this file by path for its own library.
 
@@ -74,6 +81,8 @@ class Library:
     version: Callable[[], str]  # the framework's version, part of the cache key
     compile_flags: Callable[[], list[str]] = field(default=lambda: [])
     link_flags: Callable[[], list[str]] = field(default=lambda: [])
+    # flags for one unit only (e.g. -fopenmp for the unit that calls at::parallel_for)
+    unit_flags: Callable[[Path], list[str]] = field(default=lambda unit: [])
 
 
 def _xla_units() -> list[Path]:
@@ -163,7 +172,8 @@ def build_key(cxx: str, lib: Library = XLA) -> str:
     for src in sources(lib):
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    h.update(" ".join([*flags(), *lib.compile_flags(), *lib.link_flags()]).encode())
+    unit_flags = [f for unit in lib.units() for f in (unit.name, *lib.unit_flags(unit))]
+    h.update(" ".join([*flags(), *lib.compile_flags(), *lib.link_flags(), *unit_flags]).encode())
     h.update(_compiler_version(cxx).encode())
     h.update(lib.version().encode())
     h.update(_cpu_flags().encode())
@@ -204,28 +214,86 @@ def _run_tool(cmd: list[str], cxx: str) -> subprocess.CompletedProcess:
         raise RuntimeError(f"build failed ({Path(cxx).name}): {e}") from e
 
 
+def _failed(proc: subprocess.CompletedProcess, cxx: str) -> RuntimeError:
+    message = _first_line(proc.stderr + proc.stdout)
+    return RuntimeError(f"build failed ({Path(cxx).name}): {message}")
+
+
+# Preprocessor arguments: they reach the object only through the preprocessed text.
+_PREPROCESSOR_ARGS = ("-I", "-isystem", "-D", "-U")
+
+
+def _codegen_args(command: list[str]) -> list[str]:
+    """`command`'s arguments less the preprocessor's (and their values)."""
+    out, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+        elif arg in _PREPROCESSOR_ARGS:
+            skip = True
+        elif not arg.startswith(_PREPROCESSOR_ARGS):
+            out.append(arg)
+    return out
+
+
+def _object(cxx: str, compiler: str, command: list[str], unit: Path) -> tuple[Path, str]:
+    """The object of `unit` compiled by `command` (`cxx` + flags, without -c/-o), from the
+    object cache or compiled into it; returns (path, compiler's stderr: "" when cached).
+    Raises RuntimeError with the first error line."""
+    pre = _run_tool([*command, "-E", "-P", str(unit)], cxx)
+    if pre.returncode != 0:
+        raise _failed(pre, cxx)
+    h = hashlib.sha256()
+    for part in (compiler, _cpu_flags(), "\0".join(_codegen_args(command[1:])), pre.stdout):
+        h.update(part.encode())
+        h.update(b"\0")
+    objects = cache_root() / "objects"
+    objects.mkdir(parents=True, exist_ok=True)
+    path = objects / f"{unit.stem}-{h.hexdigest()[:24]}.o"
+    if path.exists():
+        return path, ""
+    with open(objects / f".{path.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another library may be compiling the same object
+        if path.exists():
+            return path, ""
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".o", dir=objects)
+        os.close(fd)
+        try:
+            proc = _run_tool([*command, "-c", str(unit), "-o", tmp], cxx)
+            if proc.returncode != 0:
+                raise _failed(proc, cxx)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)  # atomic: no reader links a half-written object
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path, proc.stderr
+
+
 def _compile_and_link(cxx: str, lib: Library, out: str, verbose: bool) -> None:
-    """Each .cc into an object, all at once (one kernel per file: they compile in parallel),
-    then one shared library at `out`. Raises RuntimeError with the first error line."""
+    """Each .cc into an object (from the object cache where it holds one), all at once (the
+    units compile in parallel), then one shared library at `out`. Raises RuntimeError with the
+    first error line."""
     from concurrent.futures import ThreadPoolExecutor
 
     units = lib.units()
-    out_dir = os.path.dirname(out)
-    objects = [os.path.join(out_dir, f"{unit.stem}.o") for unit in units]
+    compiler = _compiler_version(cxx)
     includes = [arg for d in lib.include_dirs() for arg in ("-isystem", d)]
     common = [cxx, *flags(), *lib.compile_flags(), *includes, f"-I{CSRC}"]
-    jobs = [[*common, "-c", str(u), "-o", o] for u, o in zip(units, objects, strict=True)]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        results = list(pool.map(lambda cmd: _run_tool(cmd, cxx), jobs))
-    if all(r.returncode == 0 for r in results):
-        link = [cxx, *flags(), *objects, "-o", out, *lib.link_flags()]
-        results.append(_run_tool(link, cxx))
-    for proc in results:
-        if proc.returncode != 0:
-            message = _first_line(proc.stderr + proc.stdout)
-            raise RuntimeError(f"build failed ({Path(cxx).name}): {message}")
-        if verbose and proc.stderr.strip():
-            print(proc.stderr, file=sys.stderr)
+
+    def compile_unit(unit: Path) -> tuple[Path, str]:
+        return _object(cxx, compiler, [*common, *lib.unit_flags(unit)], unit)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(units), os.cpu_count() or 1))) as pool:
+        futures = [pool.submit(compile_unit, unit) for unit in units]
+        results = [f.result() for f in futures]  # the first unit's error, in unit order
+    for _, stderr in results:
+        if verbose and stderr.strip():
+            print(stderr, file=sys.stderr)
+    link = [cxx, *flags(), *(str(obj) for obj, _ in results), "-o", out, *lib.link_flags()]
+    proc = _run_tool(link, cxx)
+    if proc.returncode != 0:
+        raise _failed(proc, cxx)
     if not os.path.exists(out) or os.path.getsize(out) == 0:
         raise RuntimeError(f"build failed ({Path(cxx).name}): no library written")
 

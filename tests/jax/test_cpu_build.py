@@ -74,6 +74,75 @@ def test_failing_build_gives_its_first_error_line(tmp_path):
     assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written library left behind
 
 
+# A stand-in compiler: `-E` prints the unit's text, `-c` logs the unit to $FAKE_LOG and writes
+# a placeholder object, a link writes a placeholder library.
+FAKE_CXX = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "fake 1.0"; exit 0; fi
+out=""; unit=""; pre=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o) out="$2"; shift ;;
+    -E) pre=1 ;;
+    *.cc) unit="$1" ;;
+  esac
+  shift
+done
+if [ $pre = 1 ]; then cat "$unit"; exit 0; fi
+if [ -n "$unit" ]; then echo "$(basename "$unit")" >> "$FAKE_LOG"; fi
+echo "built from $unit" > "$out"
+"""
+
+
+def test_objects_are_shared_by_preprocessed_text_and_codegen_flags(tmp_path, monkeypatch):
+    fake = tmp_path / "fake-c++"
+    fake.write_text(FAKE_CXX)
+    fake.chmod(0o755)
+    log = tmp_path / "compiled.log"
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("JAX_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(_build.EXTRA_FLAGS_ENV, raising=False)
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("kernel.cc", "xla_glue.cc", "torch_glue.cc"):
+        (src / name).write_text(f"// {name}\n")
+
+    def library(name, glue, **kw):
+        return _build.Library(name, lambda: [src / "kernel.cc", src / glue], lambda: [],
+                              lambda: "framework 1", **kw)  # fmt: skip
+
+    def compiled():
+        units = log.read_text().split() if log.exists() else []
+        log.write_text("")
+        return sorted(units)
+
+    xla = library("libx.so", "xla_glue.cc")
+
+    def openmp_glue(unit):
+        return ["-fopenmp"] if unit.name == "torch_glue.cc" else []
+
+    torch_lib = library("libt.so", "torch_glue.cc", compile_flags=lambda: ["-DABI=1"],
+                        unit_flags=openmp_glue)  # fmt: skip
+    _build.build(lib=xla)
+    assert compiled() == ["kernel.cc", "xla_glue.cc"]
+    # another library: a preprocessor flag and a flag of its own unit do not split the kernel
+    _build.build(lib=torch_lib)
+    assert compiled() == ["torch_glue.cc"]
+    # a changed text compiles again (a header's change reaches the preprocessed text)
+    (src / "kernel.cc").write_text("// kernel.cc, changed\n")
+    _build.build(lib=xla)
+    assert compiled() == ["kernel.cc"]
+    _build.build(lib=torch_lib)
+    assert compiled() == []
+    # a code-generation flag is a different object
+    monkeypatch.setenv(_build.EXTRA_FLAGS_ENV, "-O2")
+    _build.build(lib=torch_lib)
+    assert compiled() == ["kernel.cc", "torch_glue.cc"]
+    objects = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "cpu-kernels" /
+                                                    "objects").glob("*.o"))  # fmt: skip
+    assert objects == ["kernel"] * 3 + ["torch_glue"] * 2 + ["xla_glue"]
+
+
 def test_disable_gives_a_reason_and_the_wrapper_says_it(tmp_path):
     code = (
         REPORT
@@ -163,6 +232,7 @@ def _pytest_in_child(env: dict, tests) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_sanitizer_build_runs_both_kernels(portable):
     """ASan + UBSan build of the kernels (the native AVX-512 one, and the portable one:
@@ -190,6 +260,7 @@ def test_sanitizer_build_runs_both_kernels(portable):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_portable_build_runs_the_correctness_tests():
     """The portable kernels (-march=x86-64-v3: no AVX-512, the ragged kernel's 8-wide GCC
     vectors and the decode kernel's scalar path) through both kernels' whole correctness files,

@@ -260,6 +260,20 @@ def test_without_the_library_decode_runs_in_torch_and_says_so_once():
     assert "EQUAL: True FINITE: True" in result.stdout
 
 
+def test_the_kernel_units_compile_as_the_xla_librarys():
+    """Only torch_ops.cc gets torch's flags of its own (OpenMP): the kernels' units compile with
+    the XLA library's code-generation flags, so the two libraries share their objects."""
+    build = native._builder()
+    lib = native._torch_library(build)
+    assert {u.name for u in lib.units()} >= {"paged_decode.cc", "torch_ops.cc"}
+    for unit in lib.units():
+        flags = lib.unit_flags(unit)
+        assert flags == [] or unit.name == "torch_ops.cc", (unit.name, flags)
+        codegen = build._codegen_args([*lib.compile_flags(), *flags])
+        if unit.name != "torch_ops.cc":
+            assert codegen == [], (unit.name, codegen)  # preprocessor flags only
+
+
 def test_the_torch_half_runs_native_without_importing_jax():
     result = _run_child(DECODE_IN_A_CHILD)
     assert result.returncode == 0, result.stderr

@@ -109,6 +109,7 @@ SANITIZED_TESTS = (
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sanitizer_build_runs_the_torch_ops():
     """The torch library built with ASan + UBSan (the flags of the XLA kernels' sanitizer
     builds, tests/jax/test_cpu_build.py), running SANITIZED_TESTS in a child process: any
