@@ -36,7 +36,16 @@ Scale = Tensor | float  # a layer's k_scale / v_scale (as torch_backends.layouts
 
 LIB_NAME = "libjax_attn_torch.so"
 # The C++ units of the torch library (every csrc header is part of its cache key).
-UNITS = ("paged_decode.cc", "ragged_paged_attention.cc", "paged_cache.cc", "torch_ops.cc")
+UNITS = (
+    "paged_decode.cc",
+    "decode_items_f32.cc",
+    "decode_items_bf16.cc",
+    "decode_items_e4m3.cc",
+    "decode_items_e5m2.cc",
+    "ragged_paged_attention.cc",
+    "paged_cache.cc",
+    "torch_ops.cc",
+)
 
 _lock = threading.Lock()
 _state: dict = {}  # "reason" (str | None), "path", "build_seconds", "warned" (bool)

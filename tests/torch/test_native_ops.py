@@ -143,6 +143,37 @@ def test_decode_matches_the_float64_oracle(
     assert_close(out.float(), expected, dtype, FP8.get(kv_cache_dtype), what="native decode")
 
 
+@pytest.mark.parametrize(
+    "kv_cache_dtype,block_size,window", [("auto", 128, None), ("fp8", 16, 700), ("auto", 32, 901)]
+)
+def test_long_sequences_in_split_k_parts_match_the_float64_oracle(
+    kv_cache_dtype, block_size, window, rng
+):
+    """Sequences of up to 1800 keys: the kernel cuts them into parts of at least 512 keys
+    (split-K), whose softmax states merge in the part that finishes last. bf16 queries: on CPUs
+    with AMX tiles the split AMX decode's parts, elsewhere the vector ones; windows that start
+    inside a block."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    scales = (0.7, 1.3) if kv_cache_dtype in FP8 else (1.0, 1.0)
+    q, kc, vc, tables, lens, keys, values = split_decode_case(
+        gen, num_seqs=3, num_heads=8, num_kv_heads=2, head_size=128, block_size=block_size,
+        dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, k_scale=scales[0],
+        v_scale=scales[1], max_len=1800,
+    )  # fmt: skip
+    assert int(lens[0]) == 1800  # at least 3 parts whatever the thread count
+    out = torch.full_like(q, float("nan"))
+    CpuPagedAttention.forward_decode(
+        out, q, kc, vc, tables, lens, int(lens.max()), kv_cache_dtype, 2, 0.3, None, *scales,
+        sliding_window=window,
+    )  # fmt: skip
+    expected = reference_attention(
+        q, keys, values, [1] * len(lens), lens.tolist(), causal=True, scale=0.3,
+        sliding_window=window,
+    )  # fmt: skip
+    assert_close(out.float(), expected, torch.bfloat16, FP8.get(kv_cache_dtype),
+                 what="native decode, split-K")  # fmt: skip
+
+
 def _small_case(rng, dtype=torch.float32):
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     return split_decode_case(

@@ -1,7 +1,8 @@
-// Part of the decode kernel (paged_decode.cc), not a header of its own: included by that file
-// inside its namespaces and inside its `#if JAX_ATTN_AVX512`, after decode_item. It uses the
-// kernel's Problem, Item, FloatBuffer, RowsState and finish_item, decode_fp8.h's conversions
-// and amx_tiles.h's tile configuration and loads; it includes nothing itself.
+// Part of the decode kernel (paged_decode.cc), not a header of its own: included by
+// decode_kernel.h inside its namespaces and inside its `#if JAX_ATTN_AVX512`, after
+// decode_item. It uses the kernel's Problem, Item, FloatBuffer, RowsState and finish_item,
+// decode_fp8.h's conversions and amx_tiles.h's tile configuration and loads; it includes
+// nothing itself.
 //
 // The AMX decode (AMX-TILE and AMX-BF16, beside AVX512_BF16), compiled only under
 // `#if JAX_ATTN_AMX && JAX_ATTN_DECODE_BF16_DOT` (JAX_ATTN_AMX: amx_tiles.h, built with

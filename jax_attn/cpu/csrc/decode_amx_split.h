@@ -1,12 +1,13 @@
-// Part of the decode kernel (paged_decode.cc), not a header of its own: included by that file
-// inside its namespaces and inside its `#if JAX_ATTN_AVX512`, after decode_amx.h (it uses the
-// kernel's Problem, Item, FloatBuffer, RowsState and finish_item, amx_tiles.h's tile loads and
-// decode_amx.h's amx_step_softmax); it includes nothing itself.
+// Part of the decode kernel (paged_decode.cc), not a header of its own: included by
+// decode_kernel.h inside its namespaces and inside its `#if JAX_ATTN_AVX512`, after
+// decode_amx.h. It uses the kernel's Problem, Item, FloatBuffer, RowsState and finish_item,
+// amx_tiles.h's tile loads, decode_quads.h's LineCursor, decode_fp8.h's fp8 to bf16
+// conversions and decode_amx.h's amx_step_softmax; it includes nothing itself.
 //
-// The AMX decode on vLLM's split layout (the torch half's caches): bf16 queries on a bf16 cache,
-// key [NB, Hkv, D / 8, BS, 8], value [NB, Hkv, D, BS]. Both products take their tiles straight
-// from the cache; nothing is packed (the token-major AMX decode packs every value pair, its
-// largest cost after the logits):
+// The AMX decode on vLLM's split layout (the torch half's caches): bf16 queries on a bf16 or fp8
+// cache (fp8 blocks widened to bf16 as they are staged), key [NB, Hkv, D / 8, BS, 8], value
+// [NB, Hkv, D, BS]. Both products take their tiles straight from the cache; nothing is packed
+// (the token-major AMX decode packs every value pair, its largest cost after the logits):
 //   logits   A 64-byte row of a head block's 8-dim slice c holds 4 tokens x 8 dims, so a tile
 //            of 16 such rows (1 KiB, contiguous) is 64 tokens x 8 dims. Against a
 //            block-diagonal B (K pair 4j + p, N column 4j' + r: query row r's dims 8c + 2p,
@@ -184,6 +185,8 @@ void decode_item_amx_split(const Problem& p, const Item& it, float* scratch,
   const TileConfig tiles = split_tile_config(key_rows, value_tokens);
   load_tile_config(tiles);
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
+  // Tile products per head block: the prefetch's lines are spread over them.
+  const int64_t slots = groups * (D8 * ((key_tiles + 1) / 2) + (D + 15) / 16 * (BS / value_tokens));
   for (int64_t h = 0; h < Hkv; ++h) {
     for (int64_t b = first_block; b <= last_block; ++b) {
       const int64_t pos0 = b * BS;
@@ -197,8 +200,6 @@ void decode_item_amx_split(const Problem& p, const Item& it, float* scratch,
         const int64_t nb = b < last_block ? b + 1 : first_block, nh = b < last_block ? h : h + 1;
         const int64_t next = (static_cast<int64_t>(table[nb]) * Hkv + nh) * head_elems;
         ahead = LineCursor(kc + next, vc + next, head_elems * int64_t{sizeof(KV)}, true);
-        const int64_t slots =
-            groups * (D8 * ((key_tiles + 1) / 2) + (D + 15) / 16 * (BS / value_tokens));
         ahead.per = (ahead.left + slots - 1) / slots;
       }
       if constexpr (kFp8) {

@@ -1,6 +1,7 @@
-// Part of the decode kernel (paged_decode.cc), not a header of its own: included by that file
-// inside its namespaces and inside its `#if JAX_ATTN_AVX512`, right after decode_vec.h (it uses
-// JAX_ATTN_DECODE_BF16_DOT and the kernel's TilePrefetcher). It includes nothing itself.
+// Part of the decode kernel (paged_decode.cc), not a header of its own: included by
+// decode_kernel.h inside its namespaces and inside its `#if JAX_ATTN_AVX512`, right after
+// decode_vec.h (it uses JAX_ATTN_DECODE_BF16_DOT and the kernel's TilePrefetcher). It includes
+// nothing itself.
 //
 // The fp8 conversions of the vdpbf16ps path: fp8 codes (e4m3fn, e5m2) to bf16 by lookup tables
 // (vpermi2b, AVX512_VBMI), 64 codes at a time. Defines JAX_ATTN_DECODE_FP8_DOT: 1 where

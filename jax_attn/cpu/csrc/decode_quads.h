@@ -1,4 +1,4 @@
-// A part of paged_decode.cc of its own (included there inside its namespaces, after
+// A part of the decode kernel of its own (included by decode_kernel.h inside its namespaces, after
 // attend_tile_rows): bf16 queries on jax_attn's token-major bf16 or fp8 cache, every product
 // by vdpbf16ps, for GQA groups of 4 query rows or more (attend_tile_quads). It uses Problem,
 // RowsState, OnlineSoftmaxRow and decode_fp8.h's conversions.

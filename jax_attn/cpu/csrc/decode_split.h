@@ -1,7 +1,7 @@
-// Part of the decode kernel (paged_decode.cc), not a header of its own: included by that file
-// inside its namespaces and inside its `#if JAX_ATTN_AVX512`, after decode_vec.h and
-// decode_fp8.h, after split_logits (it uses Problem, Queries, RowsState, TilePrefetcher and
-// split_logits). It includes nothing itself.
+// Part of the decode kernel (paged_decode.cc), not a header of its own: included by
+// decode_kernel.h inside its namespaces and inside its `#if JAX_ATTN_AVX512`, after
+// decode_vec.h and decode_fp8.h, after split_logits (it uses Problem, Queries, RowsState,
+// TilePrefetcher and split_logits). It includes nothing itself.
 //
 // vLLM's split layout, one kv head's block at a time, with the values read as they lie.
 // A head's values in that layout are [D, BS]: dimension d of the block's tokens is one

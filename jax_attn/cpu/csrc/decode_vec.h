@@ -1,5 +1,5 @@
-// Part of the decode kernel (paged_decode.cc), not a header of its own: included by that file
-// inside its namespaces (jax_attn_cpu and the anonymous one) and inside its
+// Part of the decode kernel (paged_decode.cc), not a header of its own: included by
+// decode_kernel.h inside its namespaces (jax_attn_cpu and the anonymous one) and inside its
 // `#if JAX_ATTN_AVX512`, after TilePrefetcher, Problem and RowsState, which it uses. It includes
 // nothing itself.
 //
