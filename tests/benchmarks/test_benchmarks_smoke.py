@@ -13,6 +13,9 @@ pytest.importorskip("rich")
 from benchmarks import backends, report, run, vllm085
 from benchmarks.workloads import named_workloads
 
+# One worker runs the module: its `record` (a quick bench run, ~1 min) then runs once.
+pytestmark = pytest.mark.xdist_group("bench-smoke")
+
 ROW_FIELDS = {
     "median_s", "iqr_s", "reps", "bytes", "gb_s", "fraction_of_copy", "ratio_vs_jax",
     "max_abs_err_vs_jax", "agrees", "times_s", "after_other_s",

@@ -21,6 +21,10 @@ ROW_FIELDS = {
 }  # fmt: skip
 
 
+# One worker runs the module: its `record` (a quick run, ~15 s) then runs once.
+pytestmark = pytest.mark.xdist_group("gpu-decode-smoke")
+
+
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpu_bench") / "gpu.json"

@@ -48,6 +48,8 @@ DEFAULT = [
 WRONG = ["wrong-tp4-cache-over-blocks", "gspmd-wrong-tp4-cache-over-blocks"]
 FULL = os.environ.get("JAX_ATTN_SHARDING_FULL") == "1"
 RUN = [c for c in cases() if c not in WRONG] if FULL else DEFAULT
+# One worker runs the module: its `results` subprocess (every case, ~1 min) then runs once.
+pytestmark = pytest.mark.xdist_group("sharding")
 
 
 @pytest.fixture(scope="module")
