@@ -17,11 +17,11 @@ timing=(--durations=15)
 logs=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT
 
-# The other stages' environments build in the background from the start (pip's downloads and
-# unpacking wait on the network and the disk more than on the cores), each into its log. A
-# stage's own `scripts/env.sh` call waits on that build's lock and finds it ready (or, had it
-# failed, builds it again in the stage's own output).
-for name in ipex vllm gpu-aot tpu-aot; do
+# Every environment but main's builds in the background from the start (pip's downloads and
+# unpacking wait on the network and the disk more than on the cores), each into its log, while
+# the main stage builds its own. A stage's own `scripts/env.sh` call waits on that build's lock
+# and finds it ready (or, had it failed, builds it again in the stage's own output).
+for name in vllm085 ipex vllm gpu-aot tpu-aot; do
     bash scripts/env.sh "$name" >"$logs/env-$name.log" 2>&1 &
 done
 
