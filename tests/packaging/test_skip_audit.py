@@ -113,7 +113,7 @@ def test_every_stage_is_required_by_scripts_test_sh():
     for stage in conftest.STAGES:
         assert f"{stage.require}=1" in script, stage
         assert stage.marker is None or stage.marker in markers, stage
-    main_stage = script[script.index("== main environment") : script.index("== IPEX")]
+    main_stage = script[script.index("main_stage() {") : script.index("ipex_stage() {")]
     assert main_stage.index("scripts/env.sh vllm085") < main_stage.index(
         "JAX_ATTN_REQUIRE_VLLM085_PEER=1"
     )
