@@ -15,7 +15,7 @@ cd "$root"
 # suite's time budget (issue 37: 60 minutes on a fresh clone, 30 with the environments cached).
 timing=(--durations=15)
 logs=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
 
 # Every environment but main's builds in the background from the start (pip's downloads and
 # unpacking wait on the network and the disk more than on the cores), each into its log, while
