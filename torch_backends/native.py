@@ -35,13 +35,11 @@ from torch import Tensor
 Scale = Tensor | float  # a layer's k_scale / v_scale (as torch_backends.layouts.Scale)
 
 LIB_NAME = "libjax_attn_torch.so"
-# The C++ units of the torch library (every csrc header is part of its cache key).
+# The C++ units of the torch library, as glob patterns in csrc/ (every csrc header is part of
+# its cache key).
 UNITS = (
     "paged_decode.cc",
-    "decode_items_f32.cc",
-    "decode_items_bf16.cc",
-    "decode_items_e4m3.cc",
-    "decode_items_e5m2.cc",
+    "decode_items_*.cc",  # the decode kernel's items, one unit per cache dtype
     "ragged_paged_attention.cc",
     "paged_cache.cc",
     "torch_ops.cc",
@@ -94,7 +92,7 @@ def _torch_library(build):
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     return build.Library(
         LIB_NAME,
-        units=lambda: [build.CSRC / unit for unit in UNITS],
+        units=lambda: [path for unit in UNITS for path in sorted(build.CSRC.glob(unit))],
         include_dirs=lambda: [str(include), str(include / "torch" / "csrc" / "api" / "include")],
         version=lambda: "torch " + torch.__version__,
         # the kernels' own units run on their own workers: only torch_ops.cc (at::parallel_for)

@@ -21,6 +21,11 @@ every torch library with the same flags (torch's ABI macro at the compiler's def
 same kernel objects: a sanitized build of the torch ops reuses the XLA one's, and another torch
 version compiles only torch_ops.cc.
 
+The cache is bounded: after each build, libraries and objects not used for the longest time go
+until the cache holds at most `JAX_ATTN_CACHE_MAX_MB` (default 1024; a sanitized set of the
+libraries takes ~150 MB). A hit marks its entry used; nothing used in the last hour goes (another
+process may be about to link it).
+
 Only the standard library is imported at module level: torch_backends, which must not import
 JAX, loads this file by path for its own library.
 
@@ -30,6 +35,7 @@ time.
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -58,6 +64,9 @@ DISABLE_ENV = "JAX_ATTN_CPU_DISABLE"
 # Extra compiler flags, appended (part of the cache key): e.g. "-march=x86-64-v3" to build the
 # portable (no AVX-512) kernels on an AVX-512 machine, or "-fsanitize=address,undefined".
 EXTRA_FLAGS_ENV = "JAX_ATTN_CPU_EXTRA_FLAGS"
+MAX_MB_ENV = "JAX_ATTN_CACHE_MAX_MB"
+DEFAULT_MAX_MB = 1024
+PRUNE_GRACE_S = 3600.0  # an entry used this recently is never pruned
 
 # Handler symbols exported by csrc/*.cc, registered as XLA FFI targets of the same name.
 # A kernel file adds its symbol here; a symbol missing from the library is skipped (so the
@@ -135,6 +144,7 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else "(no output)"
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -147,6 +157,7 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
 def _compiler_version(cxx: str) -> str:
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
@@ -192,6 +203,7 @@ def build(verbose: bool = False, lib: Library = XLA) -> tuple[Path, float]:
     out_dir = cache_root() / build_key(cxx, lib)
     lib_path = out_dir / lib.name
     if lib_path.exists():
+        _mark_used(lib_path)
         return lib_path, 0.0
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / ".lock", "w") as lock:
@@ -204,7 +216,54 @@ def build(verbose: bool = False, lib: Library = XLA) -> tuple[Path, float]:
             _compile_and_link(cxx, lib, tmp, verbose)
             seconds = time.perf_counter() - start
             os.replace(tmp, lib_path)  # atomic: readers see no library or a whole one
-        return lib_path, seconds
+    prune()
+    return lib_path, seconds
+
+
+def _mark_used(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache: nothing is pruned from it either
+        pass
+
+
+def prune(max_bytes: int | None = None, now: float | None = None) -> list[Path]:
+    """Removes the cache's least recently used libraries (`<key>/` directories) and objects
+    until it holds at most `max_bytes` (default: $JAX_ATTN_CACHE_MAX_MB MiB, else 1024), never
+    an entry used in the last PRUNE_GRACE_S seconds. Returns what it removed."""
+    if max_bytes is None:
+        max_bytes = int(float(os.environ.get(MAX_MB_ENV) or DEFAULT_MAX_MB) * 2**20)
+    now = time.time() if now is None else now
+    root = cache_root()
+    entries = []  # (last use, bytes, path)
+    try:
+        for entry in root.iterdir():
+            if entry.name == "objects":
+                entries += [(o.stat().st_mtime, o.stat().st_size, o)
+                            for o in entry.glob("*.o")]  # fmt: skip
+            elif entry.is_dir():
+                files = [f.stat() for f in entry.rglob("*") if f.is_file()]
+                if files:
+                    entries.append((max(f.st_mtime for f in files),
+                                    sum(f.st_size for f in files), entry))  # fmt: skip
+    except OSError:  # another process pruned or built at the same time: try next build
+        return []
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for used, size, path in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes or used > now - PRUNE_GRACE_S:
+            break
+        try:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+                (path.parent / f".{path.stem}.lock").unlink(missing_ok=True)
+        except OSError:
+            continue
+        total -= size
+        removed.append(path)
+    return removed
 
 
 def _run_tool(cmd: list[str], cxx: str) -> subprocess.CompletedProcess:
@@ -251,6 +310,7 @@ def _object(cxx: str, compiler: str, command: list[str], unit: Path) -> tuple[Pa
     objects.mkdir(parents=True, exist_ok=True)
     path = objects / f"{unit.stem}-{h.hexdigest()[:24]}.o"
     if path.exists():
+        _mark_used(path)
         return path, ""
     with open(objects / f".{path.stem}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another library may be compiling the same object

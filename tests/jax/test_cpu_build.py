@@ -143,6 +143,61 @@ def test_objects_are_shared_by_preprocessed_text_and_codegen_flags(tmp_path, mon
     assert objects == ["kernel"] * 3 + ["torch_glue"] * 2 + ["xla_glue"]
 
 
+def test_prune_removes_the_least_recently_used_down_to_the_cap(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    root = _build.cache_root()
+    now = 1_000_000_000.0
+    hour, day = 3600.0, 86400.0
+
+    def entry(rel, size, age):
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * size)
+        os.utime(path, (now - age, now - age))
+        return path
+
+    entry("key-old/libx.so", 1000, 3 * day)
+    entry("key-old/.lock", 0, 3 * day)
+    entry("key-new/libx.so", 1000, 2 * hour)
+    entry("key-recent/libx.so", 1000, 10 * 60)  # inside the grace: stays whatever the cap
+    entry("objects/a-1.o", 500, 5 * day)
+    lock = entry("objects/.a-1.lock", 0, 5 * day)
+    entry("objects/b-2.o", 500, day)
+    # 4000 bytes against 2500: the oldest object, then the oldest library
+    removed = _build.prune(max_bytes=2500, now=now)
+    assert [p.relative_to(root).as_posix() for p in removed] == ["objects/a-1.o", "key-old"]
+    assert not lock.exists()  # its object's lock goes with it
+    assert (root / "key-new" / "libx.so").exists() and (root / "objects" / "b-2.o").exists()
+    assert _build.prune(max_bytes=2500, now=now) == []  # at the cap: nothing more
+    removed = _build.prune(max_bytes=0, now=now)
+    assert [p.relative_to(root).as_posix() for p in removed] == ["objects/b-2.o", "key-new"]
+    assert (root / "key-recent" / "libx.so").exists()
+
+
+def test_a_cached_build_marks_its_library_and_objects_used(tmp_path, monkeypatch):
+    fake = tmp_path / "fake-c++"
+    fake.write_text(FAKE_CXX)
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "compiled.log"))
+    monkeypatch.setenv("JAX_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(_build.EXTRA_FLAGS_ENV, raising=False)
+    unit = tmp_path / "kernel.cc"
+    unit.write_text("// kernel\n")
+    lib = _build.Library("libx.so", lambda: [unit], lambda: [], lambda: "framework 1")
+    path, _ = _build.build(lib=lib)
+    obj = next((_build.cache_root() / "objects").glob("kernel-*.o"))
+    old = path.stat().st_mtime - 30 * 86400
+    for f in (path, obj):
+        os.utime(f, (old, old))
+    assert _build.build(lib=lib) == (path, 0.0)  # a cached library
+    assert path.stat().st_mtime > old + 86400
+    # another library of the same unit links the cached object
+    other = _build.Library("liby.so", lambda: [unit], lambda: [], lambda: "framework 1")
+    _build.build(lib=other)
+    assert obj.stat().st_mtime > old + 86400
+
+
 def test_disable_gives_a_reason_and_the_wrapper_says_it(tmp_path):
     code = (
         REPORT

@@ -296,7 +296,9 @@ def test_the_kernel_units_compile_as_the_xla_librarys():
     the XLA library's code-generation flags, so the two libraries share their objects."""
     build = native._builder()
     lib = native._torch_library(build)
-    assert {u.name for u in lib.units()} >= {"paged_decode.cc", "torch_ops.cc"}
+    items = {p.name for p in build.CSRC.glob("decode_items_*.cc")}  # the decode kernel's
+    assert len(items) == 4  # one unit per cache dtype: f32, bf16, e4m3, e5m2
+    assert {u.name for u in lib.units()} >= {"paged_decode.cc", "torch_ops.cc", *items}
     for unit in lib.units():
         flags = lib.unit_flags(unit)
         assert flags == [] or unit.name == "torch_ops.cc", (unit.name, flags)
