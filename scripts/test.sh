@@ -44,8 +44,11 @@ main_stage() {
     # The bench's vllm085-TORCH_SDPA peer (tests marked vllm085_peer) runs from this
     # environment through the vllm085 environment's interpreter, which the bench only finds,
     # never builds: built here, before the suite, so that this stage has it (the vllm085 stage
-    # reuses it).
+    # reuses it). The main environment first: it builds here while vllm085's builds in the
+    # background.
+    bash scripts/env.sh main >/dev/null || return
     bash scripts/env.sh vllm085 >/dev/null || return
+    echo "-- environments main and vllm085 ready: $SECONDS s into the suite"
     # JAX_ATTN_REQUIRE_NATIVE=1: fail unless the native CPU kernels (the default on CPU) build
     # here, and fail if any test skipped for want of them; JAX_ATTN_REQUIRE_VLLM085_PEER=1: fail
     # if a vllm085_peer test skipped or none passed (the skip audit, tests/conftest.py).
