@@ -70,6 +70,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "cpu_features.h"
 #include "paged_decode.h"
 #include "ragged_paged_attention.h"
 
@@ -636,8 +637,9 @@ inline void transpose_queries(RowFn row, int64_t M, int64_t Mp, int64_t D, float
 // kDot: bf16 x bf16 logits through vdpbf16ps (see qk_block_bf16); needs an even head size.
 // next: the item this thread runs next (its queries are requested meanwhile), or nullptr;
 // next_task: it starts another task (its first step's keys are requested too).
-// keys_in_l2: an earlier item of the task read all of this item's keys (run_task): no K/V
-// prefetch. warm: decode lines the p.v blocks request meanwhile (run_staged), or nullptr.
+// keys_in_l2: no next-step K/V prefetch: an earlier item of the task read all of this item's
+// keys, or on Intel the task's keys outgrow the L2 (run_task). warm: decode lines the p.v
+// blocks request meanwhile (run_staged), or nullptr.
 template <typename QT, typename CT, bool kDot>
 void run_item(const Problem& p, const Item& it, const Item* next, bool next_task,
               bool keys_in_l2, WarmCursor* warm, PackedValues* packed, PackedRows* shared) {
@@ -1003,6 +1005,10 @@ inline std::pair<bool, int64_t> key_prefixes(const Item* items, int64_t num_item
 // qualify (a task's tiles run last first, so each later tile's keys are a prefix of the first
 // one's); with a window each tile starts lower and keeps its prefetch. The same tasks share
 // their bf16 value pairs (PackedValues) when those fit kKeysInL2Bytes too.
+// On Intel, no item of a task whose keys and values outgrow kKeysInL2Bytes makes that burst:
+// there it cost more than it saved (Sapphire Rapids, float32, medians of 3 alternated: chunked
+// 8 x 256 over 2048 318.8 -> 286.9 ms, prefill 8 x 1024 298.4 -> 278.5; at 8 x 512, 512 KiB,
+// the burst is kept: 73.2 ms with it against 76.7 without, 7 rounds; NOTES.md).
 template <typename QT, typename CT, bool kDot>
 void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor* warm,
               TaskChain* chain) {
@@ -1023,6 +1029,10 @@ void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor
       shared.value = shared.key + floats;
     }
   }
+  int64_t span_begin = max_end;
+  for (int64_t i = 0; i < num_items; ++i) span_begin = std::min(span_begin, items[i].k_begin);
+  const bool burst = !prefetch_to_l2() || (max_end - span_begin) * kv_bytes_per_key <=
+                                               kKeysInL2Bytes;
   int64_t lo = 0, hi = 0;
   for (int64_t i = 0; i < num_items; ++i) {
     const Item& it = items[i];
@@ -1030,7 +1040,7 @@ void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor
                        (hi - lo) * kv_bytes_per_key <= kKeysInL2Bytes;
     const bool last = i + 1 == num_items;
     const Item* next = !last ? &items[i + 1] : chain != nullptr ? chain->take_next() : nullptr;
-    run_item<QT, CT, kDot>(p, it, next, last, in_l2, warm,
+    run_item<QT, CT, kDot>(p, it, next, last, in_l2 || !burst, warm,
                            packed.data != nullptr ? &packed : nullptr,
                            shared.key != nullptr ? &shared : nullptr);
     lo = i == 0 ? it.k_begin : std::min(lo, it.k_begin);
