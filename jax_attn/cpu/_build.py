@@ -239,8 +239,8 @@ def prune(max_bytes: int | None = None, now: float | None = None) -> list[Path]:
     try:
         for entry in root.iterdir():
             if entry.name == "objects":
-                entries += [(o.stat().st_mtime, o.stat().st_size, o)
-                            for o in entry.glob("*.o")]  # fmt: skip
+                entries += [(st.st_mtime, st.st_size, o)
+                            for o in entry.glob("*.o") for st in (o.stat(),)]  # fmt: skip
             elif entry.is_dir():
                 files = [f.stat() for f in entry.rglob("*") if f.is_file()]
                 if files:
