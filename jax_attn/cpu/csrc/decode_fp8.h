@@ -202,6 +202,16 @@ inline const SplitValueShuffle& split_value_shuffle() {
   return shuffle;
 }
 
+// Dim d's codes (block_size apart in `codes`) into 128-bit lane K of x, where d < head_size.
+// K a template argument: an immediate even where the caller's loop is not unrolled (the -O1
+// sanitizer builds).
+template <int K>
+inline __m512i insert_dim_codes(__m512i x, const uint8_t* codes, int64_t d, int64_t head_size,
+                                int64_t block_size, __mmask16 m) {
+  if (d >= head_size) return x;
+  return _mm512_inserti32x4(x, _mm_maskz_loadu_epi8(m, codes + d * block_size), K);
+}
+
 // Values of tokens [t0, t0 + n) of one head's fp8 block `src` ([D, BS]) as the pair tile of
 // accumulate_pairs (dst [8][NC * 16] words (v[2k][d], v[2k + 1][d]) in bf16; columns >= D
 // zeros, tokens >= n zeros or not written), the transpose done on the codes before they are
@@ -221,14 +231,12 @@ inline void split_value_pairs_fp8(const Fp8Tables& tables, const F8* src, int64_
     __m512i x[4];
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
+      const int64_t d = 16 * j + 4 * q;
       x[q] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const int64_t d = 16 * j + 4 * q + k;
-        if (d < head_size) {
-          x[q] = _mm512_inserti32x4(x[q], _mm_maskz_loadu_epi8(m, codes + d * block_size), k);
-        }
-      }
+      x[q] = insert_dim_codes<0>(x[q], codes, d, head_size, block_size, m);
+      x[q] = insert_dim_codes<1>(x[q], codes, d + 1, head_size, block_size, m);
+      x[q] = insert_dim_codes<2>(x[q], codes, d + 2, head_size, block_size, m);
+      x[q] = insert_dim_codes<3>(x[q], codes, d + 3, head_size, block_size, m);
     }
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {  // tokens 4p .. 4p + 3: pairs 2p and 2p + 1
