@@ -1,6 +1,6 @@
 // Part of the ragged kernel (ragged_paged_attention.cc), not a header of its own: included by
 // that file inside its namespaces after run_task. It uses the kernel's Problem, Item, Scratch,
-// key_prefixes, keys_seen, step_masks, step_visible, output_factor, transpose_queries and
+// key_span, keys_seen, step_masks, step_visible, output_factor, transpose_queries and
 // softmax_step, and amx_tiles.h's tile products; it includes nothing itself.
 //
 // The AMX path (AMX-TILE and AMX-BF16, beside AVX512_BF16), compiled only under
@@ -304,9 +304,9 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
 // 1.2 MB packed: NOTES.md).
 template <typename CT>
 void run_task_amx(const Problem& p, const Item* items, int64_t num_items) {
-  const auto [prefixes, max_end] = key_prefixes(items, num_items);
+  const KeySpan span = key_span(items, num_items);
   AmxPacked packed;
-  if (prefixes) packed = amx_buffers(tls_amx, max_end, p.D, p.Dp);
+  if (span.prefixes) packed = amx_buffers(tls_amx, span.end, p.D, p.Dp);
   for (int64_t i = 0; i < num_items; ++i) {
     run_item_amx<CT>(p, items[i], packed.keys != nullptr ? &packed : nullptr);
   }

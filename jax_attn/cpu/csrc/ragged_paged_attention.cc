@@ -987,16 +987,21 @@ struct TaskChain {
   }
 };
 
-// Whether a task's items (more than one) all read key prefixes [0, k_end) of one kv head, so
-// that what the first packs or copies serves them all; and the largest k_end.
-inline std::pair<bool, int64_t> key_prefixes(const Item* items, int64_t num_items) {
-  bool prefixes = num_items > 1;
-  int64_t max_end = 0;
+// The keys a task's items read: [begin, end), the union of their key ranges; `prefixes`:
+// whether they (more than one) all read key prefixes [0, k_end) of one kv head, so that what
+// the first packs or copies serves them all.
+struct KeySpan {
+  bool prefixes;
+  int64_t begin, end;
+};
+inline KeySpan key_span(const Item* items, int64_t num_items) {
+  KeySpan span{num_items > 1, num_items > 0 ? items[0].k_begin : 0, 0};
   for (int64_t i = 0; i < num_items; ++i) {
-    prefixes = prefixes && items[i].k_begin == 0 && items[i].num_kv == 1;
-    max_end = std::max(max_end, items[i].k_end);
+    span.prefixes = span.prefixes && items[i].k_begin == 0 && items[i].num_kv == 1;
+    span.begin = std::min(span.begin, items[i].k_begin);
+    span.end = std::max(span.end, items[i].k_end);
   }
-  return {prefixes, max_end};
+  return span;
 }
 
 // The items of one task, in order. An item whose keys lie inside [lo, hi), the span of keys
@@ -1013,26 +1018,24 @@ template <typename QT, typename CT, bool kDot>
 void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor* warm,
               TaskChain* chain) {
   const int64_t kv_bytes_per_key = 2 * p.D * static_cast<int64_t>(sizeof(CT));
-  const auto [prefixes, max_end] = key_prefixes(items, num_items);
+  const KeySpan span = key_span(items, num_items);
   PackedValues packed;
   PackedRows shared;
   if constexpr (kDot) {
-    const int64_t words = (max_end / 2 + 1) * p.Dp;
-    if (prefixes && words * static_cast<int64_t>(sizeof(uint32_t)) <= kKeysInL2Bytes) {
+    const int64_t words = (span.end / 2 + 1) * p.Dp;
+    if (span.prefixes && words * static_cast<int64_t>(sizeof(uint32_t)) <= kKeysInL2Bytes) {
       packed.data = reinterpret_cast<uint32_t*>(tls_packed.get(static_cast<size_t>(words)));
     }
   } else {
     shared.ld = p.Dp + kRowPad;
-    const int64_t floats = max_end * shared.ld;
-    if (prefixes && 2 * floats * static_cast<int64_t>(sizeof(float)) <= kSharedRowsBytes) {
+    const int64_t floats = span.end * shared.ld;
+    if (span.prefixes && 2 * floats * static_cast<int64_t>(sizeof(float)) <= kSharedRowsBytes) {
       shared.key = tls_packed.get(static_cast<size_t>(2 * floats));
       shared.value = shared.key + floats;
     }
   }
-  int64_t span_begin = max_end;
-  for (int64_t i = 0; i < num_items; ++i) span_begin = std::min(span_begin, items[i].k_begin);
-  const bool burst = !prefetch_to_l2() || (max_end - span_begin) * kv_bytes_per_key <=
-                                               kKeysInL2Bytes;
+  const bool burst =
+      !prefetch_to_l2() || (span.end - span.begin) * kv_bytes_per_key <= kKeysInL2Bytes;
   int64_t lo = 0, hi = 0;
   for (int64_t i = 0; i < num_items; ++i) {
     const Item& it = items[i];
