@@ -47,10 +47,18 @@ RUN_SEED = int(os.environ.get("JAX_ATTN_TEST_SEED", random.SystemRandom().randra
 os.environ["JAX_ATTN_TEST_SEED"] = str(RUN_SEED)
 
 
+try:  # `--dist loadgroup` that groups under pytest 9.2 too (tests/xdist_groups.py says why)
+    from xdist_groups import pytest_xdist_make_scheduler  # noqa: F401  (a hook)
+except ImportError:  # no pytest-xdist in this environment: no hook to give
+    pass
+
+
 def pytest_collection_modifyitems(session, config, items):
-    # The tests marked `long` first: pytest-xdist hands tests out in collection order, so each
-    # starts at once on a worker of its own instead of closing the session alone.
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    # The tests marked `long` first, then the modules that run on one worker (a minute-long
+    # module fixture; xdist_groups.py): pytest-xdist hands tests out in collection order, so
+    # each starts early on a worker of its own instead of closing the session alone.
+    items.sort(key=lambda item: (item.get_closest_marker("long") is None,
+                                 item.get_closest_marker("xdist_group") is None))  # fmt: skip
 
 
 def pytest_report_header(config):
