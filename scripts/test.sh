@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite. First the main environment (JAX core, TORCH_SDPA, XFORMERS, interop,
 # notebooks, the bench's vllm085-TORCH_SDPA peer), while the other environments build in the
-# background. Then, two lanes at once: the vllm085 environment, where the torch backends run
-# inside vLLM 0.8.5's own engine, then the gpu-aot environment, which compiles the Pallas kernels
-# for an H100 and an A100 description; and the IPEX environment for the tests that need IPEX's
-# kernels, then the vllm environment (vLLM 0.32: the bench's vllm-cpu-attn peer and the V1
-# plugin's engine tests), then the tpu-aot environment, which compiles the Pallas TPU kernels
-# for a v5e, v6e and v5p description.
+# background. Then the other five stages, two at a time, the longest first: the vllm085
+# environment, where the torch backends run inside vLLM 0.8.5's own engine; the tpu-aot
+# environment, which compiles the Pallas TPU kernels for a v5e, v6e and v5p description; the vllm
+# environment (vLLM 0.32: the bench's vllm-cpu-attn peer and the V1 plugin's engine tests); the
+# gpu-aot environment, which compiles the Pallas kernels for an H100 and an A100 description; and
+# the IPEX environment for the tests that need IPEX's kernels.
 # Extra arguments go to every pytest run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -104,22 +104,40 @@ tpu_aot_stage() {
 stage "main environment: full suite (tests/ and the notebooks, executed by nbmake)" main_stage "$@"
 
 # The other stages in two lanes at once: each is mostly one process (vLLM's engines, IPEX's
-# ops, XLA's compiles), so two lanes keep both cores busy. Each lane's output goes to its log,
-# printed when both are done; the suite fails if either lane failed.
-(
-    set -e
-    stage "vllm085 environment (vLLM 0.8.5 on torch 2.6): tests marked vllm085" vllm085_stage "$@"
-    stage "gpu-aot environment (JAX's CUDA plugin, no GPU): kernels compiled for H100 and A100" \
-        gpu_aot_stage "$@"
-) >"$logs/lane-1.log" 2>&1 &
+# ops, XLA's compiles), so two lanes keep both cores busy. The stages wait in one queue, the
+# longest first (their times in the clean-clone runs of NOTES.md: vllm085 350-620 s, tpu-aot
+# 350-430, vllm 200-240, gpu-aot 130-140, IPEX 100-160), and a lane that finishes one takes the
+# next, so neither lane idles while the other still has two stages to run. A failed stage fails
+# the suite; the lane goes on with the queue. Each lane's output goes to its log, printed when
+# both are done.
+queue=(vllm085 tpu_aot vllm gpu_aot ipex)
+declare -A titles=(
+    [vllm085]="vllm085 environment (vLLM 0.8.5 on torch 2.6): tests marked vllm085"
+    [tpu_aot]="tpu-aot environment (libtpu, no TPU): kernels compiled for v5e, v6e and v5p"
+    [vllm]="vllm environment (vLLM 0.32 on torch 2.13): tests marked vllm"
+    [gpu_aot]="gpu-aot environment (JAX's CUDA plugin, no GPU): kernels compiled for H100 and A100"
+    [ipex]="IPEX environment (torch 2.8 + IPEX 2.8): tests marked ipex"
+)
+echo 0 >"$logs/next"
+take() {  # the queue's next index, one lane at a time
+    (
+        flock 8
+        local n
+        n=$(cat "$logs/next")
+        echo $((n + 1)) >"$logs/next"
+        echo "$n"
+    ) 8>"$logs/next.lock"
+}
+lane() {
+    local rc=0 i
+    while i=$(take) && [ "$i" -lt "${#queue[@]}" ]; do
+        stage "${titles[${queue[$i]}]}" "${queue[$i]}_stage" "$@" || rc=1
+    done
+    return "$rc"
+}
+lane "$@" >"$logs/lane-1.log" 2>&1 &
 lane1=$!
-(
-    set -e
-    stage "IPEX environment (torch 2.8 + IPEX 2.8): tests marked ipex" ipex_stage "$@"
-    stage "vllm environment (vLLM 0.32 on torch 2.13): tests marked vllm" vllm_stage "$@"
-    stage "tpu-aot environment (libtpu, no TPU): kernels compiled for v5e, v6e and v5p" \
-        tpu_aot_stage "$@"
-) >"$logs/lane-2.log" 2>&1 &
+lane "$@" >"$logs/lane-2.log" 2>&1 &
 lane2=$!
 rc1=0 rc2=0
 wait "$lane1" || rc1=$?
