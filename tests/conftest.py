@@ -47,10 +47,13 @@ RUN_SEED = int(os.environ.get("JAX_ATTN_TEST_SEED", random.SystemRandom().randra
 os.environ["JAX_ATTN_TEST_SEED"] = str(RUN_SEED)
 
 
-try:  # `--dist loadgroup` that groups under pytest 9.2 too (tests/xdist_groups.py says why)
-    from xdist_groups import pytest_xdist_make_scheduler  # noqa: F401  (a hook)
-except ImportError:  # no pytest-xdist in this environment: no hook to give
-    pass
+def pytest_configure(config):
+    # `--dist loadgroup` that groups under pytest 9.2 too (tests/xdist_groups.py says why),
+    # where xdist runs (not under `-p no:xdist`, nor without pytest-xdist installed).
+    if config.pluginmanager.hasplugin("xdist"):
+        from xdist_groups import GroupSchedulerPlugin
+
+        config.pluginmanager.register(GroupSchedulerPlugin(), "jax-attn-xdist-groups")
 
 
 def pytest_collection_modifyitems(session, config, items):

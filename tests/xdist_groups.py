@@ -12,8 +12,8 @@ line, read by the scheduler (it sees node ids only, never the items); a node id 
 the suffix (pytest before 9.2, or a fixed xdist) keeps xdist's own reading. Marks on single
 tests or classes are not read: this suite groups whole modules only.
 
-tests/conftest.py imports the hook below, which puts this scheduler in place of xdist's for
-`--dist loadgroup`.
+tests/conftest.py registers GroupSchedulerPlugin where xdist runs: it puts this scheduler in
+place of xdist's for `--dist loadgroup`.
 """
 
 import functools
@@ -53,7 +53,12 @@ class GroupScheduling(LoadGroupScheduling):
         return group if group is not None else nodeid
 
 
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") == "loadgroup":
-        return GroupScheduling(config, log)
-    return None
+class GroupSchedulerPlugin:
+    """The hook, as a plugin to register only where xdist is active (a run with `-p no:xdist`
+    has no such hook, and pytest refuses an unknown one)."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") == "loadgroup":
+            return GroupScheduling(config, log)
+        return None

@@ -14,6 +14,14 @@ from xdist_groups import module_group
 
 TESTS = Path(__file__).resolve().parents[1]
 
+CONFTEST = """
+from xdist_groups import GroupSchedulerPlugin
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(GroupSchedulerPlugin())
+"""
+
 GROUPED = """
     import os
     import pytest
@@ -42,7 +50,7 @@ LOOSE = """
 
 
 def test_a_grouped_module_runs_on_one_worker_and_sets_up_once(tmp_path):
-    (tmp_path / "conftest.py").write_text("from xdist_groups import pytest_xdist_make_scheduler\n")
+    (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_grouped.py").write_text(textwrap.dedent(GROUPED))
     (tmp_path / "test_loose.py").write_text(textwrap.dedent(LOOSE))
     log = tmp_path / "log"
@@ -72,3 +80,15 @@ def test_every_grouped_module_of_the_suite_is_read():
     assert {p.name: module_group(p) for p in marked if module_group(p) is None} == {}
     assert module_group(TESTS / "jax" / "test_sharding.py") == "sharding"
     assert module_group(TESTS / "jax" / "test_cpu_ragged.py") is None
+
+
+@pytest.mark.parametrize("xdist", [["-p", "no:xdist"], ["-n", "2", "--dist", "loadgroup"]],
+                         ids=["without-xdist", "loadgroup"])  # fmt: skip
+def test_the_suite_config_loads_with_and_without_xdist(xdist):
+    """tests/conftest.py registers the scheduler only where xdist runs: the sanitizer builds'
+    child runs (`-p no:xdist`) would otherwise die on an unknown hook before any test."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist,
+           str(TESTS / "packaging" / "test_xdist_groups.py"), "-k", "every_grouped"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=TESTS.parent, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "1 passed" in result.stdout, result.stdout[-3000:]
