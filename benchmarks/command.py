@@ -78,6 +78,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "attention, A/B alternated, tokens/s (benchmarks/engine_v1.py; the vllm env)",
     )
     bench.add_argument(
+        "--huge-pages-ab",
+        action="store_true",
+        help="with --engine: also the plugin on the 4 KiB pages vLLM gives its cache "
+        "(JAX_ATTN_VLLM_HUGE_PAGES=0) and vLLM's CPU_ATTN on torch's huge-page allocator "
+        "(THP_MEM_ALLOC_ENABLE=1)",
+    )
+    bench.add_argument(
         "--mesh",
         help="strong scaling of a decode step over a mesh, e.g. tp=4 or tp=4,dp=2 "
         "(benchmarks/mesh.py; simulated CPU devices where the host has too few)",
@@ -107,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     other = next((f for f in ("gpu", "mesh", "plot", "engine") if getattr(args, f, None)), None)
     if cpu_only and other:
         print(f"{cpu_only[0]} is for the CPU suite, not with --{other}")
+        return 2
+    if getattr(args, "huge_pages_ab", False) and other != "engine":
+        print("--huge-pages-ab is for the engine bench: use it with --engine")
         return 2
     if getattr(args, "plot", None):
         from benchmarks import plot

@@ -36,6 +36,15 @@ import time
 from pathlib import Path
 
 PEERS = ("vllm-cpu-attn", "jax-attn-plugin", "no-attention")
+# `--huge-pages-ab`: what the plugin's huge-page cache (torch_backends.huge_pages) is worth, as
+# the plugin without it and vLLM's CPU_ATTN on torch's huge-page allocator (every torch
+# allocation of 2 MiB or more, its cache included, asks for huge pages before it is touched).
+PAGE_PEERS = ("jax-attn-plugin-4k", "vllm-cpu-attn-thp")
+PEER_ENV = {
+    "jax-attn-plugin": {"JAX_ATTN_VLLM": "1"},
+    "jax-attn-plugin-4k": {"JAX_ATTN_VLLM": "1", "JAX_ATTN_VLLM_HUGE_PAGES": "0"},
+    "vllm-cpu-attn-thp": {"THP_MEM_ALLOC_ENABLE": "1"},
+}
 MODEL = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=256,
     intermediate_size=512, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
@@ -115,9 +124,9 @@ def _child(args: argparse.Namespace) -> None:
 
 def _run_child(peer: str, model: str, dtype: str, size: dict) -> dict:
     env = dict(os.environ)
-    env.pop("JAX_ATTN_VLLM", None)
-    if peer == "jax-attn-plugin":
-        env["JAX_ATTN_VLLM"] = "1"
+    for name in ("JAX_ATTN_VLLM", "JAX_ATTN_VLLM_HUGE_PAGES", "THP_MEM_ALLOC_ENABLE"):
+        env.pop(name, None)
+    env.update(PEER_ENV.get(peer, {}))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     # Started beside the model, with no checkout on its path: vLLM finds the plugin through the
@@ -146,6 +155,8 @@ EXPECTED_IMPL = {
     "vllm-cpu-attn": ["CPUAttentionBackendImpl"],
     "jax-attn-plugin": ["NativeCPUAttentionImpl"],
     "no-attention": ["NoAttentionImpl"],
+    "jax-attn-plugin-4k": ["NativeCPUAttentionImpl"],
+    "vllm-cpu-attn-thp": ["CPUAttentionBackendImpl"],
 }
 
 
@@ -153,16 +164,18 @@ def run(args: argparse.Namespace) -> int:
     size = QUICK if args.quick else FULL
     rounds = args.reps or (1 if args.quick else 3)
     dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else ["bfloat16", "float32"]
+    peers = PEERS + (PAGE_PEERS if getattr(args, "huge_pages_ab", False) else ())
     record = dict(
         cpu=_cpu_model(), cores=os.cpu_count(), date=datetime.datetime.now().isoformat(),
-        size=size, rounds=rounds, model=MODEL, load_before=os.getloadavg(), results={},
+        size=size, rounds=rounds, model=MODEL, peers=peers, load_before=os.getloadavg(),
+        results={},
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as model:
         Path(model, "config.json").write_text(json.dumps(MODEL))
         for dtype in dtypes:
-            runs = {peer: [] for peer in PEERS}
+            runs = {peer: [] for peer in peers}
             for r in range(rounds):
-                order = PEERS[r % len(PEERS) :] + PEERS[: r % len(PEERS)]
+                order = peers[r % len(peers) :] + peers[: r % len(peers)]
                 for peer in order:
                     result = _run_child(peer, model, dtype, size)
                     if result["impl"] != EXPECTED_IMPL[peer]:
@@ -186,7 +199,7 @@ def _summary(runs: dict, size: dict) -> dict:
         whole = statistics.median((prompt_tokens + r["generated"]) / r["whole_s"] for r in results)
         out[peer] = dict(prefill_tok_s=prefill, whole_tok_s=whole, rounds=results)
     own = out["vllm-cpu-attn"]
-    for peer in ("jax-attn-plugin", "no-attention"):
+    for peer in (p for p in out if p != "vllm-cpu-attn"):
         out[peer]["prefill_speedup"] = out[peer]["prefill_tok_s"] / own["prefill_tok_s"]
         out[peer]["whole_speedup"] = out[peer]["whole_tok_s"] / own["whole_tok_s"]
     return out
@@ -199,13 +212,14 @@ def _print(record: dict) -> None:
         for peer, r in peers.items():
             ratio = (f"  {r['prefill_speedup']:.2f}x / {r['whole_speedup']:.2f}x vs vllm"
                      if "prefill_speedup" in r else "")  # fmt: skip
-            print(f"  {dtype:9} {peer:16} prefill {r['prefill_tok_s']:8.0f} tok/s  "
+            print(f"  {dtype:9} {peer:18} prefill {r['prefill_tok_s']:8.0f} tok/s  "
                   f"whole {r['whole_tok_s']:8.0f} tok/s{ratio}")  # fmt: skip
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", choices=PEERS)
+    parser.add_argument("--child", choices=PEERS + PAGE_PEERS)
+    parser.add_argument("--huge-pages-ab", action="store_true")
     parser.add_argument("--model")
     parser.add_argument("--dtype")
     parser.add_argument("--size")

@@ -30,12 +30,19 @@ Encoder attention (ENCODER_ONLY, ENCODER) has no cache: the step's keys and valu
 serve as a cache of one-token blocks, `key.view(T, 1, Hkv, D)`, sequence s owning blocks
 `query_start_loc[s] ...`.
 
+Huge pages. The first time a layer's cache reaches `do_kv_cache_update`, its all-zero 2 MiB chunks
+(at engine start, all of it) are moved onto transparent huge pages (`torch_backends.huge_pages`;
+no value changes), so the steps' reads do not miss the TLB every 4 KiB. `JAX_ATTN_VLLM_HUGE_PAGES=0`
+leaves the cache's pages as vLLM made them.
+
 Attention sinks (gpt-oss: one learned logit per query head, a key with no value in every row's
 softmax) go to the kernel as they are, in float32. What vLLM's CPU_ATTN takes and this backend
 does not (cross-attention, head size 512, per-request causal masks) is refused by name when the
 engine builds the model.
 """
 
+import os
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -43,6 +50,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -54,7 +62,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheLayout
 
-from torch_backends import native
+from torch_backends import huge_pages, native
+
+logger = init_logger(__name__)
 
 # vLLM's CPU_ATTN takes these head sizes and 512; the native kernels stop at 256.
 HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
@@ -68,6 +78,10 @@ FP8_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 ENCODER_TYPES = (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
+# "0": caches keep the pages vLLM gave them (module docstring, "Huge pages").
+HUGE_PAGES_ENV = "JAX_ATTN_VLLM_HUGE_PAGES"
+# Caches already handed to huge_pages, by data pointer (layers sharing a cache share one entry).
+_CACHES_SEEN: set[int] = set()
 
 
 class NativeCPUAttentionBackend(AttentionBackend):
@@ -308,6 +322,20 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
         if self.attn_type in ENCODER_TYPES or self.kv_sharing_target_layer_name is not None:
             return
         key_cache, value_cache = self._pages(kv_cache).unbind(1)  # [NB, BS, Hkv, D] each
+        if kv_cache.data_ptr() not in _CACHES_SEEN:
+            _CACHES_SEEN.add(kv_cache.data_ptr())
+            if os.environ.get(HUGE_PAGES_ENV) != "0":
+                start = time.perf_counter()
+                done = huge_pages.rebacked_zero_chunks(kv_cache)
+                logger.info(
+                    "jax-attn: %d of %d 2 MiB chunks of a %.0f MiB cache onto huge pages in "
+                    "%.2f s%s",
+                    done.zero_chunks,
+                    done.chunks,
+                    kv_cache.numel() * kv_cache.element_size() / 2**20,
+                    time.perf_counter() - start,
+                    f" ({done.reason})" if done.reason else "",
+                )
         n = slot_mapping.shape[0]
         native.store_token_major(
             self._cache_rows(key[:n], layer._k_scale_float, key_cache),

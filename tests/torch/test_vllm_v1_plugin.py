@@ -292,3 +292,43 @@ def test_refuses_a_cache_that_is_not_dense_pages():
     key = torch.zeros(1, 2, 32)
     with pytest.raises(ValueError, match=r"dense pages .* \(the LBHNC layout\)"):
         impl.do_kv_cache_update(layer, key, key, kv_cache, torch.zeros(1, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Huge pages
+
+
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_a_cache_meets_huge_pages_once(monkeypatch, switch):
+    """The first update of a layer's cache hands its zero chunks to huge_pages, once per cache;
+    JAX_ATTN_VLLM_HUGE_PAGES=0 never. The stored rows are the same either way."""
+    monkeypatch.setattr(vllm_v1, "_CACHES_SEEN", set())
+    if switch is None:
+        monkeypatch.delenv(vllm_v1.HUGE_PAGES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(vllm_v1.HUGE_PAGES_ENV, switch)
+    calls = []
+    real = vllm_v1.huge_pages.rebacked_zero_chunks
+
+    def spy(tensor):
+        calls.append(tensor.data_ptr())
+        return real(tensor)
+
+    monkeypatch.setattr(vllm_v1.huge_pages, "rebacked_zero_chunks", spy)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    impl = vllm_v1.NativeCPUAttentionImpl(8, 64, 0.125, 2)
+    layer = types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    caches = [torch.zeros(96, 2, 128, 128) for _ in range(2)]  # 96 blocks of 16: 12 MiB each
+    expected = [torch.zeros_like(c) for c in caches]
+    for _ in range(3):  # three steps
+        for cache, want in zip(caches, expected, strict=True):
+            slots = torch.randperm(96 * 128, generator=gen)[:5]
+            key = torch.randn(5, 2, 64, generator=gen)
+            value = torch.randn(5, 2, 64, generator=gen)
+            impl.do_kv_cache_update(layer, key, value, cache, slots)
+            pages = want.view(96, 2, 128, 2, 64)
+            pages[slots // 128, 0, slots % 128] = key
+            pages[slots // 128, 1, slots % 128] = value
+    assert calls == ([] if switch == "0" else [c.data_ptr() for c in caches])
+    for cache, want in zip(caches, expected, strict=True):
+        assert torch.equal(cache, want)

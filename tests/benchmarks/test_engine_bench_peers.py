@@ -1,0 +1,79 @@
+"""`jax-attn bench --engine`'s peers without an engine: what each child's environment says, the
+rotation over the peers `--huge-pages-ab` adds, and the medians and ratios of the record."""
+
+import argparse
+import json
+import subprocess
+
+import pytest
+
+from benchmarks import command, engine_v1
+
+SWITCHES = ("JAX_ATTN_VLLM", "JAX_ATTN_VLLM_HUGE_PAGES", "THP_MEM_ALLOC_ENABLE")
+
+
+class _FakeChildren:
+    """subprocess.run for the bench's children: records each child's peer and environment and
+    answers with made-up times (prefill and whole run grow with the peer's index)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, cmd, env, cwd, capture_output, text, timeout):
+        peer = cmd[cmd.index("--child") + 1]
+        self.calls.append((peer, {k: env.get(k) for k in SWITCHES}))
+        slow = 1.0 + (engine_v1.PEERS + engine_v1.PAGE_PEERS).index(peer) + len(self.calls) / 100
+        result = dict(impl=engine_v1.EXPECTED_IMPL[peer], prefill_s=slow, whole_s=2 * slow,
+                      generated=64)  # fmt: skip
+        return subprocess.CompletedProcess(cmd, 0, "RESULT " + json.dumps(result), "")
+
+
+@pytest.mark.parametrize("page_peers", [False, True])
+def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers):
+    for name in SWITCHES:  # the caller's own settings never reach a child
+        monkeypatch.setenv(name, "7")
+    children = _FakeChildren()
+    monkeypatch.setattr(engine_v1.subprocess, "run", children)
+    out = tmp_path / "engine.json"
+    args = argparse.Namespace(quick=True, reps=2, dtypes="float32", json=str(out),
+                              huge_pages_ab=page_peers)  # fmt: skip
+    assert engine_v1.run(args) == 0
+
+    peers = engine_v1.PEERS + (engine_v1.PAGE_PEERS if page_peers else ())
+    n = len(peers)
+    assert [p for p, _ in children.calls] == list(peers) + list(peers[1:] + peers[:1])
+    envs = dict(children.calls)
+    none = dict.fromkeys(SWITCHES)
+    assert envs["vllm-cpu-attn"] == none and envs["no-attention"] == none
+    assert envs["jax-attn-plugin"] == {**none, "JAX_ATTN_VLLM": "1"}
+    if page_peers:
+        assert envs["jax-attn-plugin-4k"] == {
+            **none, "JAX_ATTN_VLLM": "1", "JAX_ATTN_VLLM_HUGE_PAGES": "0"
+        }  # fmt: skip
+        assert envs["vllm-cpu-attn-thp"] == {**none, "THP_MEM_ALLOC_ENABLE": "1"}
+
+    record = json.loads(out.read_text())
+    assert record["peers"] == list(peers)
+    results = record["results"]["float32"]
+    assert set(results) == set(peers)
+    tokens = engine_v1.QUICK["prompts"] * engine_v1.QUICK["prompt_len"]
+    for i, peer in enumerate(peers):
+        # Round 0 is call i + 1, round 1 call n + (i - 1) % n + 1 (rotated by one).
+        times = [1.0 + i + (i + 1) / 100, 1.0 + i + (n + (i - 1) % n + 1) / 100]
+        assert results[peer]["prefill_tok_s"] == pytest.approx(
+            (tokens / times[0] + tokens / times[1]) / 2
+        )
+        if peer != "vllm-cpu-attn":
+            own = results["vllm-cpu-attn"]["prefill_tok_s"]
+            assert results[peer]["prefill_speedup"] == pytest.approx(
+                results[peer]["prefill_tok_s"] / own
+            )
+        else:
+            assert "prefill_speedup" not in results[peer]
+
+
+def test_page_peers_need_the_engine_bench(capsys):
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    assert command.run(parser.parse_args(["bench", "--huge-pages-ab"])) == 2
+    assert "--huge-pages-ab is for the engine bench" in capsys.readouterr().out

@@ -1,0 +1,140 @@
+"""torch_backends.huge_pages: a tensor's all-zero 2 MiB chunks handed back for huge pages, no value
+changed, nothing else touched."""
+
+import ctypes
+import mmap
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from torch_backends import huge_pages
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason=f"madvise and mincore are Linux's ({sys.platform})"
+)
+
+CHUNK = huge_pages.CHUNK
+PAGE = mmap.PAGESIZE
+
+
+def _resident_pages(begin: int, size: int) -> int:
+    """Resident pages of [begin, begin + size) (page-aligned), by mincore(2)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    vec = ctypes.create_string_buffer(size // PAGE)
+    assert libc.mincore(begin, size, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
+
+
+def _thp_mode() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    text = path.read_text() if path.exists() else "[never]"
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _thp_eligible(address: int) -> bool:
+    """The THPeligible line of the /proc/self/smaps mapping that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _chunked_tensor(rng, data_chunks, chunks=12):
+    """A float32 tensor of `chunks` 2 MiB chunks plus a ragged 12 KiB + 4 byte tail, started 64
+    bytes into a chunk, all zeros but random values in the whole chunks `data_chunks` (by index
+    of the tensor's whole chunks) and in both partial ends. Returns it and its whole chunks'
+    first address."""
+    size = chunks * CHUNK + 3 * PAGE + 4
+    base = torch.zeros((size + 2 * CHUNK) // 4, dtype=torch.float32)  # room to pick the start
+    offset = ((-base.data_ptr()) % CHUNK + 64) // 4  # 64 bytes past a 2 MiB boundary
+    x = base[offset : offset + size // 4]
+    first = (x.data_ptr() + CHUNK - 1) // CHUNK * CHUNK
+    per = CHUNK // 4
+    head = (first - x.data_ptr()) // 4
+    x[:head] = torch.from_numpy(rng.standard_normal(head, dtype=np.float32))
+    for c in data_chunks:
+        x[head + c * per : head + (c + 1) * per] = torch.from_numpy(
+            rng.standard_normal(per, dtype=np.float32)
+        )
+    x[head + (chunks - 1) * per :] = torch.from_numpy(
+        rng.standard_normal(x.numel() - head - (chunks - 1) * per, dtype=np.float32)
+    )
+    return base, x, first
+
+
+def test_values_stay_and_only_zero_chunks_leave_memory():
+    rng = np.random.default_rng()
+    data = sorted(rng.choice(11, size=4, replace=False).tolist())  # of the 11 whole chunks
+    base, x, first = _chunked_tensor(rng, data)
+    before = x.clone()
+    whole = (x.data_ptr() + x.numel() * 4 - first) // CHUNK
+    zero = [c for c in range(whole) if not torch.any(_chunk(x, first, c))]
+    assert set(zero).isdisjoint(data) and len(zero) >= 5
+
+    done = huge_pages.rebacked_zero_chunks(x)
+
+    assert done.reason is None
+    assert (done.chunks, done.zero_chunks, done.bytes) == (whole, len(zero), len(zero) * CHUNK)
+    for c in range(whole):  # before any read: a read maps the zero page, which counts here
+        resident = _resident_pages(first + c * CHUNK, CHUNK)
+        if c in zero:
+            assert resident == 0, f"zero chunk {c} still holds {resident} pages"
+        else:
+            assert resident == CHUNK // PAGE, f"data chunk {c}: {resident} pages"
+    assert torch.equal(x, before)  # every value, the partial ends included
+    # Read back as zeros, written as usual.
+    c = zero[0]
+    assert not torch.any(_chunk(x, first, c))
+    _chunk(x, first, c).fill_(2.5)
+    assert torch.all(_chunk(x, first, c) == 2.5)
+    del base
+
+
+def _chunk(x, first, c):
+    """Whole chunk c (from `first`) of x, as a view."""
+    start = (first - x.data_ptr()) // 4 + c * (CHUNK // 4)
+    return x[start : start + CHUNK // 4]
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off here (never)")
+def test_the_chunks_are_marked_for_huge_pages():
+    x = torch.zeros(6 * CHUNK // 4, dtype=torch.float32)
+    first = (x.data_ptr() + CHUNK - 1) // CHUNK * CHUNK
+    if _thp_mode() == "madvise":
+        assert not _thp_eligible(first)  # as torch left it
+    assert huge_pages.rebacked_zero_chunks(x).zero_chunks >= 5
+    assert _thp_eligible(first)
+
+
+def test_a_private_file_mapping_is_left_alone(tmp_path):
+    path = tmp_path / "cache.bin"
+    size = 5 * CHUNK
+    path.write_bytes(np.random.default_rng().integers(1, 255, size, dtype=np.uint8).tobytes())
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")  # MAP_PRIVATE: writes stay in memory
+    mapped[:] = 0  # all zeros in this process; the file still holds the bytes
+    x = torch.from_numpy(mapped)
+
+    done = huge_pages.rebacked_zero_chunks(x)
+
+    assert done.zero_chunks == 0 and "not private anonymous" in done.reason
+    assert not torch.any(x)  # MADV_DONTNEED here would have brought the file's bytes back
+
+
+def test_small_tensors_do_nothing():
+    done = huge_pages.rebacked_zero_chunks(torch.zeros(1000))
+    assert (done.chunks, done.zero_chunks) == (0, 0) and "no whole 2 MiB chunk" in done.reason
+
+
+def test_refuses_what_it_cannot_read_as_one_range():
+    x = torch.zeros(4, CHUNK // 4)
+    with pytest.raises(ValueError, match="must be a contiguous CPU tensor"):
+        huge_pages.rebacked_zero_chunks(x.t())
