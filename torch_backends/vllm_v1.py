@@ -64,7 +64,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, EncoderOnlyAttentionSpec, 
 
 from torch_backends import huge_pages, native
 
-logger = init_logger(__name__)
+# Under "vllm": vLLM configures that logger tree only, so its log shows these lines.
+logger = init_logger("vllm.plugins.jax_attn")
 
 # vLLM's CPU_ATTN takes these head sizes and 512; the native kernels stop at 256.
 HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
