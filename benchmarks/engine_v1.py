@@ -124,8 +124,8 @@ def _child(args: argparse.Namespace) -> None:
 
 def _run_child(peer: str, model: str, dtype: str, size: dict) -> dict:
     env = dict(os.environ)
-    for name in ("JAX_ATTN_VLLM", "JAX_ATTN_VLLM_HUGE_PAGES", "THP_MEM_ALLOC_ENABLE"):
-        env.pop(name, None)
+    for name in {name for switches in PEER_ENV.values() for name in switches}:
+        env.pop(name, None)  # the caller's own settings reach no child
     env.update(PEER_ENV.get(peer, {}))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")

@@ -318,7 +318,7 @@ def test_a_cache_meets_huge_pages_once(monkeypatch, switch):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     impl = vllm_v1.NativeCPUAttentionImpl(8, 64, 0.125, 2)
     layer = types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
-    caches = [torch.zeros(96, 2, 128, 128) for _ in range(2)]  # 96 blocks of 16: 12 MiB each
+    caches = [torch.zeros(96, 2, 128, 128) for _ in range(2)]  # 96 blocks of 128 slots: 12 MiB each
     expected = [torch.zeros_like(c) for c in caches]
     for _ in range(3):  # three steps
         for cache, want in zip(caches, expected, strict=True):
