@@ -31,7 +31,7 @@ struct Problem {
   int64_t window;  // <= 0: none
   float cap;       // <= 0: none
   int64_t prefetch_tiles;
-  bool prefetch_l2;  // every prefetch into L2 (cpu_features.h: NTA lines stay in L1 on Intel)
+  int64_t nta_limit;  // a next tile of more bytes is prefetched into L2, else NTA (cpu_features.h)
   bool quads;        // attend_tile_quads where it applies ($JAX_ATTN_CPU_DECODE_QUADS=0: never)
   DType query_type;
   CacheLayout layout;
@@ -949,7 +949,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       // tile. Each query row's tiles still come in key order: the rows' results are the same.
       const int64_t tiles = (t_end - t_begin + 15) / 16;
       const int64_t share = ((head_bytes + tiles - 1) / tiles + 63) / 64 * 64;
-      const bool to_l2 = p.prefetch_l2 || 2 * head_bytes > 64 * 1024;
+      const bool to_l2 = 2 * head_bytes > p.nta_limit;
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t keys = p.prefetch_tiles > 0 ? head_block_ahead(b, h, keys_ahead) : -1;
         const int64_t values = p.prefetch_tiles > 0 ? head_block_ahead(b, h, values_ahead) : -1;
@@ -988,13 +988,13 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
       if (kRowsTiles || quads) {
         // The next tile's keys and values ([rows, Hkv, D] each, contiguous), requested in
-        // address order over this tile's steps. A float32 tile's (128 KiB at Hkv 8, D 128)
-        // outgrows L1 beside the tile being computed: it goes to L2 (T1), smaller ones with
-        // NTA (measured, the top of this file).
+        // address order over this tile's steps. A tile that outgrows L1 beside the tile being
+        // computed (float32's 128 KiB at Hkv 8, D 128; bf16's 64 KiB where L1d is 32 KiB) goes
+        // to L2 (T1), smaller ones with NTA (nta_limit_bytes in cpu_features.h).
         const TileRows next = next_tile(b, t0);
         const bool ahead = p.prefetch_tiles > 0 && next.rows > 0;
         const int64_t next_bytes = next.rows * row_stride * elem;
-        const bool to_l2 = p.prefetch_l2 || 2 * next_bytes > 64 * 1024;
+        const bool to_l2 = 2 * next_bytes > p.nta_limit;
         const int64_t first = block_offset + t0 * row_stride;
         if constexpr (kQuadsBuilt) {
           if (quads) {
@@ -1034,7 +1034,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           if (next.rows > 0) {
             pf = TilePrefetcher(kc + next.offset + h * chunk, vc + next.offset + h * chunk, 0, 1,
                                 chunk * elem,
-                                p.prefetch_l2 || 2 * Hkv * chunk * elem > 64 * 1024);
+                                2 * Hkv * chunk * elem > p.nta_limit);
           }
         }
         // Token-major float16 and fp8 caches: the head's rows widened into the tiles.

@@ -7,6 +7,7 @@
 #include "paged_decode.h"
 
 #include <cstring>
+#include <string>
 
 extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa() {
   using namespace jax_attn_cpu;
@@ -18,8 +19,11 @@ extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa()
 #else
                          : "portable";
 #endif
+  const int64_t nta = nta_limit_bytes();
   static const std::string text =
-      std::string("bf16 products: ") + products + "; prefetch: " + (prefetch_to_l2() ? "L2" : "NTA");
+      std::string("bf16 products: ") + products + "; prefetch: " +
+      (nta == 0 ? std::string("L2")
+                : "NTA for tiles up to " + std::to_string(nta / 1024) + " KiB, else L2");
   return text.c_str();
 }
 

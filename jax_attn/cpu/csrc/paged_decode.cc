@@ -221,7 +221,8 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
   p.cap = a.logits_soft_cap;
   p.prefetch_tiles = kPrefetchTiles;
   if (const char* env = std::getenv("JAX_ATTN_CPU_PREFETCH")) p.prefetch_tiles = std::atol(env);
-  p.prefetch_l2 = prefetch_to_l2();
+  p.nta_limit = nta_limit_bytes();
+  if (const char* env = std::getenv("JAX_ATTN_CPU_NTA_LIMIT")) p.nta_limit = std::atol(env);
   p.quads = quads_enabled();
   p.query_type = a.query_type;
   p.query = a.query;
