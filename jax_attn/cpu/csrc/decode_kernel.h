@@ -309,6 +309,42 @@ class TilePrefetcher {
   bool to_l2_ = false;
 };
 
+// One contiguous run of lines in each cache (the next tile's [rows, Hkv, D], or a head block
+// of the split layout), requested `per` K + V pairs at a time (step) from inside math loops,
+// its state in registers: TilePrefetcher::issue is a call there, and around a call every
+// accumulator is spilled (all zmm registers are caller-saved). Used by the quads, where a
+// request per head step (48 per tile) instead sent them in bursts (from memory the bf16
+// decode then took 5.0 ms against 3.2; NOTES.md), the AMX split decode, and the split
+// layout's lanes (decode_split.h).
+struct LineCursor {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t left = 0;  // K + V line pairs not yet requested
+  int64_t per = 0;
+  bool to_l2 = false;
+  LineCursor() = default;
+  LineCursor(const void* key, const void* value, int64_t bytes, bool l2) : to_l2(l2) {
+    const auto ka = reinterpret_cast<uintptr_t>(key), va = reinterpret_cast<uintptr_t>(value);
+    const int64_t mis = static_cast<int64_t>(std::max(ka & 63, va & 63));
+    k = reinterpret_cast<const char*>(ka & ~static_cast<uintptr_t>(63));
+    v = reinterpret_cast<const char*>(va & ~static_cast<uintptr_t>(63));
+    left = (mis + bytes + 63) / 64;
+  }
+  // The next `per` pairs (set per tile from the tile's number of steps).
+  inline void step() { issue(per); }
+  inline void issue(int64_t n) {
+    for (; n > 0 && left > 0; --n, --left, k += 64, v += 64) {
+      if (to_l2) {
+        _mm_prefetch(k, _MM_HINT_T1);
+        _mm_prefetch(v, _MM_HINT_T1);
+      } else {
+        _mm_prefetch(k, _MM_HINT_NTA);
+        _mm_prefetch(v, _MM_HINT_NTA);
+      }
+    }
+  }
+};
+
 // The AVX-512 tile helpers and the bf16 key dot (decode_vec.h; JAX_ATTN_DECODE_BF16_DOT), and
 // the fp8 conversions of the vdpbf16ps path (decode_fp8.h; JAX_ATTN_DECODE_FP8_DOT): parts of
 // this kernel of their own, included here inside this file's namespaces (they use
@@ -329,16 +365,20 @@ struct Queries {
 // row's matching 16 query bytes broadcast to every group (fma, or vdpbf16ps under kDot), so
 // the cache is read in place; the 4 partial sums of each token are added at the end. Tokens
 // >= n are never read (masked loads: zeros). logits[r]: lane t = token t0 + t, times qk_scale.
-template <int NC, bool kDot>
-inline void split_logits(const Problem& p, const Queries& q, const void* keys, int64_t t0,
-                         int64_t n, int64_t row0, int rg, __m512* logits, TilePrefetcher& pf,
-                         int64_t per_step) {
+// RG rows at compile time: with a runtime row count, GCC kept the 16 accumulators on the stack
+// (a load and a store around every vdpbf16ps). With RG fixed and the lanes' prefetches in
+// registers (LineCursor), the split bf16 decode at block 128 took 2.81 ms from L2 against 3.65,
+// 5.70 from memory against 7.19 (2-core Zen 4 VM, 32 x 1024 keys; NOTES.md).
+// Pf: TilePrefetcher or LineCursor (issue(n)).
+template <int NC, bool kDot, int RG, typename Pf>
+inline void split_logits_rows(const Problem& p, const Queries& q, const void* keys, int64_t t0,
+                              int64_t n, int64_t row0, __m512* logits, Pf& pf, int64_t per_step) {
   constexpr int64_t DP = NC * 16;
   [[maybe_unused]] constexpr int64_t DP2 = (NC + 1) / 2 * 32;  // the kDot rows (bf16 builds)
   const int64_t BS = p.block_size;
-  __m512 acc[4][4];
+  __m512 acc[RG][4];
 #pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r) {
+  for (int r = 0; r < RG; ++r) {
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   }
@@ -362,8 +402,7 @@ inline void split_logits(const Problem& p, const Queries& q, const void* keys, i
         kv[j] = _mm512_maskz_loadu_epi16(valid[j], k + c * BS * 8 + 32 * j);
       }
 #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        if (r >= rg) break;
+      for (int r = 0; r < RG; ++r) {
         const auto* qr = reinterpret_cast<const __m128i*>(q.bf16 + (row0 + r) * DP2 + 8 * c);
         const __m512i qb = _mm512_broadcast_i32x4(_mm_loadu_si128(qr));
 #pragma GCC unroll 4
@@ -384,8 +423,7 @@ inline void split_logits(const Problem& p, const Queries& q, const void* keys, i
         kv[j] = _mm512_maskz_loadu_ps(static_cast<__mmask16>(valid[j]), k + c * BS * 4 + 16 * j);
       }
 #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        if (r >= rg) break;
+      for (int r = 0; r < RG; ++r) {
         const __m512 qb = _mm512_broadcast_f32x4(_mm_load_ps(q.f32 + (row0 + r) * DP + 4 * c));
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(kv[j], qb, acc[r][j]);
@@ -395,7 +433,8 @@ inline void split_logits(const Problem& p, const Queries& q, const void* keys, i
   // acc[r][j], 128-bit lane L: the 4 partial sums of token 4j + L. Pairs, then quads, leave
   // token 4k + L at position 4L + k; one permute puts token t at lane t.
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  for (int r = 0; r < rg; ++r) {
+#pragma GCC unroll 4
+  for (int r = 0; r < RG; ++r) {
     const __m512* a = acc[r];
     const __m512 x01 = _mm512_add_ps(_mm512_shuffle_ps(a[0], a[1], 0x88),
                                      _mm512_shuffle_ps(a[0], a[1], 0xdd));
@@ -405,6 +444,20 @@ inline void split_logits(const Problem& p, const Queries& q, const void* keys, i
                                    _mm512_shuffle_ps(x01, x23, 0xdd));
     logits[r] = _mm512_permutexvar_ps(order, y);
     if constexpr (kDot) logits[r] = _mm512_mul_ps(logits[r], _mm512_set1_ps(p.qk_scale));
+  }
+}
+
+// Rows [row0, row0 + rg) of split_logits_rows, rg in [1, 4].
+template <int NC, bool kDot, typename Pf>
+inline void split_logits(const Problem& p, const Queries& q, const void* keys, int64_t t0,
+                         int64_t n, int64_t row0, int rg, __m512* logits, Pf& pf,
+                         int64_t per_step) {
+  switch (rg) {
+    case 4: return split_logits_rows<NC, kDot, 4>(p, q, keys, t0, n, row0, logits, pf, per_step);
+    case 3: return split_logits_rows<NC, kDot, 3>(p, q, keys, t0, n, row0, logits, pf, per_step);
+    case 2: return split_logits_rows<NC, kDot, 2>(p, q, keys, t0, n, row0, logits, pf, per_step);
+    default:
+      return split_logits_rows<NC, kDot, 1>(p, q, keys, t0, n, row0, logits, pf, per_step);
   }
 }
 
@@ -956,10 +1009,9 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
         if (lane_values) {  // the head block in one step, the blocks ahead requested meanwhile
           // (Into L2: with NTA, lines the lanes push out of L1 come again from memory. Further
           // ahead than the next head block ran slower; NOTES.md.)
-          TilePrefetcher pf;
+          LineCursor pf;
           if (keys >= 0) {
-            pf = TilePrefetcher(kc + keys, values >= 0 ? vc + values : nullptr, 0, 1, head_bytes,
-                                true);
+            pf = LineCursor(kc + keys, vc + (values >= 0 ? values : keys), head_bytes, true);
           }
           attend_head_block_lanes<KV, NC, kDot>(
               p, queries, st, lanes, (table[b] * Hkv + h) * D * BS, h, t_begin, t_end,

@@ -69,39 +69,6 @@ inline const bf16_t* quads_of_head(const bf16_t* quads, int64_t h, int64_t G, in
 
 #if JAX_ATTN_DECODE_BF16_DOT
 
-// The next tile's lines ([rows, Hkv, D] of each cache, contiguous), requested `per` K + V pairs
-// at a time from inside the quads' math loops, inline: TilePrefetcher::issue is a call, which
-// there would spill the loops' accumulators, and a request per head step (48 per tile) sent
-// them in bursts: from memory the bf16 decode then took 5.0 ms against 3.2 (NOTES.md).
-struct LineCursor {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t left = 0;  // K + V line pairs not yet requested
-  int64_t per = 0;
-  bool to_l2 = false;
-  LineCursor() = default;
-  LineCursor(const void* key, const void* value, int64_t bytes, bool l2) : to_l2(l2) {
-    const auto ka = reinterpret_cast<uintptr_t>(key), va = reinterpret_cast<uintptr_t>(value);
-    const int64_t mis = static_cast<int64_t>(std::max(ka & 63, va & 63));
-    k = reinterpret_cast<const char*>(ka & ~static_cast<uintptr_t>(63));
-    v = reinterpret_cast<const char*>(va & ~static_cast<uintptr_t>(63));
-    left = (mis + bytes + 63) / 64;
-  }
-  // The next `per` pairs (set per tile from the tile's number of steps).
-  inline void step() { request(per); }
-  inline void request(int64_t n) {
-    for (; n > 0 && left > 0; --n, --left, k += 64, v += 64) {
-      if (to_l2) {
-        _mm_prefetch(k, _MM_HINT_T1);
-        _mm_prefetch(v, _MM_HINT_T1);
-      } else {
-        _mm_prefetch(k, _MM_HINT_NTA);
-        _mm_prefetch(v, _MM_HINT_NTA);
-      }
-    }
-  }
-};
-
 // Lane group g of the result: (sum of a0's group g, of a1's, of a2's, of a3's).
 inline __m512 sum_quads4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
@@ -355,7 +322,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
       }
     }
   }
-  pf.request(pf.left);
+  pf.issue(pf.left);
 }
 
 #endif  // JAX_ATTN_DECODE_BF16_DOT

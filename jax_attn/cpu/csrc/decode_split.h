@@ -1,7 +1,7 @@
 // Part of the decode kernel (paged_decode.cc), not a header of its own: included by
 // decode_kernel.h inside its namespaces and inside its `#if JAX_ATTN_AVX512`, after
 // decode_vec.h and decode_fp8.h, after split_logits (it uses Problem, Queries, RowsState,
-// TilePrefetcher and split_logits). It includes nothing itself.
+// LineCursor and split_logits). It includes nothing itself.
 //
 // vLLM's split layout, one kv head's block at a time, with the values read as they lie.
 // A head's values in that layout are [D, BS]: dimension d of the block's tokens is one
@@ -105,19 +105,19 @@ struct LaneBlockScratch {
 template <typename KV, int NC, bool kDot>
 __attribute__((noinline)) void attend_head_block_lanes(
     const Problem& p, const Queries& q, RowsState& st, float* lanes, int64_t head, int64_t h,
-    int64_t t_begin, int64_t t_end, float first_distance, bool first, TilePrefetcher& prefetcher,
+    int64_t t_begin, int64_t t_end, float first_distance, bool first, LineCursor prefetcher,
     const LaneBlockScratch& s) {
   constexpr int64_t DP = NC * 16;
   const int64_t G = p.group, D = p.head_size, BS = p.block_size;
   const int64_t nb = t_end - t_begin;
   const KV* kc = static_cast<const KV*>(p.key_cache) + head;
   const KV* vc = static_cast<const KV*>(p.value_cache) + head;
-  TilePrefetcher pf = prefetcher;  // a local copy: kept in registers
+  LineCursor pf = prefetcher;  // a local copy: kept in registers
   // The prefetches, spread over the logits' chunks and the p.v's (dims, rows) steps.
   const int64_t tiles = (nb + 15) / 16, row_groups = (G + 3) / 4;
   const int64_t key_steps = tiles * row_groups * (D * static_cast<int64_t>(sizeof(KV)) / 16);
   const int64_t steps = std::max<int64_t>(1, key_steps + D / 4 * row_groups);
-  const int64_t per_step = (pf.remaining() + steps - 1) / steps;
+  const int64_t per_step = (pf.left + steps - 1) / steps;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
@@ -204,7 +204,7 @@ __attribute__((noinline)) void attend_head_block_lanes(
       }
     }
   }
-  pf.issue(pf.remaining());
+  pf.issue(pf.left);
 }
 
 // The item's end: each row's lanes added up into RowsState::acc ([Hq][DP], dims >= D zeros).
