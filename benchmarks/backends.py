@@ -250,11 +250,16 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
     tables = [row[: -(-n // spec.block_size)].tolist() for row, n in
               zip(data.block_tables, data.seq_lens.tolist(), strict=True)]  # fmt: skip
     steps = []  # (query, key, value, kv_cache, metadata, output) per forward call
-    kv_cache = None
+    kv_cache = filled = None
     if num_pre < spec.num_seqs or spec.has_cached_prefix:
-        kv_cache = layouts.nhd_to_vllm(
+        filled = layouts.nhd_to_vllm(
             _torch_tensor(data.key_cache), _torch_tensor(data.value_cache)
         ).to(device)
+        # The cache's life in vLLM 0.8.5's engine: made empty, met by the backend's first step
+        # while still all zeros (the step onto which the backend moves it to huge pages:
+        # torch_backends.paged_backend), filled by later steps. Here: zeros, one untimed call,
+        # then the workload's contents.
+        kv_cache = torch.zeros_like(filled)
     if num_pre:
         # A prefill without a cached prefix reads its own contiguous K/V (vLLM's prefill); an
         # empty kv_cache tells forward to write nothing. Chunks over a cached prefix read it
@@ -293,6 +298,10 @@ def _prepare_vllm(data: Data, backend_name: str, device: str = "cpu") -> Prepare
         sync()
         return output
 
+    if filled is not None:
+        call()
+        kv_cache.copy_(filled)
+        del filled
     info = dict(torch_threads=torch.get_num_threads(), device=device)
     if device == "cpu":
         from torch_backends import native

@@ -21,6 +21,7 @@ run while another thread writes the tensor. Linux only; elsewhere it does nothin
 
 import ctypes
 import ctypes.util
+import os
 import sys
 from dataclasses import dataclass
 
@@ -28,9 +29,13 @@ import torch
 from torch import Tensor
 
 CHUNK = 2 << 20  # bytes: an x86-64 transparent huge page
+# "0": caches keep the pages they came with (`rebacked_on_first_sight` does nothing).
+ENV = "JAX_ATTN_VLLM_HUGE_PAGES"
 _MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
 _SCAN_CHUNKS = 32  # chunks tested per torch call (a 64 MiB view, 32 booleans out)
+# Caches already seen by `rebacked_on_first_sight`, by data pointer.
+_SEEN: set[int] = set()
 
 
 @dataclass(frozen=True)
@@ -117,3 +122,17 @@ def rebacked_zero_chunks(tensor: Tensor) -> Rebacked:
             raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on zero chunks")
         i = j
     return Rebacked(n, sum(zero))
+
+
+def rebacked_on_first_sight(cache: Tensor) -> Rebacked | None:
+    """`rebacked_zero_chunks(cache)` the first time this cache (by data pointer) comes by, as a
+    serving step first meets a freshly made, still all-zero cache; None when it did nothing: seen
+    before, `$JAX_ATTN_VLLM_HUGE_PAGES` is "0", or not a contiguous CPU tensor (the torch
+    backends' caches, V0 and V1, call this before their first write)."""
+    ptr = cache.data_ptr()
+    if ptr in _SEEN or cache.device.type != "cpu" or not cache.is_contiguous():
+        return None
+    _SEEN.add(ptr)
+    if os.environ.get(ENV) == "0":
+        return None
+    return rebacked_zero_chunks(cache)

@@ -16,9 +16,16 @@ for every attention type:
                      over them, from the cache when key/value are None
 
 No backend inherits from another: each is `PagedBackend` + its metadata, builder and impl.
+
+Huge pages: the first step that reaches a CPU cache (by data pointer) hands its all-zero 2 MiB
+chunks to `torch_backends.huge_pages` before anything is written, as vLLM V1's plugin does
+(`vllm_v1`). vLLM 0.8.5 makes its CPU caches with `torch.empty`, on 4 KiB pages; in a
+VM every 4 KiB of cache read is then a TLB miss with a two-level page walk. No value changes;
+`JAX_ATTN_VLLM_HUGE_PAGES=0` leaves the pages as they are.
 """
 
 import dataclasses
+import logging
 import warnings
 from abc import abstractmethod
 from typing import Any, ClassVar
@@ -27,6 +34,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from torch_backends import huge_pages
 from torch_backends.abstract import (
     AttentionBackend,
     AttentionImpl,
@@ -44,6 +52,7 @@ from torch_backends.paged_attn import PagedAttention
 from torch_backends.plan import StepPlan
 from torch_backends.shapes import FlatKeysValues, FlatQueries, KeysValues, Queries
 
+logger = logging.getLogger(__name__)
 # The checked plans of the last steps, shared by every impl (a step's layers, each an impl).
 _CHECKED_PLANS = CheckedPlans()
 
@@ -332,6 +341,13 @@ class PagedImpl(AttentionImpl[T]):
             _CHECKED_PLANS.put(memo_key, keep, plan, k_scale, v_scale)
         else:
             _CHECKED_PLANS.check_scales(k_scale, v_scale)
+        if cache is not None:
+            # A cache's first step: its all-zero 2 MiB chunks onto huge pages (module docstring).
+            done = huge_pages.rebacked_on_first_sight(kv_cache)
+            if done is not None:
+                logger.info("%s: %d of %d 2 MiB chunks of the cache onto huge pages%s",
+                            self.backend_name, done.zero_chunks, done.chunks,
+                            f" ({done.reason})" if done.reason else "")  # fmt: skip
         if cache is not None and key is not None:
             cache.write(key, value, plan.slot_mapping, check=False)
             # Attention reads what the cache holds: with an fp8 cache the new tokens'

@@ -41,7 +41,6 @@ does not (cross-attention, head size 512, per-request causal masks) is refused b
 engine builds the model.
 """
 
-import os
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -80,9 +79,7 @@ FP8_DTYPES = {
 }
 ENCODER_TYPES = (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
 # "0": caches keep the pages vLLM gave them (module docstring, "Huge pages").
-HUGE_PAGES_ENV = "JAX_ATTN_VLLM_HUGE_PAGES"
-# Caches already handed to huge_pages, by data pointer (layers sharing a cache share one entry).
-_CACHES_SEEN: set[int] = set()
+HUGE_PAGES_ENV = huge_pages.ENV
 
 
 class NativeCPUAttentionBackend(AttentionBackend):
@@ -323,20 +320,17 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
         if self.attn_type in ENCODER_TYPES or self.kv_sharing_target_layer_name is not None:
             return
         key_cache, value_cache = self._pages(kv_cache).unbind(1)  # [NB, BS, Hkv, D] each
-        if kv_cache.data_ptr() not in _CACHES_SEEN:
-            _CACHES_SEEN.add(kv_cache.data_ptr())
-            if os.environ.get(HUGE_PAGES_ENV) != "0":
-                start = time.perf_counter()
-                done = huge_pages.rebacked_zero_chunks(kv_cache)
-                logger.info(
-                    "jax-attn: %d of %d 2 MiB chunks of a %.0f MiB cache onto huge pages in "
-                    "%.2f s%s",
-                    done.zero_chunks,
-                    done.chunks,
-                    kv_cache.numel() * kv_cache.element_size() / 2**20,
-                    time.perf_counter() - start,
-                    f" ({done.reason})" if done.reason else "",
-                )
+        start = time.perf_counter()
+        done = huge_pages.rebacked_on_first_sight(kv_cache)  # layers sharing a cache: once
+        if done is not None:
+            logger.info(
+                "jax-attn: %d of %d 2 MiB chunks of a %.0f MiB cache onto huge pages in %.2f s%s",
+                done.zero_chunks,
+                done.chunks,
+                kv_cache.numel() * kv_cache.element_size() / 2**20,
+                time.perf_counter() - start,
+                f" ({done.reason})" if done.reason else "",
+            )
         n = slot_mapping.shape[0]
         native.store_token_major(
             self._cache_rows(key[:n], layer._k_scale_float, key_cache),

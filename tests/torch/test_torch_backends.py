@@ -282,3 +282,57 @@ def test_head_sizes_as_vllm_v0(backend):
             impl_cls(
                 4, head_size, 0.1, 2, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto"
             )
+
+
+@pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
+def test_a_cache_meets_huge_pages_once(backend, monkeypatch, rng):
+    """A cache's first step hands it to huge_pages before the write (all of a fresh cache is
+    zeros), its later steps do not, and JAX_ATTN_VLLM_HUGE_PAGES=0 never: the outputs and the
+    cache bytes are the same either way."""
+    from torch_backends import huge_pages
+
+    monkeypatch.setattr(huge_pages, "_SEEN", set())
+    calls = []
+    real = huge_pages.rebacked_zero_chunks
+
+    def spy(tensor):
+        done = real(tensor)
+        calls.append((tensor.data_ptr(), done))
+        return done
+
+    monkeypatch.setattr(huge_pages, "rebacked_zero_chunks", spy)
+    backend_cls = get_attn_backend(backend)
+    hq, hkv, d, bs, num_blocks = 8, 2, 64, 16, 1024  # 8 MiB per half of a float32 cache
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    lens = [40, 23]
+    tables = [[int(b) for b in rng.choice(num_blocks, 3, replace=False)]]
+    tables.append([b for b in range(num_blocks) if b not in tables[0]][:2])
+    query, key, value = (torch.randn(sum(lens), h * d, generator=gen) for h in (hq, hkv, hkv))
+    shape = backend_cls.get_kv_cache_shape(num_blocks, bs, hkv, d)
+    results = []
+    for switch in (None, "0"):
+        if switch is None:
+            monkeypatch.delenv(huge_pages.ENV, raising=False)
+        else:
+            monkeypatch.setenv(huge_pages.ENV, switch)
+        cache = torch.zeros(shape)
+        impl = backend_cls.get_impl_cls()(hq, d, d**-0.5, hkv, None, None, "auto")
+        metadata = backend_cls.get_builder_cls()(None).build(
+            lens, lens, -1, -1, block_tables=tables, block_size=bs
+        )
+        outputs = [
+            impl.forward(AttentionLayer(1.0, 1.0), query, key, value, cache, metadata).clone()
+            for _ in range(2)  # the same step twice: the second sees the cache again
+        ]
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+        results.append((outputs[0], cache))
+        if switch is None:
+            assert [ptr for ptr, _ in calls] == [cache.data_ptr()]
+            done = calls[0][1]
+            if done.reason is None:  # Linux, private anonymous memory: every chunk was zeros
+                assert done.chunks >= 6 and done.zero_chunks == done.chunks
+        else:
+            assert len(calls) == 1
+    (out_on, cache_on), (out_off, cache_off) = results
+    torch.testing.assert_close(out_on, out_off, rtol=0, atol=0)
+    assert torch.equal(cache_on, cache_off) and bool(cache_on.ne(0).any())

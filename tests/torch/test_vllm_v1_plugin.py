@@ -302,7 +302,7 @@ def test_refuses_a_cache_that_is_not_dense_pages():
 def test_a_cache_meets_huge_pages_once(monkeypatch, switch):
     """The first update of a layer's cache hands its zero chunks to huge_pages, once per cache;
     JAX_ATTN_VLLM_HUGE_PAGES=0 never. The stored rows are the same either way."""
-    monkeypatch.setattr(vllm_v1, "_CACHES_SEEN", set())
+    monkeypatch.setattr(vllm_v1.huge_pages, "_SEEN", set())
     if switch is None:
         monkeypatch.delenv(vllm_v1.HUGE_PAGES_ENV, raising=False)
     else:
