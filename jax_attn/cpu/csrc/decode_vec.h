@@ -66,8 +66,10 @@ inline void gather_split_keys(const T* src, int64_t block_size, int64_t t0, int6
   for (int64_t t = n; t < 16; ++t) std::memset(dst + t * dst_stride, 0, head_size * sizeof(T));
 }
 
-// r[i][j] <- r[j][i] for a 16 x 16 float32 block in 16 registers (64 shuffles).
-inline void transpose16x16(__m512* r) {
+// r[i][j] <- r[j][i] for a 16 x 16 float32 block in 16 registers (64 shuffles). Inlined: as a
+// call, its 16 rows went through memory and the callers spilled around it (split f32 decode at
+// blocks 16 and 32 1.24x faster inlined, Zen 4; NOTES.md).
+__attribute__((always_inline)) inline void transpose16x16(__m512* r) {
   __m512 t[16];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: t[2i] = a[4L], b[4L], a[4L+1], b[4L+1]
