@@ -662,7 +662,7 @@ def draw_decode(gen: torch.Generator, kinds: Counter) -> Call:
     d = _pick(gen, [16, 32, 64, 80])  # multiples of every x (16 bytes of the cache's type)
     hkv, group = _pick(gen, [1, 2]), _pick(gen, [1, 3])
     hq = hkv * group
-    # 128: the blocks whose values the kernel reads per dimension (decode_split.h)
+    # 128: the tile path at the lanes' block size (decode_split.h: JAX_ATTN_CPU_SPLIT_LANES=1)
     bs, nb, mb, s = _pick(gen, [1, 4, 16, 128]), _int(gen, 1, 9), _int(gen, 1, 5), _int(gen, 0, 5)
     window = _pick(gen, [0, 0, 3, 17, -5, 150, INT64_MAX, INT64_MIN])
     lens = torch.randint(0, mb * bs + 1, (s,), generator=gen).to(torch.int32)

@@ -16,7 +16,9 @@ values twice as far; jax_attn's own cache prefetches the next tile),
 NTA and larger ones into L2 (default: 1.5x the L1d on AMD, 0 on Intel),
 `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen bf16 and fp8 keys (under bf16 queries) to
 float32 instead of dotting them with vdpbf16ps and `JAX_ATTN_CPU_DECODE_QUADS=0` keeps
-decode's groups of 4 query rows or more on the tile path instead of the quads, and
+decode's groups of 4 query rows or more on the tile path instead of the quads,
+`JAX_ATTN_CPU_SPLIT_LANES=1` reads vLLM's split layout at blocks of 128 or more with the
+per-dimension lanes of `csrc/decode_split.h` (faster from cache, slower from memory), and
 `JAX_ATTN_CPU_DECODE_AMX=1` / `0` puts decode on the AMX tiles at every GQA group size / none
 (all read per call: for A/B timing and the AMX decode's tests),
 `JAX_ATTN_CPU_AMX=0` keeps the bf16 products of the ragged kernel and of decode off the AMX

@@ -116,6 +116,30 @@ GRID = [
 def test_decode_matches_the_float64_oracle(
     dtype, kv_cache_dtype, head_size, block_size, group, bias, rng
 ):
+    _decode_against_oracle(dtype, kv_cache_dtype, head_size, block_size, group, bias, rng)
+
+
+# The blocks of 128 in float32 and bf16 again, on the per-dimension lanes (decode_split.h), which
+# the kernel takes only under JAX_ATTN_CPU_SPLIT_LANES=1.
+LANE_GRID = [g for g in GRID if g[1] == "auto" and g[3] >= 128 and g[0] != torch.float16]
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype,head_size,block_size,group,bias", LANE_GRID)
+def test_decode_on_the_lanes_matches_the_float64_oracle(
+    dtype, kv_cache_dtype, head_size, block_size, group, bias, rng, monkeypatch
+):
+    case = (dtype, kv_cache_dtype, head_size, block_size, group, bias)
+    seed = int(rng.integers(2**31))
+    tiles = _decode_against_oracle(*case, np.random.default_rng(seed))
+    monkeypatch.setenv("JAX_ATTN_CPU_SPLIT_LANES", "1")
+    lanes = _decode_against_oracle(*case, np.random.default_rng(seed))
+    # The same inputs summed in another order: the switch reached another path.
+    assert not torch.equal(lanes, tiles)
+
+
+def _decode_against_oracle(dtype, kv_cache_dtype, head_size, block_size, group, bias, rng):
+    """One random split-layout decode through CpuPagedAttention.forward_decode, checked against
+    the float64 reference; returns its output."""
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     hkv = 2
     scales = (0.7, 1.3) if kv_cache_dtype in FP8 else (1.0, 1.0)
@@ -141,6 +165,7 @@ def test_decode_matches_the_float64_oracle(
         q, keys, values, [1] * len(lens), lens.tolist(), causal=True, scale=0.3, **bias_kwargs
     )
     assert_close(out.float(), expected, dtype, FP8.get(kv_cache_dtype), what="native decode")
+    return out
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ struct Problem {
   int64_t prefetch_tiles;
   int64_t nta_limit;  // a next tile of more bytes is prefetched into L2, else NTA (cpu_features.h)
   bool quads;        // attend_tile_quads where it applies ($JAX_ATTN_CPU_DECODE_QUADS=0: never)
+  bool split_lanes;  // decode_split.h's lanes at blocks of 128+ ($JAX_ATTN_CPU_SPLIT_LANES=1)
   DType query_type;
   CacheLayout layout;
   int64_t x;  // kSplit: key elements per 16 bytes (the innermost key dimension)
@@ -983,7 +984,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // vdpbf16ps, at blocks of kMinLaneBlock tokens or more.
   constexpr bool kLaneValues = (std::is_same_v<KV, float> && !kDot) ||
                                (kDot && std::is_same_v<KV, bf16_t>);
-  const bool lane_values = kLaneValues && split && BS >= kMinLaneBlock;
+  const bool lane_values = kLaneValues && split && p.split_lanes && BS >= kMinLaneBlock;
   const int64_t lane_rows = lane_values ? p.group : 0;
   const int64_t lane_stride = round_up(BS, 64);
   FloatBuffer lane_buffer(static_cast<size_t>(lane_rows * (2 * lane_stride + 1)));
@@ -1175,6 +1176,13 @@ inline bool dot_enabled() {
 inline bool quads_enabled() {
   const char* env = std::getenv("JAX_ATTN_CPU_DECODE_QUADS");
   return env == nullptr || std::atoi(env) != 0;
+}
+
+// The lanes (decode_split.h) on vLLM's split layout at blocks of kMinLaneBlock or more, only
+// where $JAX_ATTN_CPU_SPLIT_LANES=1: from memory the tile path is faster (decode_split.h).
+inline bool split_lanes_enabled() {
+  const char* env = std::getenv("JAX_ATTN_CPU_SPLIT_LANES");
+  return env != nullptr && std::atoi(env) != 0;
 }
 
 #if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_BF16_DOT

@@ -16,9 +16,17 @@
 // The lanes, [Hq][DP][16] float32 per item, live in per-thread scratch; a kv head's share
 // ([G][DP][16], 32 KiB at G 4, D 128) stays in L1/L2 while its block is read.
 // Keys are dotted in place as on the tile path (split_logits).
-// Taken for float32 caches under float32 queries and bf16 caches under bf16 queries with
-// vdpbf16ps, at blocks of kMinLaneBlock tokens or more; other caches keep the tile path (fp8
-// values this way, converted 64 tokens at a time, gained nothing: its time goes to the keys).
+// For float32 caches under float32 queries and bf16 caches under bf16 queries with
+// vdpbf16ps, at blocks of kMinLaneBlock tokens or more (fp8 values this way, converted 64
+// tokens at a time, gained nothing: its time goes to the keys), and only where
+// $JAX_ATTN_CPU_SPLIT_LANES=1 (read per call). The lanes are faster with the cache in L2 and
+// slower from memory, which is where a decode reads it: their 32 KiB per kv head of lanes,
+// read and written per block beside the block's keys and values, overlap worse with the
+// prefetched reads. Lanes / tile path, one process, alternated calls (2-core Zen 4 VM, 32 x
+// 1024 keys, block 128, after the tile path's spills were fixed; NOTES.md): bf16 from memory
+// 6.46 / 5.39 ms, from L2 2.68 / 3.30; f32 10.50 / 8.91 and 4.82 / 6.08; 8 x 8192 bf16 11.56 /
+// 9.38, f32 19.58 / 15.29; mixed bf16 12.69 / 11.87, f32 22.14 / 20.90. Kept as the A/B
+// switch for other CPUs.
 #pragma once
 
 // Blocks of at least this many tokens take the lanes. At 32 and 64 the lanes' reload and

@@ -97,8 +97,8 @@
 // decode_item_amx_split: JAX_ATTN_AMX; instantiated in this unit), decode_quads.h (the quads,
 // attend_tile_quads: JAX_ATTN_DECODE_BF16_DOT) and decode_split.h (vLLM's split layout at
 // blocks of 128 or more, float32 and bf16 under vdpbf16ps: a head block per step, its values
-// read per dimension as they lie instead of transposed into tiles; math from L2 -28% / -20%,
-// NOTES.md).
+// read per dimension as they lie instead of transposed into tiles; faster from L2, slower from
+// memory, so only under $JAX_ATTN_CPU_SPLIT_LANES=1; NOTES.md).
 //
 // Bad input (block ids outside [0, NB) among the blocks a sequence reads, seq_len outside
 // [0, max_blocks * BS], wrong sizes or dtypes) returns a message before anything is read or
@@ -224,6 +224,7 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
   p.nta_limit = nta_limit_bytes();
   if (const char* env = std::getenv("JAX_ATTN_CPU_NTA_LIMIT")) p.nta_limit = std::atol(env);
   p.quads = quads_enabled();
+  p.split_lanes = split_lanes_enabled();
   p.query_type = a.query_type;
   p.query = a.query;
   p.out = a.out;
