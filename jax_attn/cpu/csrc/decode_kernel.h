@@ -981,7 +981,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       1, (2 * p.prefetch_tiles + tiles_per_block - 1) / tiles_per_block);
   const int64_t head_bytes = D * BS * elem;  // one kv head's block in either cache
   // The split layout's values as they lie (decode_split.h): float32, and bf16 under
-  // vdpbf16ps, at blocks of kMinLaneBlock tokens or more.
+  // vdpbf16ps, at blocks of kMinLaneBlock tokens or more, under $JAX_ATTN_CPU_SPLIT_LANES=1.
   constexpr bool kLaneValues = (std::is_same_v<KV, float> && !kDot) ||
                                (kDot && std::is_same_v<KV, bf16_t>);
   const bool lane_values = kLaneValues && split && p.split_lanes && BS >= kMinLaneBlock;
