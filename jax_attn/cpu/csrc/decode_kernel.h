@@ -1165,25 +1165,22 @@ ItemFn pick_item_fn(int64_t head_size) {
 #endif
 }
 
-// $JAX_ATTN_CPU_BF16_DOT=0 turns the vdpbf16ps paths off (keys widened to float32 instead).
-inline bool dot_enabled() {
-  const char* env = std::getenv("JAX_ATTN_CPU_BF16_DOT");
-  return env == nullptr || std::atoi(env) != 0;
+// A per-call on/off switch: `unset` without the variable, else whether it is a nonzero number.
+inline bool env_switch(const char* name, bool unset) {
+  const char* env = std::getenv(name);
+  return env == nullptr ? unset : std::atoi(env) != 0;
 }
+
+// $JAX_ATTN_CPU_BF16_DOT=0 turns the vdpbf16ps paths off (keys widened to float32 instead).
+inline bool dot_enabled() { return env_switch("JAX_ATTN_CPU_BF16_DOT", true); }
 
 // The quads (attend_tile_quads, quad_head_logits) where they apply; $JAX_ATTN_CPU_DECODE_QUADS=0:
 // never (the A/B switch of their measurements).
-inline bool quads_enabled() {
-  const char* env = std::getenv("JAX_ATTN_CPU_DECODE_QUADS");
-  return env == nullptr || std::atoi(env) != 0;
-}
+inline bool quads_enabled() { return env_switch("JAX_ATTN_CPU_DECODE_QUADS", true); }
 
 // The lanes (decode_split.h) on vLLM's split layout at blocks of kMinLaneBlock or more, only
 // where $JAX_ATTN_CPU_SPLIT_LANES=1: from memory the tile path is faster (decode_split.h).
-inline bool split_lanes_enabled() {
-  const char* env = std::getenv("JAX_ATTN_CPU_SPLIT_LANES");
-  return env != nullptr && std::atoi(env) != 0;
-}
+inline bool split_lanes_enabled() { return env_switch("JAX_ATTN_CPU_SPLIT_LANES", false); }
 
 #if JAX_ATTN_AVX512 && JAX_ATTN_DECODE_BF16_DOT
 constexpr bool kBf16DotBuilt = true;
