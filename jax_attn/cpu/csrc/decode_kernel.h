@@ -1008,10 +1008,11 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       // left of the one being read (half of its two caches, on average). At blocks of 16 and
       // 32 that is 4 + 8 + 1 and 2 + 4 + 1 head blocks, 104-112 KiB in float32: with NTA the
       // lines fell out of a 32 KiB L1d before their reads and came again from memory (the next
-      // head block alone, as before, stayed under the limit). TORCH_SDPA decode, 2-core Zen 4 VM, NTA / L2
-      // (JAX_ATTN_CPU_NTA_LIMIT=49152 / 0, calls alternated in one process): float32 11.8 / 8.9
-      // ms at block 16, 12.7 / 10.0 at 32, 8 x 8192 25.1 / 19.8; bf16 5.47 / 5.07 and 5.81 /
-      // 5.07; mixed 23.5 / 21.4. fp8 at block 128 (48 KiB) stays NTA: 4.68-4.71 vs 4.72-4.78.
+      // head block alone, as before, stayed under the limit). TORCH_SDPA decode, 2-core Zen 4
+      // VM, NTA / L2 (JAX_ATTN_CPU_NTA_LIMIT=49152 / 0, calls alternated in one process):
+      // float32 11.8 / 8.9 ms at block 16, 12.7 / 10.0 at 32, 8 x 8192 25.1 / 19.8; bf16 5.47 /
+      // 5.07 and 5.81 / 5.07; mixed 23.5 / 21.4. fp8 at block 128 (48 KiB) stays NTA: 4.68-4.71
+      // vs 4.72-4.78.
       const bool to_l2 = (keys_ahead + values_ahead + 1) * head_bytes > p.nta_limit;
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t keys = p.prefetch_tiles > 0 ? head_block_ahead(b, h, keys_ahead) : -1;
