@@ -77,6 +77,16 @@ def compute_lines(record: dict) -> list[str]:
     return lines
 
 
+def met_cell(target: dict) -> str:
+    """A target's verdict for the table, with why a miss is out of reach on this machine."""
+    met = {True: "yes", False: "**no**", None: "not measured"}[target["met"]]
+    if target.get("verdict") == "not measured, expected here":
+        met = "**not measured, expected here**"
+    if target["met"] is False and "out_of_reach" in target:
+        met += f" ({target['out_of_reach']})"
+    return met
+
+
 def markdown(record: dict) -> str:
     machine, copy = record["machine"], record["copy"]
     versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items() if v)
@@ -142,10 +152,9 @@ def markdown(record: dict) -> str:
     if record.get("targets"):
         lines += ["", "| target | goal | measured | met |", "|---|---|--:|---|"]
         for t in record["targets"]:
-            met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
-            if t.get("verdict") == "not measured, expected here":
-                met = "**not measured, expected here**"
-            lines.append(f"| {t['target']} | {t['goal']} | {_cell(t['value'], '.2f')} | {met} |")
+            lines.append(
+                f"| {t['target']} | {t['goal']} | {_cell(t['value'], '.2f')} | {met_cell(t)} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -540,6 +540,43 @@ def _at_least(what: str, value, least: float, needs, not_here: str | None = None
     return _target(what, value, f">= {least}", lambda v: v >= least, needs, not_here)
 
 
+def machine_floor(result: dict, fma_peak: dict | None) -> tuple[float, str] | None:
+    """A lower bound on any kernel's time for one workload on this machine (`result`: its row
+    in a record), and what sets it: its K/V bytes at the measured read floor, and for float32
+    its products at the measured FMA peak, whichever takes longer. Both are optimistic (each
+    assumes the other, the softmax and the output cost nothing), so a goal beyond it is out of
+    reach here. bf16's products have no such bound from the FMA peak (vdpbf16ps does two
+    products per lane, AMX tiles far more): there only the read counts. None where the record
+    lacks what it needs."""
+    read = result.get("read", {}).get("median_s")
+    if not read:
+        return None
+    spec = result.get("spec", {})
+    peak = (fma_peak or {}).get("gflop_s") if (fma_peak or {}).get("status") == "ok" else None
+    if spec.get("dtype") == "float32" and not spec.get("cache_dtype") and peak:
+        fma_s = result.get("flops", 0) / (peak * 1e9)
+        if fma_s > read:
+            return fma_s, f"the FMA peak ({peak:.0f} GFLOP/s)"
+    return read, "the read floor"
+
+
+def with_reach(target: dict, result: dict, peer: str, fma_peak: dict | None) -> dict:
+    """A "`peer` time / jax-cpu time >= goal" target, given `reach`: the ratio jax-cpu would get
+    at machine_floor, and `out_of_reach` (a sentence) where even that misses the goal."""
+    floor = machine_floor(result, fma_peak)
+    theirs = result.get("backends", {}).get(peer, {})
+    if floor is None or theirs.get("status") != "ok" or not theirs.get("median_s"):
+        return target
+    seconds, bound = floor
+    target["reach"] = theirs["median_s"] / seconds
+    if target["reach"] < float(target["goal"].removeprefix(">= ")):
+        target["out_of_reach"] = (
+            f"out of reach here: at {bound} jax-cpu would take {1e3 * seconds:.1f} ms against "
+            f"{peer}'s {1e3 * theirs['median_s']:.1f}, {target['reach']:.2f}x"
+        )
+    return target
+
+
 def _time_ratio(results: dict, slower: tuple[str, str], faster: tuple[str, str], least: float):
     """`slower`'s median time / `faster`'s >= `least`, each a (workload, peer); named
     "w: a time / b time" for two peers on one workload, "w1 / w2: p time" for one peer on two."""
@@ -616,11 +653,16 @@ BF16_TWINS = (
 
 
 def check_targets(
-    results: dict, amx_peak: dict | None = None, busy: dict | None = None
+    results: dict,
+    amx_peak: dict | None = None,
+    busy: dict | None = None,
+    fma_peak: dict | None = None,
 ) -> list[dict]:
     """Every target on `results` (a record's "workloads", by name with the block size);
     `amx_peak` the run's AMX peak record (its targets are judged only where the tiles ran);
-    `busy` the run's busy-process record (`--busy`; its targets are judged only then)."""
+    `busy` the run's busy-process record (`--busy`; its targets are judged only then);
+    `fma_peak` the run's FMA peak record (with the read floors: how far vLLM ratios can reach,
+    with_reach)."""
     r = results
     targets = [
         # Issue 10: the native kernels (block 16) against the copy floor, IPEX and XLA.
@@ -652,7 +694,10 @@ def check_targets(
             )
         )
     # Issue 21: vLLM 0.32's CPU_ATTN (the vllm env) at block 16.
-    targets += [_time_ratio(r, (w, VLLM), (w, CPU), least) for w, least in VLLM_BS16_TARGETS]
+    targets += [
+        with_reach(_time_ratio(r, (w, VLLM), (w, CPU), least), r.get(w, {}), VLLM, fma_peak)
+        for w, least in VLLM_BS16_TARGETS
+    ]
     targets += [
         _time_ratio(r, ("prefill-8x512-bs16", CPU), ("prefill-bf16-bs16", CPU), 1.8),
         _field(r, "prefill-8x512-bs16", "fraction_of_fma_peak", "fraction of the FMA peak", 0.75),
@@ -668,7 +713,10 @@ def check_targets(
         )
     )
     # Issue 35: block 128, vLLM on its own ISA, IPEX at vLLM 0.8.5's IPEX default block size.
-    targets += [_time_ratio(r, (w, VLLM), (w, CPU), least) for w, least in VLLM_TARGETS]
+    targets += [
+        with_reach(_time_ratio(r, (w, VLLM), (w, CPU), least), r.get(w, {}), VLLM, fma_peak)
+        for w, least in VLLM_TARGETS
+    ]
     targets += [
         _field(r, f"{w}-bs128", "fraction_of_read", "fraction of the read floor", 0.90)
         for w in READ_FLOOR_DECODES
@@ -988,6 +1036,8 @@ def print_unavailable_and_targets(console, record: dict, spec: str) -> None:
         why = (
             f" ({target['not_here']})" if verdict == "not measured" and "not_here" in target else ""
         )
+        if verdict == "missed" and "out_of_reach" in target:
+            why = f" ({target['out_of_reach']})"
         console.print(
             f"target {target['target']}: {_fmt(target['value'], spec, '-')} "
             f"(goal {target['goal']}) {marks[verdict]}{why}"
@@ -1009,7 +1059,8 @@ def print_check(console, record: dict) -> int:
     console.print(f"[red]--check: {len(failed)} of {judged} targets missed:")
     for t in failed:
         value = "not measured" if t["value"] is None else f"{t['value']:.3g}"
-        console.print(f"[red]MISSED[/] {t['target']}: {value} (goal {t['goal']})")
+        reach = f"; {t['out_of_reach']}" if "out_of_reach" in t else ""
+        console.print(f"[red]MISSED[/] {t['target']}: {value} (goal {t['goal']}{reach})")
     return 1
 
 
@@ -1032,7 +1083,9 @@ def check_record(console, path: str) -> int:
         console.print(f"[red]--check {path}: a --quick record (targets are for full sizes)")
         return 2
     unavailable = record.get("unavailable", {})
-    targets = check_targets(results, record.get("amx_peak"), record.get("busy"))
+    targets = check_targets(
+        results, record.get("amx_peak"), record.get("busy"), record.get("fma_peak")
+    )
     targets = judge_targets(targets, results, unavailable)
     record = dict(record, unavailable=unavailable, targets=targets)
     console.print(f"{path}: {record.get('date', '?')}, {record.get('machine', {}).get('cpu')}")
@@ -1202,7 +1255,13 @@ def _run(
             add_amx_fractions(result, record["amx_peak"])
             record["workloads"][spec.name] = result
         copier.close()
-    targets = [] if quick else check_targets(record["workloads"], record["amx_peak"], busy_record)
+    targets = (
+        []
+        if quick
+        else check_targets(
+            record["workloads"], record["amx_peak"], busy_record, record.get("fma_peak")
+        )
+    )
     record["targets"] = judge_targets(targets, record["workloads"], unavailable)
     record["reference_limits"] = dict(
         max_flops=backends.REFERENCE_MAX_FLOPS, max_bytes=backends.REFERENCE_MAX_BYTES

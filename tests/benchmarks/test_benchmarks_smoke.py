@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 
+import numpy as np
 import pytest
 
 pytest.importorskip("jax")
@@ -316,6 +317,64 @@ def test_issue21_targets_compare_jax_cpu_with_vllm_032_at_block_16():
     slow = issue21(run.check_targets(results(0.012, 0.010, 0.0095, 0.5)))
     assert set(slow.values()) == {False}, slow
     assert all(t["met"] is None for t in run.check_targets({}) if run.VLLM in t["target"])
+
+
+def test_vllm_targets_say_when_the_machine_puts_them_out_of_reach():
+    """A vLLM ratio is bounded by vLLM's time over the machine's floor: the read floor, and for
+    float32 the products at the FMA peak. A goal beyond that bound is still missed, and says so
+    with the figures; bf16's products have no FMA-peak bound (only the read counts)."""
+    peak = {"status": "ok", "gflop_s": 200.0}
+    rng = np.random.default_rng()
+    flops = float(rng.uniform(50e9, 90e9))  # 0.25-0.45 s at the peak
+    read_s = float(rng.uniform(0.001, 0.01))
+    fma_s = flops / 200e9
+
+    def chunked(dtype, vllm_s, jax_s):
+        backends = {run.VLLM: dict(status="ok", median_s=vllm_s),
+                    "jax-cpu": dict(status="ok", median_s=jax_s)}  # fmt: skip
+        spec = dict(dtype=dtype, block_size=128)
+        return {"spec": spec, "flops": flops, "read": {"median_s": read_s}, "backends": backends}
+
+    def target(results, workload, fma_peak=peak):
+        (t,) = [
+            t
+            for t in run.check_targets(results, fma_peak=fma_peak)
+            if t["target"] == f"{workload}: {run.VLLM} time / jax-cpu time"
+        ]
+        return t
+
+    w = "chunked-prefill-bs128"
+    # vLLM at 1.2x the FMA-peak time: 1.3x is beyond reach whatever jax-cpu does.
+    beyond = target({w: chunked("float32", 1.2 * fma_s, 1.1 * fma_s)}, w)
+    assert beyond["met"] is False and beyond["reach"] == pytest.approx(1.2)
+    assert "out of reach here: at the FMA peak (200 GFLOP/s)" in beyond["out_of_reach"]
+    assert f"{1e3 * fma_s:.1f} ms" in beyond["out_of_reach"] and "1.20x" in beyond["out_of_reach"]
+    # vLLM at 2x: reachable, so a miss is only a miss.
+    within = target({w: chunked("float32", 2.0 * fma_s, 1.9 * fma_s)}, w)
+    assert within["met"] is False and within["reach"] == pytest.approx(2.0)
+    assert "out_of_reach" not in within
+    # No FMA peak measured (or a failed probe): the read floor is the only bound.
+    for no_peak in (None, {"status": "failed", "gflop_s": 200.0}):
+        t = target({w: chunked("float32", 1.2 * fma_s, 1.1 * fma_s)}, w, no_peak)
+        assert t["reach"] == pytest.approx(1.2 * fma_s / read_s) and "out_of_reach" not in t
+    # bf16: vdpbf16ps and AMX products are not bounded by the float32 FMA peak.
+    bf16 = "chunked-prefill-bf16-bs128"
+    t = target({bf16: chunked("bfloat16", 1.2 * fma_s, 1.1 * fma_s)}, bf16)
+    assert t["reach"] == pytest.approx(1.2 * fma_s / read_s) and "out_of_reach" not in t
+    # A decode past its read floor: vLLM at 0.9x the floor cannot be matched.
+    d = "decode-f32-bs128"
+    decode = chunked("float32", 0.9 * read_s, read_s)
+    decode["flops"] = 1.0  # memory-bound: the read floor is the longer bound
+    t = target({d: decode}, d)
+    assert t["reach"] == pytest.approx(0.9) and "at the read floor" in t["out_of_reach"]
+    # --check names the bound beside the miss.
+    from rich.console import Console
+
+    console = Console(record=True, width=400)
+    run.print_check(console, {"targets": run.judge_targets([beyond], {w: {}}, {})})
+    assert "out of reach here" in console.export_text()
+    assert report.met_cell(beyond) == f"**no** ({beyond['out_of_reach']})"
+    assert report.met_cell(within) == "**no**"
 
 
 def test_chunked_and_bf16_workloads(record):
