@@ -85,6 +85,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(THP_MEM_ALLOC_ENABLE=1)",
     )
     bench.add_argument(
+        "--keep-freed-ab",
+        action="store_true",
+        help="with --engine: also both engines with glibc keeping freed blocks for reuse "
+        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ raised), where vLLM's per-step outputs "
+        "come back as fresh pages otherwise",
+    )
+    bench.add_argument(
         "--mesh",
         help="strong scaling of a decode step over a mesh, e.g. tp=4 or tp=4,dp=2 "
         "(benchmarks/mesh.py; simulated CPU devices where the host has too few)",
@@ -115,9 +122,10 @@ def run(args: argparse.Namespace) -> int:
     if cpu_only and other:
         print(f"{cpu_only[0]} is for the CPU suite, not with --{other}")
         return 2
-    if getattr(args, "huge_pages_ab", False) and other != "engine":
-        print("--huge-pages-ab is for the engine bench: use it with --engine")
-        return 2
+    for flag in ("huge_pages_ab", "keep_freed_ab"):
+        if getattr(args, flag, False) and other != "engine":
+            print(f"--{flag.replace('_', '-')} is for the engine bench: use it with --engine")
+            return 2
     if getattr(args, "plot", None):
         from benchmarks import plot
 

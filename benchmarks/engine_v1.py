@@ -40,10 +40,18 @@ PEERS = ("vllm-cpu-attn", "jax-attn-plugin", "no-attention")
 # the plugin without it and vLLM's CPU_ATTN on torch's huge-page allocator (every torch
 # allocation of 2 MiB or more, its cache included, asks for huge pages before it is touched).
 PAGE_PEERS = ("jax-attn-plugin-4k", "vllm-cpu-attn-thp")
+# `--keep-freed-ab`: both engines with glibc keeping the blocks it frees for reuse (its mmap and
+# trim thresholds raised: a deployment's process-wide knob, docs/torch_backends.md). vLLM
+# allocates each layer's output per step, past glibc's default mmap threshold: fresh pages to
+# zero every time, whichever backend writes them.
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+KEEP_PEERS = ("vllm-cpu-attn-keep", "jax-attn-plugin-keep")
 PEER_ENV = {
     "jax-attn-plugin": {"JAX_ATTN_VLLM": "1"},
     "jax-attn-plugin-4k": {"JAX_ATTN_VLLM": "1", "JAX_ATTN_VLLM_HUGE_PAGES": "0"},
     "vllm-cpu-attn-thp": {"THP_MEM_ALLOC_ENABLE": "1"},
+    "vllm-cpu-attn-keep": KEEP_FREED,
+    "jax-attn-plugin-keep": {"JAX_ATTN_VLLM": "1", **KEEP_FREED},
 }
 MODEL = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=256,
@@ -157,6 +165,8 @@ EXPECTED_IMPL = {
     "no-attention": ["NoAttentionImpl"],
     "jax-attn-plugin-4k": ["NativeCPUAttentionImpl"],
     "vllm-cpu-attn-thp": ["CPUAttentionBackendImpl"],
+    "vllm-cpu-attn-keep": ["CPUAttentionBackendImpl"],
+    "jax-attn-plugin-keep": ["NativeCPUAttentionImpl"],
 }
 
 
@@ -165,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.reps or (1 if args.quick else 3)
     dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else ["bfloat16", "float32"]
     peers = PEERS + (PAGE_PEERS if getattr(args, "huge_pages_ab", False) else ())
+    peers += KEEP_PEERS if getattr(args, "keep_freed_ab", False) else ()
     record = dict(
         cpu=_cpu_model(), cores=os.cpu_count(), date=datetime.datetime.now().isoformat(),
         size=size, rounds=rounds, model=MODEL, peers=peers, load_before=os.getloadavg(),
@@ -218,8 +229,9 @@ def _print(record: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", choices=PEERS + PAGE_PEERS)
+    parser.add_argument("--child", choices=PEERS + PAGE_PEERS + KEEP_PEERS)
     parser.add_argument("--huge-pages-ab", action="store_true")
+    parser.add_argument("--keep-freed-ab", action="store_true")
     parser.add_argument("--model")
     parser.add_argument("--dtype")
     parser.add_argument("--size")

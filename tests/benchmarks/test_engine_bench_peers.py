@@ -1,5 +1,6 @@
 """`jax-attn bench --engine`'s peers without an engine: what each child's environment says, the
-rotation over the peers `--huge-pages-ab` adds, and the medians and ratios of the record."""
+rotation over the peers `--huge-pages-ab` and `--keep-freed-ab` add, and the medians and ratios of
+the record."""
 
 import argparse
 import json
@@ -9,37 +10,47 @@ import pytest
 
 from benchmarks import command, engine_v1
 
-SWITCHES = ("JAX_ATTN_VLLM", "JAX_ATTN_VLLM_HUGE_PAGES", "THP_MEM_ALLOC_ENABLE")
+SWITCHES = (
+    "JAX_ATTN_VLLM",
+    "JAX_ATTN_VLLM_HUGE_PAGES",
+    "THP_MEM_ALLOC_ENABLE",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+)
 
 
 class _FakeChildren:
     """subprocess.run for the bench's children: records each child's peer and environment and
-    answers with made-up times (prefill and whole run grow with the peer's index)."""
+    answers with made-up times (prefill and whole run grow with the peer's index in `peers`)."""
 
-    def __init__(self):
+    def __init__(self, peers):
+        self.peers = peers
         self.calls = []
 
     def __call__(self, cmd, env, cwd, capture_output, text, timeout):
         peer = cmd[cmd.index("--child") + 1]
         self.calls.append((peer, {k: env.get(k) for k in SWITCHES}))
-        slow = 1.0 + (engine_v1.PEERS + engine_v1.PAGE_PEERS).index(peer) + len(self.calls) / 100
+        slow = 1.0 + self.peers.index(peer) + len(self.calls) / 100
         result = dict(impl=engine_v1.EXPECTED_IMPL[peer], prefill_s=slow, whole_s=2 * slow,
                       generated=64)  # fmt: skip
         return subprocess.CompletedProcess(cmd, 0, "RESULT " + json.dumps(result), "")
 
 
-@pytest.mark.parametrize("page_peers", [False, True])
-def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers):
+@pytest.mark.parametrize(
+    ("page_peers", "keep_peers"), [(False, False), (True, False), (False, True)]
+)
+def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers, keep_peers):
     for name in SWITCHES:  # the caller's own settings never reach a child
         monkeypatch.setenv(name, "7")
-    children = _FakeChildren()
+    peers = engine_v1.PEERS + (engine_v1.PAGE_PEERS if page_peers else ())
+    peers += engine_v1.KEEP_PEERS if keep_peers else ()
+    children = _FakeChildren(peers)
     monkeypatch.setattr(engine_v1.subprocess, "run", children)
     out = tmp_path / "engine.json"
     args = argparse.Namespace(quick=True, reps=2, dtypes="float32", json=str(out),
-                              huge_pages_ab=page_peers)  # fmt: skip
+                              huge_pages_ab=page_peers, keep_freed_ab=keep_peers)  # fmt: skip
     assert engine_v1.run(args) == 0
 
-    peers = engine_v1.PEERS + (engine_v1.PAGE_PEERS if page_peers else ())
     n = len(peers)
     assert [p for p, _ in children.calls] == list(peers) + list(peers[1:] + peers[:1])
     envs = dict(children.calls)
@@ -51,6 +62,10 @@ def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers):
             **none, "JAX_ATTN_VLLM": "1", "JAX_ATTN_VLLM_HUGE_PAGES": "0"
         }  # fmt: skip
         assert envs["vllm-cpu-attn-thp"] == {**none, "THP_MEM_ALLOC_ENABLE": "1"}
+    if keep_peers:
+        keep = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
+        assert envs["vllm-cpu-attn-keep"] == {**none, **keep}
+        assert envs["jax-attn-plugin-keep"] == {**none, "JAX_ATTN_VLLM": "1", **keep}
 
     record = json.loads(out.read_text())
     assert record["peers"] == list(peers)
@@ -72,8 +87,9 @@ def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers):
             assert "prefill_speedup" not in results[peer]
 
 
-def test_page_peers_need_the_engine_bench(capsys):
+@pytest.mark.parametrize("flag", ["--huge-pages-ab", "--keep-freed-ab"])
+def test_page_peers_need_the_engine_bench(capsys, flag):
     parser = argparse.ArgumentParser()
     command.add_parser(parser.add_subparsers())
-    assert command.run(parser.parse_args(["bench", "--huge-pages-ab"])) == 2
-    assert "--huge-pages-ab is for the engine bench" in capsys.readouterr().out
+    assert command.run(parser.parse_args(["bench", flag])) == 2
+    assert f"{flag} is for the engine bench" in capsys.readouterr().out
