@@ -552,7 +552,7 @@ def machine_floor(result: dict, fma_peak: dict | None) -> tuple[float, str] | No
     if not read:
         return None
     spec = result.get("spec", {})
-    peak = (fma_peak or {}).get("gflop_s") if (fma_peak or {}).get("status") == "ok" else None
+    peak = fma_peak.get("gflop_s") if fma_peak and fma_peak.get("status") == "ok" else None
     if spec.get("dtype") == "float32" and not spec.get("cache_dtype") and peak:
         fma_s = result.get("flops", 0) / (peak * 1e9)
         if fma_s > read:
