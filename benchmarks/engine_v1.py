@@ -223,7 +223,7 @@ def _print(record: dict) -> None:
         for peer, r in peers.items():
             ratio = (f"  {r['prefill_speedup']:.2f}x / {r['whole_speedup']:.2f}x vs vllm"
                      if "prefill_speedup" in r else "")  # fmt: skip
-            print(f"  {dtype:9} {peer:18} prefill {r['prefill_tok_s']:8.0f} tok/s  "
+            print(f"  {dtype:9} {peer:20} prefill {r['prefill_tok_s']:8.0f} tok/s  "
                   f"whole {r['whole_tok_s']:8.0f} tok/s{ratio}")  # fmt: skip
 
 
