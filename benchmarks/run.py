@@ -560,19 +560,22 @@ def machine_floor(result: dict, fma_peak: dict | None) -> tuple[float, str] | No
     return read, "the read floor"
 
 
-def with_reach(target: dict, result: dict, peer: str, fma_peak: dict | None) -> dict:
-    """A "`peer` time / jax-cpu time >= goal" target, given `reach`: the ratio jax-cpu would get
-    at machine_floor, and `out_of_reach` (a sentence) where even that misses the goal."""
+def _vllm_ratio(results: dict, workload: str, least: float, fma_peak: dict | None) -> dict:
+    """The target `workload`'s vLLM time / jax-cpu time >= `least` (_time_ratio), given
+    `reach`: the ratio jax-cpu would get at machine_floor, and `out_of_reach` (a sentence) where
+    even that misses the goal."""
+    target = _time_ratio(results, (workload, VLLM), (workload, CPU), least)
+    result = results.get(workload, {})
     floor = machine_floor(result, fma_peak)
-    theirs = result.get("backends", {}).get(peer, {})
+    theirs = result.get("backends", {}).get(VLLM, {})
     if floor is None or theirs.get("status") != "ok" or not theirs.get("median_s"):
         return target
     seconds, bound = floor
     target["reach"] = theirs["median_s"] / seconds
-    if target["reach"] < float(target["goal"].removeprefix(">= ")):
+    if target["reach"] < least:
         target["out_of_reach"] = (
             f"out of reach here: at {bound} jax-cpu would take {1e3 * seconds:.1f} ms against "
-            f"{peer}'s {1e3 * theirs['median_s']:.1f}, {target['reach']:.2f}x"
+            f"{VLLM}'s {1e3 * theirs['median_s']:.1f}, {target['reach']:.2f}x"
         )
     return target
 
@@ -662,7 +665,7 @@ def check_targets(
     `amx_peak` the run's AMX peak record (its targets are judged only where the tiles ran);
     `busy` the run's busy-process record (`--busy`; its targets are judged only then);
     `fma_peak` the run's FMA peak record (with the read floors: how far vLLM ratios can reach,
-    with_reach)."""
+    _vllm_ratio)."""
     r = results
     targets = [
         # Issue 10: the native kernels (block 16) against the copy floor, IPEX and XLA.
@@ -694,10 +697,7 @@ def check_targets(
             )
         )
     # Issue 21: vLLM 0.32's CPU_ATTN (the vllm env) at block 16.
-    targets += [
-        with_reach(_time_ratio(r, (w, VLLM), (w, CPU), least), r.get(w, {}), VLLM, fma_peak)
-        for w, least in VLLM_BS16_TARGETS
-    ]
+    targets += [_vllm_ratio(r, w, least, fma_peak) for w, least in VLLM_BS16_TARGETS]
     targets += [
         _time_ratio(r, ("prefill-8x512-bs16", CPU), ("prefill-bf16-bs16", CPU), 1.8),
         _field(r, "prefill-8x512-bs16", "fraction_of_fma_peak", "fraction of the FMA peak", 0.75),
@@ -713,10 +713,7 @@ def check_targets(
         )
     )
     # Issue 35: block 128, vLLM on its own ISA, IPEX at vLLM 0.8.5's IPEX default block size.
-    targets += [
-        with_reach(_time_ratio(r, (w, VLLM), (w, CPU), least), r.get(w, {}), VLLM, fma_peak)
-        for w, least in VLLM_TARGETS
-    ]
+    targets += [_vllm_ratio(r, w, least, fma_peak) for w, least in VLLM_TARGETS]
     targets += [
         _field(r, f"{w}-bs128", "fraction_of_read", "fraction of the read floor", 0.90)
         for w in READ_FLOOR_DECODES
