@@ -51,6 +51,13 @@ def compute_lines(record: dict) -> list[str]:
         f"{peak['threads']} x one thread's {peak['one_thread_gflop_s']:.0f} "
         f"({peak['all_threads_gflop_s']:.0f} measured on {peak['threads']} threads together)."
     ]
+    after = record.get("fma_peak_after")
+    if after and after["status"] == "ok":
+        lines.append(
+            f"FMA peak again after the workloads: {after['gflop_s']:.0f} GFLOP/s = "
+            f"{after['threads']} x {after['one_thread_gflop_s']:.0f} "
+            f"({after['all_threads_gflop_s']:.0f} together)."
+        )
     amx = record.get("amx_peak")
     if amx and amx["status"] == "ok":
         lines.append(

@@ -58,6 +58,7 @@ MIN_REPS = 5
 # of its first 3-4 calls after the 140 ms dense oracle, 5.7-5.9 ms from then on; NumPy freeing
 # 2 GB does the same), so a fast peer timed on its second call still paid for the slow one.
 SETTLE_S = 0.1
+SETTLE_AFTER_S = 1.0  # before the second FMA probe, after the last peer's call
 BUSY_CALLS = 3  # --busy: calls timed beside the spinners per peer and round
 
 
@@ -157,6 +158,39 @@ def _peak_record(one, every, method: str) -> dict:
         one_thread_gflop_s=one.gflop_s,
         all_threads_gflop_s=every.gflop_s,
         method=method,
+    )
+
+
+# The FMA probe on every worker together must reach this fraction of workers x one worker's:
+# below it the workers did not each have a core while it ran (another process on the machine,
+# torch's OpenMP workers still spinning, or workers that are SMT siblings), and a record's
+# times and floors are suspect.
+CORES_FREE_LEAST = 0.85
+
+
+def cores_free_fraction(fma_peak: dict | None) -> float | None:
+    """The FMA probe's all-workers-together GFLOP/s over workers x one worker's (1.0: every
+    worker had a core of its own); None where the probe did not run."""
+    peak = fma_peak or {}
+    if peak.get("status") != "ok" or not peak.get("gflop_s") or not peak.get("all_threads_gflop_s"):
+        return None
+    return peak["all_threads_gflop_s"] / peak["gflop_s"]
+
+
+def cores_free_target(before: dict | None, after: dict | None) -> dict:
+    """Whether the machine's cores were the run's: the FMA probe's together-fraction
+    (`cores_free_fraction`) before the workloads and, where the record has it, after them, the
+    lower of the two judged. Records from before the second probe are judged on the first."""
+    fractions = [f for f in map(cores_free_fraction, (before, after)) if f is not None]
+    probes = "before and after the workloads" if after else "before the workloads"
+    not_here = None if fractions else "the FMA probe did not run (no native kernels)"
+    return _at_least(
+        "machine: FMA probe on every worker together / (workers x one worker's), "
+        f"{probes} (each worker a core of its own)",
+        min(fractions) if fractions else None,
+        CORES_FREE_LEAST,
+        [],
+        not_here,
     )
 
 
@@ -660,14 +694,17 @@ def check_targets(
     amx_peak: dict | None = None,
     busy: dict | None = None,
     fma_peak: dict | None = None,
+    fma_peak_after: dict | None = None,
 ) -> list[dict]:
     """Every target on `results` (a record's "workloads", by name with the block size);
     `amx_peak` the run's AMX peak record (its targets are judged only where the tiles ran);
     `busy` the run's busy-process record (`--busy`; its targets are judged only then);
     `fma_peak` the run's FMA peak record (with the read floors: how far vLLM ratios can reach,
-    _vllm_ratio)."""
+    _vllm_ratio), and `fma_peak_after` the probe's second run after the workloads (with the
+    first: whether every worker had a core of its own, cores_free_target)."""
     r = results
     targets = [
+        cores_free_target(fma_peak, fma_peak_after),
         # Issue 10: the native kernels (block 16) against the copy floor, IPEX and XLA.
         _field(r, "decode-f32-bs16", "fraction_of_copy", "fraction of copy bandwidth", 0.60),
         _time_ratio(r, ("decode-f32-bs16", "IPEX"), ("decode-f32-bs16", CPU), 1.5),
@@ -1081,7 +1118,11 @@ def check_record(console, path: str) -> int:
         return 2
     unavailable = record.get("unavailable", {})
     targets = check_targets(
-        results, record.get("amx_peak"), record.get("busy"), record.get("fma_peak")
+        results,
+        record.get("amx_peak"),
+        record.get("busy"),
+        record.get("fma_peak"),
+        record.get("fma_peak_after"),
     )
     targets = judge_targets(targets, results, unavailable)
     record = dict(record, unavailable=unavailable, targets=targets)
@@ -1252,11 +1293,18 @@ def _run(
             add_amx_fractions(result, record["amx_peak"])
             record["workloads"][spec.name] = result
         copier.close()
+        progress.update(task, description="FMA peak again")
+        time.sleep(SETTLE_AFTER_S)  # torch's OpenMP workers stop spinning
+        record["fma_peak_after"] = measure_fma_peak(quick)
     targets = (
         []
         if quick
         else check_targets(
-            record["workloads"], record["amx_peak"], busy_record, record.get("fma_peak")
+            record["workloads"],
+            record["amx_peak"],
+            busy_record,
+            record.get("fma_peak"),
+            record.get("fma_peak_after"),
         )
     )
     record["targets"] = judge_targets(targets, record["workloads"], unavailable)

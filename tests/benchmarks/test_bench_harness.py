@@ -326,6 +326,58 @@ def test_the_amx_peak_shows_beside_the_fma_peak():
     assert lines[1] == "AMX peak: not available: this CPU has no AMX-TILE / AMX-BF16."
 
 
+def _peak(one: float, together: float, workers: int = 2) -> dict:
+    return dict(status="ok", method="m", gflop_s=workers * one, threads=workers,
+                one_thread_gflop_s=one, all_threads_gflop_s=together)  # fmt: skip
+
+
+def _cores_free(targets: list[dict]) -> dict:
+    (target,) = [t for t in targets if t["target"].startswith("machine:")]
+    return target
+
+
+def test_a_record_made_while_the_cores_were_not_all_free_misses_a_target():
+    rng = np.random.default_rng()
+    one = float(rng.uniform(50.0, 300.0))
+    free, taken = float(rng.uniform(0.86, 1.05)), float(rng.uniform(0.3, 0.84))
+    # Free before and after: met, the lower fraction judged.
+    target = run.cores_free_target(_peak(one, 2 * one * free), _peak(one, 2 * one * 1.05))
+    assert target["met"] is True and target["value"] == pytest.approx(min(free, 1.05))
+    assert "before and after the workloads" in target["target"]
+    # Taken before, or after only: missed.
+    for before, after in ((taken, free), (free, taken)):
+        target = run.cores_free_target(_peak(one, 2 * one * before), _peak(one, 2 * one * after))
+        assert target["met"] is False and target["value"] == pytest.approx(taken)
+    # A record from before the second probe is judged on the first.
+    target = run.cores_free_target(_peak(one, 2 * one * taken), None)
+    assert target["met"] is False and "before the workloads" in target["target"]
+    assert "after" not in target["target"]
+    # No probe (no native kernels): not measured, and never expected.
+    unavailable = dict(status="unavailable", note="native CPU kernels: not built")
+    target = run.cores_free_target(unavailable, unavailable)
+    assert target["met"] is None and target["not_here"]
+    (judged,) = run.judge_targets([target], {}, {})
+    assert judged["verdict"] == "not measured"
+    # The same target in check_targets, whose record passes both probes.
+    targets = run.check_targets({}, fma_peak=_peak(one, one * 1.0), fma_peak_after=None)
+    assert _cores_free(targets)["met"] is False  # together = one worker's: half the cores
+
+
+def test_check_names_a_record_made_on_taken_cores(tmp_path, capsys):
+    path = _record(tmp_path, {}, fma_peak=_peak(110.0, 200.0), fma_peak_after=_peak(110.0, 116.0))
+    assert _check(path) == 1
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "MISSED machine: FMA probe on every worker together" in out
+    assert "0.527 (goal >= 0.85)" in out
+
+
+def test_the_second_fma_probe_shows_beside_the_first():
+    lines = report.compute_lines(
+        dict(fma_peak=_peak(100.0, 195.0), fma_peak_after=_peak(98.0, 120.0), workloads={})
+    )
+    assert lines[1] == "FMA peak again after the workloads: 196 GFLOP/s = 2 x 98 (120 together)."
+
+
 def test_check_reads_old_names_as_block_16(tmp_path, capsys):
     """Records from before the block size was in the names (every workload at block 16)."""
     path = _record(tmp_path, {"decode-f32-bs16": {}})
@@ -355,6 +407,9 @@ def test_check_refuses_a_quick_record_and_a_file_that_is_not_one(tmp_path, capsy
 
 def test_every_target_names_the_rows_it_needs():
     for target in run.check_targets({}):
+        if target["target"].startswith("machine:"):  # judged on the probes, not on rows
+            assert target["met"] is None and not target["needs"] and target["not_here"], target
+            continue
         assert target["met"] is None and target["needs"], target
         for need in target["needs"]:
             workload, peer = need.rsplit("/", 1)

@@ -76,8 +76,11 @@ def test_fma_peak_is_measured_and_each_row_is_set_against_it(record):
     lines = report.compute_lines(record)
     assert lines[0].startswith("FMA peak (same run, ")
     with_prefill = [n for n, r in record["workloads"].items() if r["spec"]["num_prefills"]]
-    assert lines[1].startswith("AMX peak")  # its value, or why not here
-    assert [line.split(",")[0] for line in lines[2:]] == with_prefill
+    after = record["fma_peak_after"]  # the probe again once the workloads are done
+    assert after["status"] == "ok" and after["all_threads_gflop_s"] > 0
+    assert lines[1].startswith("FMA peak again after the workloads: ")
+    assert lines[2].startswith("AMX peak")  # its value, or why not here
+    assert [line.split(",")[0] for line in lines[3:]] == with_prefill
 
 
 def test_jax_compile_time_is_reported(record):
