@@ -37,6 +37,15 @@ def read_floors(result: dict) -> list[tuple[str, dict, str]]:
     return floors
 
 
+def _peak_line(label: str, peak: dict, dtype: str) -> str:
+    """A peak probe's record (`benchmarks.run._peak_record`) as one line."""
+    return (
+        f"{label}: {peak['gflop_s']:.0f} GFLOP/s {dtype} = "
+        f"{peak['threads']} x one thread's {peak['one_thread_gflop_s']:.0f} "
+        f"({peak['all_threads_gflop_s']:.0f} measured on {peak['threads']} threads together)."
+    )
+
+
 def compute_lines(record: dict) -> list[str]:
     """The FMA peak measured in the run (and the AMX peak, or why it was not), and the GFLOP/s
     of each peer on every workload with prefill tokens (the compute-bound steps) as a fraction
@@ -46,25 +55,13 @@ def compute_lines(record: dict) -> list[str]:
         return []
     if peak["status"] != "ok":
         return [f"FMA peak: not measured ({peak['note']})."]
-    lines = [
-        f"FMA peak (same run, {peak['method']}): {peak['gflop_s']:.0f} GFLOP/s float32 = "
-        f"{peak['threads']} x one thread's {peak['one_thread_gflop_s']:.0f} "
-        f"({peak['all_threads_gflop_s']:.0f} measured on {peak['threads']} threads together)."
-    ]
+    lines = [_peak_line(f"FMA peak (same run, {peak['method']})", peak, "float32")]
     after = record.get("fma_peak_after")
     if after and after["status"] == "ok":
-        lines.append(
-            f"FMA peak again after the workloads: {after['gflop_s']:.0f} GFLOP/s = "
-            f"{after['threads']} x {after['one_thread_gflop_s']:.0f} "
-            f"({after['all_threads_gflop_s']:.0f} together)."
-        )
+        lines.append(_peak_line("FMA peak again after the workloads", after, "float32"))
     amx = record.get("amx_peak")
     if amx and amx["status"] == "ok":
-        lines.append(
-            f"AMX peak (same run, {amx['method']}): {amx['gflop_s']:.0f} GFLOP/s bf16 = "
-            f"{amx['threads']} x one thread's {amx['one_thread_gflop_s']:.0f} "
-            f"({amx['all_threads_gflop_s']:.0f} measured on {amx['threads']} threads together)."
-        )
+        lines.append(_peak_line(f"AMX peak (same run, {amx['method']})", amx, "bf16"))
     elif amx:
         lines.append(f"AMX peak: {amx['note']}.")
     for name, result in record["workloads"].items():

@@ -375,7 +375,10 @@ def test_the_second_fma_probe_shows_beside_the_first():
     lines = report.compute_lines(
         dict(fma_peak=_peak(100.0, 195.0), fma_peak_after=_peak(98.0, 120.0), workloads={})
     )
-    assert lines[1] == "FMA peak again after the workloads: 196 GFLOP/s = 2 x 98 (120 together)."
+    assert lines[1] == (
+        "FMA peak again after the workloads: 196 GFLOP/s float32 = 2 x one thread's 98 "
+        "(120 measured on 2 threads together)."
+    )
 
 
 def test_check_reads_old_names_as_block_16(tmp_path, capsys):
