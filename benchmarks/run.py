@@ -17,7 +17,10 @@ Method (details and the latest table in `benchmarks/README.md`):
    untimed call's times are kept in the record as `after_other_s`).
 3. The FMA peak: a tight loop of vector FMAs on the native kernels' workers
    (`jax_attn.cpu.fma_peak`), on one thread (the peak is that times the workers) and on all
-   together; each peer's GFLOP/s is also reported as a fraction of the peak. Beside it the AMX
+   together; each peer's GFLOP/s is also reported as a fraction of the peak. The probe runs
+   again after the workloads: where all workers together reach less than `CORES_FREE_LEAST` of
+   workers x one worker's, before or after, the cores were not all the run's and `--check`
+   says so. Beside it the AMX
    peak (`jax_attn.cpu.amx_peak`: bf16 tile dot products, where the CPU and Linux let the tiles
    run), which the bf16 prefill is also reported against.
 4. Per peer: median time, bytes moved (`Spec.bytes_moved`: K/V read once, queries and
@@ -182,7 +185,8 @@ def cores_free_target(before: dict | None, after: dict | None) -> dict:
     (`cores_free_fraction`) before the workloads and, where the record has it, after them, the
     lower of the two judged. Records from before the second probe are judged on the first."""
     fractions = [f for f in map(cores_free_fraction, (before, after)) if f is not None]
-    probes = "before and after the workloads" if after else "before the workloads"
+    both = cores_free_fraction(after) is not None
+    probes = "before and after the workloads" if both else "before the workloads"
     not_here = None if fractions else "the FMA probe did not run (no native kernels)"
     return _at_least(
         "machine: FMA probe on every worker together / (workers x one worker's), "
