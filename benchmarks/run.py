@@ -184,9 +184,9 @@ def cores_free_target(before: dict | None, after: dict | None) -> dict:
     """Whether the machine's cores were the run's: the FMA probe's together-fraction
     (`cores_free_fraction`) before the workloads and, where the record has it, after them, the
     lower of the two judged. Records from before the second probe are judged on the first."""
-    fractions = [f for f in map(cores_free_fraction, (before, after)) if f is not None]
-    both = cores_free_fraction(after) is not None
-    probes = "before and after the workloads" if both else "before the workloads"
+    first, second = cores_free_fraction(before), cores_free_fraction(after)
+    fractions = [f for f in (first, second) if f is not None]
+    probes = "before and after the workloads" if second is not None else "before the workloads"
     not_here = None if fractions else "the FMA probe did not run (no native kernels)"
     return _at_least(
         "machine: FMA probe on every worker together / (workers x one worker's), "
@@ -785,6 +785,18 @@ def check_targets(
     return targets + shared_core_targets(r, busy)
 
 
+def record_targets(record: dict, results: dict) -> list[dict]:
+    """check_targets on `results` (the record's workloads) with the record's probes and busy
+    processes: what a run and `--check RECORD` both judge."""
+    return check_targets(
+        results,
+        record.get("amx_peak"),
+        record.get("busy"),
+        record.get("fma_peak"),
+        record.get("fma_peak_after"),
+    )
+
+
 # Issue 37: beside busy processes (`--busy`), a kernel takes at most its fair share of the cores
 # longer than quiet, and the decode stays ahead of vLLM 0.32's beside the same load.
 SHARED_CORE_WORKLOADS = ("decode-f32-bs128", "prefill-8x512-bs128", "mixed-bs128")
@@ -1121,14 +1133,7 @@ def check_record(console, path: str) -> int:
         console.print(f"[red]--check {path}: a --quick record (targets are for full sizes)")
         return 2
     unavailable = record.get("unavailable", {})
-    targets = check_targets(
-        results,
-        record.get("amx_peak"),
-        record.get("busy"),
-        record.get("fma_peak"),
-        record.get("fma_peak_after"),
-    )
-    targets = judge_targets(targets, results, unavailable)
+    targets = judge_targets(record_targets(record, results), results, unavailable)
     record = dict(record, unavailable=unavailable, targets=targets)
     console.print(f"{path}: {record.get('date', '?')}, {record.get('machine', {}).get('cpu')}")
     print_unavailable_and_targets(console, record, ".2f")
@@ -1267,13 +1272,11 @@ def _run(
         unavailable=unavailable,
         workloads={},
     )
-    busy_record = None
     if busy is not None:
         cores = len(os.sched_getaffinity(0))
-        busy_record = dict(
+        record["busy"] = dict(
             processes=busy.count, cores=cores, fair_share=fair_share(cores, busy.count)
         )
-        record["busy"] = busy_record
     rng = np.random.default_rng(0)
     columns = [*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn()]  # fmt: skip
@@ -1300,17 +1303,7 @@ def _run(
         progress.update(task, description="FMA peak again")
         time.sleep(SETTLE_AFTER_S)  # torch's OpenMP workers stop spinning
         record["fma_peak_after"] = measure_fma_peak(quick)
-    targets = (
-        []
-        if quick
-        else check_targets(
-            record["workloads"],
-            record["amx_peak"],
-            busy_record,
-            record.get("fma_peak"),
-            record.get("fma_peak_after"),
-        )
-    )
+    targets = [] if quick else record_targets(record, record["workloads"])
     record["targets"] = judge_targets(targets, record["workloads"], unavailable)
     record["reference_limits"] = dict(
         max_flops=backends.REFERENCE_MAX_FLOPS, max_bytes=backends.REFERENCE_MAX_BYTES

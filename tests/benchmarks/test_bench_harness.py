@@ -361,7 +361,7 @@ def test_a_record_made_while_the_cores_were_not_all_free_misses_a_target():
     # A second probe that did not run is not named as judged.
     target = run.cores_free_target(_peak(one, 2 * one * free), unavailable)
     assert target["met"] is True and "after" not in target["target"]
-    # The same target in check_targets, whose record passes both probes.
+    # The same target in check_targets, on a record with the first probe only.
     targets = run.check_targets({}, fma_peak=_peak(one, one * 1.0), fma_peak_after=None)
     assert _cores_free(targets)["met"] is False  # together = one worker's: half the cores
 
