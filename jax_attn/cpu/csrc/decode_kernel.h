@@ -663,11 +663,15 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
             const float* qh = static_cast<const float*>(q) + (h * G + g0) * DP;
             __m512 kc[4];
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) kc[i] = load16<KV>(k[i] + 16 * c, m);
+            for (int i = 0; i < 4; ++i) {
+              kc[i] = load16<KV>(k[i] + 16 * c, m);
+              pin_register(kc[i]);  // each read by up to 4 rows: one load, not 4
+            }
 #pragma GCC unroll 4
             for (int r = 0; r < 4; ++r) {
               if (r >= rg) break;
-              const __m512 qc = _mm512_load_ps(qh + r * DP + 16 * c);
+              __m512 qc = _mm512_load_ps(qh + r * DP + 16 * c);
+              pin_register(qc);
 #pragma GCC unroll 4
               for (int i = 0; i < 4; ++i) {
                 acc[4 * r + i] = _mm512_fmadd_ps(kc[i], qc, acc[4 * r + i]);
@@ -754,6 +758,7 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
               if (cb + j < NC) {
                 const __mmask16 m = cb + j == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
                 x[j] = load16<KV>(v[i] + 16 * (cb + j), m);
+                pin_register(x[j]);  // read by up to 4 rows
               }
             }
 #pragma GCC unroll 4
