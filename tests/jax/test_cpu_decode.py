@@ -6,6 +6,9 @@ queries that must come out as zeros, odd lengths (1, 3, 17, 513), and split-K fo
 """
 
 import dataclasses
+import re
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ from tolerances import assert_close
 
 import jax_attn
 from jax_attn import cpu
+from jax_attn.cpu import _build
 
 REASON = cpu.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"native CPU kernels: {REASON}")
@@ -470,3 +474,31 @@ def test_grad_names_the_differentiable_path(rng):
     loss = lambda q: cpu.paged_decode(q, kc, vc, tables, seq_lens).sum()
     with pytest.raises(TypeError, match="varlen_attention"):
         jax.grad(loss)(query)
+
+
+def test_float32_rows_decode_loads_each_chunk_once():
+    """Codegen, not speed: the float32 token-major decode (attend_tile_rows) reads each key,
+    query and value chunk into a register once. GCC used to fold them into every FMA that
+    reads them as memory operands (20 loads per 16 FMAs at GQA 8: the loads set the pace);
+    kernel_common.h's pin_register stops it. Broadcasts ({1to16}) and constants (rip-relative)
+    are single-use operands and allowed."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":")[1].split() for line in f if line.startswith("flags")), [])
+    if "avx512f" not in flags:
+        pytest.skip("the CPU has no avx512f: the AVX-512 decode is not built here")
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump (binutils) on PATH to read the built kernels")
+    library = _build.library_path()
+    asm = subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", str(library)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    name = re.escape("attend_tile_rows<float, 8, false>")
+    body = re.search(r"^[0-9a-f]+ <[^\n]*" + name + r"[^\n]*>:\n(.*?)\n\n", asm, re.S | re.M)
+    assert body is not None, f"attend_tile_rows<float, 8, false> not found in {library}"
+    fmas = [line for line in body.group(1).splitlines() if re.search(r"\tvfn?madd\d+ps ", line)]
+    folded = [f for f in fmas if "(" in f and "rip" not in f and "{1to" not in f]
+    assert len(fmas) > 100, fmas  # the function's math, not a stub
+    assert folded == [], f"{len(folded)} of {len(fmas)} FMAs read memory:\n" + "\n".join(folded[:8])
