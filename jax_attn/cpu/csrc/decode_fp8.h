@@ -49,12 +49,24 @@ const Fp8Tables& fp8_tables() {
   return tables;
 }
 
+// Bytes of the 128-byte table (t0: entries 0..63, t1: 64..127) at bits 0..6 of idx's bytes:
+// VPERMI2B, which overwrites its index register. Written as an asm statement because for
+// _mm512_permutex2var_epi8 GCC picks VPERMT2B, which overwrites a table register, and then
+// reloads both tables from memory for every lookup (4 of the 6 loads per 64 codes in the
+// decode's widening); a copy of the index costs a register move instead.
+inline __m512i lookup_bytes128(__m512i idx, __m512i t0, __m512i t1) {
+  __asm__("vpermi2b %2, %1, %0" : "+v"(idx) : "v"(t0), "v"(t1));
+  return idx;
+}
+
 // The 64 fp8 codes at src (lanes outside m read nothing: zeros) as bf16 bit patterns, in
 // order: out[0] codes 0..31, out[1] codes 32..63.
 // `x`: 64 codes already in kFp8Spread order (x[i] = code kFp8Spread[i]).
+// The loops below take a copy of the tables (a local that nothing aliases), so that they stay
+// in registers across the loop's stores.
 inline void fp8_spread_codes_to_bf16(__m512i x, const Fp8Tables& t, __m512i* out) {
-  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, x, t.lo1);  // index bits 0..6: magnitude
-  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, x, t.hi1), x,
+  const __m512i lo = lookup_bytes128(x, t.lo0, t.lo1);  // index bits 0..6: magnitude
+  const __m512i hi = _mm512_ternarylogic_epi32(lookup_bytes128(x, t.hi0, t.hi1), x,
                                                _mm512_set1_epi8(static_cast<char>(0x80)),
                                                0xF8);  // hi | (x & 0x80): the sign
   out[0] = _mm512_unpacklo_epi8(lo, hi);
@@ -74,8 +86,9 @@ inline __mmask64 fp8_chunk_mask(int64_t t, int64_t n, int64_t left) {
 // >= n and codes past head_size: zeros); store(t, c, out) puts row t's codes c..c+63 (as
 // bf16, out[0] and out[1]).
 template <typename F8, int NC, typename Store>
-inline void convert_tile_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
+inline void convert_tile_fp8(const Fp8Tables& shared_tables, const F8* src, int64_t row_stride,
                              int64_t n, int64_t head_size, int64_t row_elems, Store&& store) {
+  const Fp8Tables tables = shared_tables;
   for (int64_t t = 0; t < 16; ++t) {
     const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * row_stride);
 #pragma GCC unroll 4
@@ -105,8 +118,10 @@ inline void convert_tile_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_
 // by one vpermt2b each half, then looked up as fp8_to_bf16_64 does: the bf16 words come out
 // already paired, with no float32 tile between.
 template <typename F8, int NC>
-inline void convert_value_pairs_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
-                                    int64_t n, int64_t head_size, uint32_t* dst) {
+inline void convert_value_pairs_fp8(const Fp8Tables& shared_tables, const F8* src,
+                                    int64_t row_stride, int64_t n, int64_t head_size,
+                                    uint32_t* dst) {
+  const Fp8Tables tables = shared_tables;
   constexpr int64_t DP = NC * 16;
   // Interleaved element e (e even: row a's code e / 2, odd: row b's) for the lanes in
   // kFp8Spread order; the second table for elements 64..127. vpermt2b: index bit 6 picks b.
@@ -149,9 +164,10 @@ inline void convert_value_pairs_fp8(const Fp8Tables& tables, const F8* src, int6
 // converted at once. Rows >= n get zeros; columns >= D are not written (the caller keeps them
 // zero). Requires D % 16 == 0.
 template <typename F8>
-inline void split_keys_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t block_size,
-                                int64_t t0, int64_t n, int64_t head_size, int64_t dp2,
-                                bf16_t* dst) {
+inline void split_keys_fp8_bf16(const Fp8Tables& shared_tables, const F8* src,
+                                int64_t block_size, int64_t t0, int64_t n, int64_t head_size,
+                                int64_t dp2, bf16_t* dst) {
+  const Fp8Tables tables = shared_tables;
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
   for (int64_t c = 0; c < head_size / 16; ++c) {
     const uint8_t* piece = codes + c * block_size * 16 + t0 * 16;
@@ -218,9 +234,10 @@ inline __m512i insert_dim_codes(__m512i x, const uint8_t* codes, int64_t d, int6
 // converted (split_value_shuffle), with no float32 tile between. Only the n tokens' bytes are
 // read.
 template <typename F8, int NC>
-inline void split_value_pairs_fp8(const Fp8Tables& tables, const F8* src, int64_t block_size,
-                                  int64_t t0, int64_t n, int64_t head_size, uint32_t* dst,
-                                  TilePrefetcher& pf, int64_t per_step) {
+inline void split_value_pairs_fp8(const Fp8Tables& shared_tables, const F8* src,
+                                  int64_t block_size, int64_t t0, int64_t n, int64_t head_size,
+                                  uint32_t* dst, TilePrefetcher& pf, int64_t per_step) {
+  const Fp8Tables tables = shared_tables;
   constexpr int64_t DP = NC * 16;
   const SplitValueShuffle& shuffle = split_value_shuffle();
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(src) + t0;
