@@ -10,8 +10,9 @@
 // The interface the kernel calls: fp8_tables<F8> (once per item, kept in registers);
 // convert_tile_fp8_bf16 and convert_value_pairs_fp8 (token-major keys, and values as the bf16
 // pair tile of decode_vec.h's accumulate_pairs), split_keys_fp8_bf16 and split_value_pairs_fp8
-// (the split layout's) from decode_item; fp8_to_bf16_64 and fp8_chunk_mask from decode_amx.h's
-// decode_item_amx.
+// (the split layout's) from decode_item; convert_tile_fp8_bf16 and convert_pairs_fp8 in
+// quad_pair_index's order from decode_quads.h's attend_tile_quads; fp8_to_bf16_64 and
+// fp8_chunk_mask from decode_amx.h's decode_item_amx.
 #pragma once
 
 #if JAX_ATTN_DECODE_BF16_DOT && defined(__AVX512VBMI__)
@@ -112,51 +113,87 @@ inline void convert_tile_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_
                            });
 }
 
-// Values of one kv head's fp8 rows [0, n) of a tile as the pair tile of accumulate_pairs
-// (dst [8][NC * 16] words (v[2k][d], v[2k + 1][d]) in bf16, zeros past n and past head_size):
-// per token pair and 64 dimensions, the two rows' codes interleaved and put in kFp8Spread order
-// by one vpermt2b each half, then looked up as fp8_to_bf16_64 does: the bf16 words come out
-// already paired, with no float32 tile between.
-template <typename F8, int NC>
-inline void convert_value_pairs_fp8(const Fp8Tables& shared_tables, const F8* src,
-                                    int64_t row_stride, int64_t n, int64_t head_size,
-                                    uint32_t* dst) {
-  const Fp8Tables tables = shared_tables;
-  constexpr int64_t DP = NC * 16;
-  // Interleaved element e (e even: row a's code e / 2, odd: row b's) for the lanes in
-  // kFp8Spread order; the second table for elements 64..127. vpermt2b: index bit 6 picks b.
-  alignas(64) static const auto kIndex = [] {
-    std::array<uint8_t, 128> idx{};
+// Byte indexes for one vpermt2b over a token pair's 64 + 64 codes (row a's, then row b's:
+// index bit 6 picks b) that put each code where fp8_spread_codes_to_bf16 turns it into the bf16
+// element wanted there: index[0] for the pair's first 32 dimensions of the 64, index[1] for the
+// other 32. fp8_spread_codes_to_bf16 makes byte 16L + i of its input (lane L, i < 8) element
+// 8L + i of out[0], and byte 16L + 8 + i element 8L + i of out[1].
+struct PairIndex {
+  __m512i index[2];
+};
+
+// accumulate_pairs' order: words (v[2k][d], v[2k + 1][d]) for d in order (the kFp8Spread
+// order of the interleaved elements e: e even row a's code e / 2, odd row b's).
+inline const PairIndex& natural_pair_index() {
+  static const PairIndex index = [] {
+    alignas(64) uint8_t idx[128];
     for (int half = 0; half < 2; ++half) {
       for (int j = 0; j < 64; ++j) {
         const int e = 64 * half + kFp8Spread[j];
         idx[64 * half + j] = static_cast<uint8_t>((e % 2) * 64 + e / 2);
       }
     }
-    return idx;
+    return PairIndex{{_mm512_load_si512(idx), _mm512_load_si512(idx + 64)}};
   }();
-  const __m512i idx0 = _mm512_load_si512(kIndex.data());
-  const __m512i idx1 = _mm512_load_si512(kIndex.data() + 64);
+  return index;
+}
+
+// decode_quads.h's order, what vpunpck{l,h}wd make of two bf16 rows: per 32 dimensions, out[0]
+// lane L holds the pairs of dimensions 8L .. 8L + 3, out[1] those of 8L + 4 .. 8L + 7.
+inline const PairIndex& quad_pair_index() {
+  static const PairIndex index = [] {
+    alignas(64) uint8_t idx[128];
+    for (int half = 0; half < 2; ++half) {
+      for (int j = 0; j < 64; ++j) {
+        const int lane = j / 16, i = j % 8, second = j % 16 / 8;
+        const int dim = 32 * half + 8 * lane + 4 * second + i / 2;
+        idx[64 * half + j] = static_cast<uint8_t>((i % 2) * 64 + dim);
+      }
+    }
+    return PairIndex{{_mm512_load_si512(idx), _mm512_load_si512(idx + 64)}};
+  }();
+  return index;
+}
+
+// Values of one kv head's fp8 rows [0, n) of a tile as bf16 pairs of tokens (2k, 2k + 1): row
+// k of dst (kRowWords words, zeros past n and past head_size) holds per 64 dimensions the 4
+// vectors of words that `order` puts there; per token pair and 64 dimensions, the two rows'
+// codes are interleaved by one vpermt2b per 32 and looked up as fp8_to_bf16_64 does, with no
+// float32 or bf16 row tile between.
+template <typename F8, int64_t kRowWords>
+inline void convert_pairs_fp8(const Fp8Tables& shared_tables, const PairIndex& order,
+                              const F8* src, int64_t row_stride, int64_t n, int64_t head_size,
+                              uint32_t* dst) {
+  const Fp8Tables tables = shared_tables;
+  const __m512i idx0 = order.index[0], idx1 = order.index[1];
   for (int64_t k = 0; 2 * k < n; ++k) {
     const uint8_t* a = reinterpret_cast<const uint8_t*>(src + 2 * k * row_stride);
     const uint8_t* b = reinterpret_cast<const uint8_t*>(src + (2 * k + 1) * row_stride);
-    uint32_t* row = dst + k * DP;
+    uint32_t* row = dst + k * kRowWords;
 #pragma GCC unroll 4
-    for (int64_t c = 0; c < DP; c += 64) {
+    for (int64_t c = 0; c < kRowWords; c += 64) {
       const __m512i x = _mm512_maskz_loadu_epi8(fp8_chunk_mask(2 * k, n, head_size - c), a + c);
       const __m512i y =
           _mm512_maskz_loadu_epi8(fp8_chunk_mask(2 * k + 1, n, head_size - c), b + c);
       __m512i out[2];
       fp8_spread_codes_to_bf16(_mm512_permutex2var_epi8(x, idx0, y), tables, out);
       _mm512_store_si512(row + c, out[0]);
-      if (c + 16 < DP) _mm512_store_si512(row + c + 16, out[1]);
-      if (c + 32 < DP) {
+      if (c + 16 < kRowWords) _mm512_store_si512(row + c + 16, out[1]);
+      if (c + 32 < kRowWords) {
         fp8_spread_codes_to_bf16(_mm512_permutex2var_epi8(x, idx1, y), tables, out);
         _mm512_store_si512(row + c + 32, out[0]);
-        if (c + 48 < DP) _mm512_store_si512(row + c + 48, out[1]);
+        if (c + 48 < kRowWords) _mm512_store_si512(row + c + 48, out[1]);
       }
     }
   }
+}
+
+// The pair tile of accumulate_pairs (dst [8][NC * 16] words (v[2k][d], v[2k + 1][d])).
+template <typename F8, int NC>
+inline void convert_value_pairs_fp8(const Fp8Tables& tables, const F8* src, int64_t row_stride,
+                                    int64_t n, int64_t head_size, uint32_t* dst) {
+  convert_pairs_fp8<F8, NC * 16>(tables, natural_pair_index(), src, row_stride, n, head_size,
+                                 dst);
 }
 
 // The split layout's fp8 keys of tokens [t0, t0 + n) of one head's block ([D / 16, BS, 16])

@@ -20,7 +20,8 @@
 // hi: 8L + 4 .. 8L + 7), in that order in RowsState's rows (round_up(D, 32) floats apart)
 // until unpermute_quad_rows puts them back at the end of the item.
 // A tile's kv heads go in turn: the head's 16 key rows (Hkv * D elements apart), its rows'
-// softmax, its values; fp8 rows are first widened into bf16 tiles (decode_fp8.h).
+// softmax, its values; fp8 keys are first widened into a bf16 tile, and fp8 values straight
+// into the p.v's interleaved pairs (convert_pairs_fp8 in quad_pair_index's order; decode_fp8.h).
 //
 // Measured (2-core Zen 5 VM, 32 x 1024 keys, Hkv 8, D 128, block 128; NOTES.md): from L2 at
 // G = 4, 55-57 cycles per token and kv head against 66 (logits ~17, p.v ~17, softmax ~11, the
@@ -37,7 +38,7 @@ struct QuadScratch {
   uint32_t* probs;
   float* factor;
   bf16_t* keys;    // fp8: [16][DP2]
-  bf16_t* values;  // fp8: [16][DP2]
+  bf16_t* values;  // fp8: [8][DP2] words, the head's token pairs as the p.v reads them
 };
 
 // The queries of one item for the quads: per kv head h and quad u (query rows h * G + 4u ..
@@ -199,19 +200,19 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
 
   for (int64_t h = 0; h < Hkv; ++h) {
     const bf16_t* k[16];
-    const bf16_t* v[16];
+    const bf16_t* v[16] = {};
+    // fp8: the head's values already in the p.v's pairs ([8][DP2] words, below).
+    uint32_t* value_pairs = reinterpret_cast<uint32_t*>(s.values);
     if constexpr (kFp8) {
 #if JAX_ATTN_DECODE_FP8_DOT
       const Fp8Tables& tables = *static_cast<const Fp8Tables*>(fp8_tables);
       pf.step();
       convert_tile_fp8_bf16<KV, NC>(tables, k_rows + h * D, row_stride, n, D, s.keys);
       pf.step();
-      convert_tile_fp8_bf16<KV, NC>(tables, v_rows + h * D, row_stride, n, D, s.values);
+      convert_pairs_fp8<KV, DP2>(tables, quad_pair_index(), v_rows + h * D, row_stride, n, D,
+                                 value_pairs);
 #endif
-      for (int i = 0; i < 16; ++i) {
-        k[i] = s.keys + i * DP2;
-        v[i] = s.values + i * DP2;
-      }
+      for (int i = 0; i < 16; ++i) k[i] = s.keys + i * DP2;
     } else {
       for (int i = 0; i < 16; ++i) {
         const bool in = i < n;
@@ -284,20 +285,28 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
         }
         for (int64_t k2 = 0; k2 < pairs; ++k2) {
           pf.step();
-          const bf16_t* va = v[2 * k2];
-          const bf16_t* vb = v[2 * k2 + 1];
           __m512i w[4];
-          {
+          if constexpr (kFp8) {
+            const uint32_t* pw = value_pairs + k2 * DP2 + 32 * c0;
+            w[0] = _mm512_load_si512(pw);
+            w[1] = _mm512_load_si512(pw + 16);
+            if (two) {
+              w[2] = _mm512_load_si512(pw + 32);
+              w[3] = _mm512_load_si512(pw + 48);
+            }
+          } else {
+            const bf16_t* va = v[2 * k2];
+            const bf16_t* vb = v[2 * k2 + 1];
             const __m512i a0 = _mm512_maskz_loadu_epi16(m0, va + 32 * c0);
             const __m512i b0 = _mm512_maskz_loadu_epi16(m0, vb + 32 * c0);
             w[0] = _mm512_unpacklo_epi16(a0, b0);
             w[1] = _mm512_unpackhi_epi16(a0, b0);
-          }
-          if (two) {
-            const __m512i a1 = _mm512_maskz_loadu_epi16(m1, va + 32 * c0 + 32);
-            const __m512i b1 = _mm512_maskz_loadu_epi16(m1, vb + 32 * c0 + 32);
-            w[2] = _mm512_unpacklo_epi16(a1, b1);
-            w[3] = _mm512_unpackhi_epi16(a1, b1);
+            if (two) {
+              const __m512i a1 = _mm512_maskz_loadu_epi16(m1, va + 32 * c0 + 32);
+              const __m512i b1 = _mm512_maskz_loadu_epi16(m1, vb + 32 * c0 + 32);
+              w[2] = _mm512_unpacklo_epi16(a1, b1);
+              w[3] = _mm512_unpackhi_epi16(a1, b1);
+            }
           }
 #pragma GCC unroll 4
           for (int r = 0; r < 4; ++r) {
