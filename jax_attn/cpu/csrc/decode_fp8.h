@@ -122,36 +122,33 @@ struct PairIndex {
   __m512i index[2];
 };
 
+// A PairIndex from `source(half, j)`, the byte index for position j of index[half].
+template <typename Source>
+PairIndex make_pair_index(Source source) {
+  alignas(64) uint8_t idx[128];
+  for (int half = 0; half < 2; ++half) {
+    for (int j = 0; j < 64; ++j) idx[64 * half + j] = static_cast<uint8_t>(source(half, j));
+  }
+  return PairIndex{{_mm512_load_si512(idx), _mm512_load_si512(idx + 64)}};
+}
+
 // accumulate_pairs' order: words (v[2k][d], v[2k + 1][d]) for d in order (the kFp8Spread
 // order of the interleaved elements e: e even row a's code e / 2, odd row b's).
 inline const PairIndex& natural_pair_index() {
-  static const PairIndex index = [] {
-    alignas(64) uint8_t idx[128];
-    for (int half = 0; half < 2; ++half) {
-      for (int j = 0; j < 64; ++j) {
-        const int e = 64 * half + kFp8Spread[j];
-        idx[64 * half + j] = static_cast<uint8_t>((e % 2) * 64 + e / 2);
-      }
-    }
-    return PairIndex{{_mm512_load_si512(idx), _mm512_load_si512(idx + 64)}};
-  }();
+  static const PairIndex index = make_pair_index([](int half, int j) {
+    const int e = 64 * half + kFp8Spread[j];
+    return (e % 2) * 64 + e / 2;
+  });
   return index;
 }
 
 // decode_quads.h's order, what vpunpck{l,h}wd make of two bf16 rows: per 32 dimensions, out[0]
 // lane L holds the pairs of dimensions 8L .. 8L + 3, out[1] those of 8L + 4 .. 8L + 7.
 inline const PairIndex& quad_pair_index() {
-  static const PairIndex index = [] {
-    alignas(64) uint8_t idx[128];
-    for (int half = 0; half < 2; ++half) {
-      for (int j = 0; j < 64; ++j) {
-        const int lane = j / 16, i = j % 8, second = j % 16 / 8;
-        const int dim = 32 * half + 8 * lane + 4 * second + i / 2;
-        idx[64 * half + j] = static_cast<uint8_t>((i % 2) * 64 + dim);
-      }
-    }
-    return PairIndex{{_mm512_load_si512(idx), _mm512_load_si512(idx + 64)}};
-  }();
+  static const PairIndex index = make_pair_index([](int half, int j) {
+    const int lane = j / 16, i = j % 8, second = j % 16 / 8;
+    return (i % 2) * 64 + 32 * half + 8 * lane + 4 * second + i / 2;
+  });
   return index;
 }
 

@@ -198,6 +198,10 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 qk_scale = _mm512_set1_ps(p.qk_scale);
 
+#if JAX_ATTN_DECODE_FP8_DOT
+  // fp8: the values' pair order, found once per tile.
+  [[maybe_unused]] const PairIndex* value_order = kFp8 ? &quad_pair_index() : nullptr;
+#endif
   for (int64_t h = 0; h < Hkv; ++h) {
     const bf16_t* k[16];
     const bf16_t* v[16] = {};
@@ -209,7 +213,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
       pf.step();
       convert_tile_fp8_bf16<KV, NC>(tables, k_rows + h * D, row_stride, n, D, s.keys);
       pf.step();
-      convert_pairs_fp8<KV, DP2>(tables, quad_pair_index(), v_rows + h * D, row_stride, n, D,
+      convert_pairs_fp8<KV, DP2>(tables, *value_order, v_rows + h * D, row_stride, n, D,
                                  value_pairs);
 #endif
       for (int i = 0; i < 16; ++i) k[i] = s.keys + i * DP2;
