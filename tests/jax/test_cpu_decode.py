@@ -516,6 +516,27 @@ def test_codegen_float32_rows_decode_loads_each_chunk_once():
     assert folded == [], f"{len(folded)} of {len(fmas)} FMAs read memory:\n" + "\n".join(folded[:8])
 
 
+def test_codegen_float32_rows_decode_stores_no_chunk_it_loads():
+    """Codegen, not speed: no key or value chunk that the float32 token-major decode loads is
+    stored to the stack right after. GCC 12 compiled each masked load whose mask unrolling made
+    all ones into a load plus a dead store of the register to one stack slot (35 in this
+    function, float32 GQA 8 decode 1.06-1.13x slower); kernel_common.h's load_chunk gives
+    whole chunks a plain load."""
+    body = _kernel_asm("attend_tile_rows<float, 8, false>", ("avx512f",)).splitlines()
+    stored = []
+    for i, line in enumerate(body):
+        load = re.search(r"\tvmovu?p[sd]\s+(?:-?0x[0-9a-f]+)?\((%r\w+)[^)]*\),(%zmm\d+)$", line)
+        if load is None or load.group(1) in ("%rbp", "%rsp"):
+            continue
+        spill = re.compile(r"\tvmov\w+\s+" + load.group(2) + r",-?0x[0-9a-f]+\(%r[bs]p\)")
+        stored += [(line, after) for after in body[i + 1 : i + 5] if spill.search(after)]
+    loads = [line for line in body if re.search(r"\tvmovu?ps\s+[^%]*\(%r\w+\),%zmm", line)]
+    assert len(loads) > 32, loads  # the chunk loads of the math, not a stub
+    assert stored == [], f"{len(stored)} loaded chunks stored to the stack:\n" + "\n".join(
+        f"{a.strip()} / {b.strip()}" for a, b in stored[:8]
+    )
+
+
 def test_codegen_fp8_widening_keeps_its_tables_in_registers():
     """Codegen, not speed: the fp8 decode's byte lookups (decode_fp8.h, 128-byte tables in two
     registers) overwrite their index (VPERMI2B), not a table, and no two-source byte permute

@@ -659,12 +659,11 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
             }
 #endif
           } else {
-            const __mmask16 m = c == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
             const float* qh = static_cast<const float*>(q) + (h * G + g0) * DP;
             __m512 kc[4];
 #pragma GCC unroll 4
             for (int i = 0; i < 4; ++i) {
-              kc[i] = load16<KV>(k[i] + 16 * c, m);
+              kc[i] = load_chunk<KV, NC>(k[i], c, last_mask);
               pin_register(kc[i]);  // each read by up to 4 rows: one load, not 4
             }
 #pragma GCC unroll 4
@@ -756,8 +755,7 @@ __attribute__((noinline)) void attend_tile_rows(const Problem& p, const void* q,
 #pragma GCC unroll 4
             for (int j = 0; j < 4; ++j) {
               if (cb + j < NC) {
-                const __mmask16 m = cb + j == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
-                x[j] = load16<KV>(v[i] + 16 * (cb + j), m);
+                x[j] = load_chunk<KV, NC>(v[i], cb + j, last_mask);
                 pin_register(x[j]);  // read by up to 4 rows
               }
             }

@@ -494,6 +494,18 @@ inline __m512 load16<e4m3_t>(const e4m3_t* p, __mmask16 m) {
   return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
+// Chunk c of a row of NC 16-element chunks: the last under last_mask, the others whole. For a
+// float32 row the whole chunks take a plain load: GCC 12 compiled the masked load of a mask
+// that unrolling made all ones into a load plus a dead store of it to the stack (float32
+// decode, attend_tile_rows at D 128: one store per key and value chunk; NOTES.md).
+template <typename T, int NC>
+__attribute__((always_inline)) inline __m512 load_chunk(const T* row, int c, __mmask16 last_mask) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (c != NC - 1) return _mm512_loadu_ps(row + 16 * c);
+  }
+  return load16<T>(row + 16 * c, c == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff));
+}
+
 // exp(x) in float32, ~1-2 ulp over the normal range; exp(-inf) = 0, large x -> inf.
 inline __m512 exp16(__m512 x) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
