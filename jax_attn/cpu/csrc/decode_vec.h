@@ -29,7 +29,7 @@ inline void widen_tile(const KV* src, int64_t row_stride, int64_t n, __mmask16 l
     if (full) {
 #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) {
-        _mm512_store_ps(dst + t * DP + 16 * c, load16<KV>(row + 16 * c, 0xffff));
+        _mm512_store_ps(dst + t * DP + 16 * c, load16<KV>(row + 16 * c));
       }
     } else {
 #pragma GCC unroll 16

@@ -460,50 +460,80 @@ inline __mmask16 tail_mask(int64_t n) {  // lanes [0, n) of 16
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
-// 16 elements (lanes outside `m` read nothing and are 0) widened to float32.
+// 16 elements widened to float32, per element type: `masked` reads lanes in `m` (the others
+// read nothing and are 0), `whole` reads all 16. A mask that unrolling makes all ones is no
+// substitute for `whole`: GCC 12 compiled such masked loads into a load plus a dead store of
+// the register to the stack (float32 decode, attend_tile_rows at D 128: one per key and value
+// chunk, GQA 7-8 1.06-1.09x slower; NOTES.md).
 template <typename T>
-inline __m512 load16(const T* p, __mmask16 m);
+struct Load16;
 template <>
-inline __m512 load16<float>(const float* p, __mmask16 m) {
-  return _mm512_maskz_loadu_ps(m, p);
+struct Load16<float> {
+  static __m512 masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+  static __m512 whole(const float* p) { return _mm512_loadu_ps(p); }
+};
+template <>
+struct Load16<bf16_t> {
+  static __m512 widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static __m512 masked(const bf16_t* p, __mmask16 m) {
+    return widen(_mm256_maskz_loadu_epi16(m, p));
+  }
+  static __m512 whole(const bf16_t* p) {
+    return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+template <>
+struct Load16<f16_t> {
+  static __m512 masked(const f16_t* p, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+  }
+  static __m512 whole(const f16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+template <>
+struct Load16<e5m2_t> {
+  static __m512 widen(__m128i b) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+  }
+  static __m512 masked(const e5m2_t* p, __mmask16 m) { return widen(_mm_maskz_loadu_epi8(m, p)); }
+  static __m512 whole(const e5m2_t* p) {
+    return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+};
+template <>
+struct Load16<e4m3_t> {
+  static __m512 widen(__m128i b) {
+    const __m256i w = _mm256_cvtepu8_epi16(b);
+    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+    // fp16 bits: sign to bit 15, exponent+mantissa to bits 13..7 (see widen(e4m3_t)).
+    const __m256i h =
+        _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                        _mm256_slli_epi16(mag, 7));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+    return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  }
+  static __m512 masked(const e4m3_t* p, __mmask16 m) { return widen(_mm_maskz_loadu_epi8(m, p)); }
+  static __m512 whole(const e4m3_t* p) {
+    return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+};
+template <typename T>
+inline __m512 load16(const T* p, __mmask16 m) {
+  return Load16<T>::masked(p, m);
 }
-template <>
-inline __m512 load16<bf16_t>(const bf16_t* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-template <>
-inline __m512 load16<f16_t>(const f16_t* p, __mmask16 m) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-}
-template <>
-inline __m512 load16<e5m2_t>(const e5m2_t* p, __mmask16 m) {
-  const __m128i b = _mm_maskz_loadu_epi8(m, p);
-  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
-}
-template <>
-inline __m512 load16<e4m3_t>(const e4m3_t* p, __mmask16 m) {
-  const __m128i b = _mm_maskz_loadu_epi8(m, p);
-  const __m256i w = _mm256_cvtepu8_epi16(b);
-  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
-  // fp16 bits: sign to bit 15, exponent+mantissa to bits 13..7 (see widen(e4m3_t)).
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(mag, 7));
-  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-  const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
-  return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+template <typename T>
+inline __m512 load16(const T* p) {
+  return Load16<T>::whole(p);
 }
 
-// Chunk c of a row of NC 16-element chunks: the last under last_mask, the others whole. For a
-// float32 row the whole chunks take a plain load: GCC 12 compiled the masked load of a mask
-// that unrolling made all ones into a load plus a dead store of it to the stack (float32
-// decode, attend_tile_rows at D 128: one store per key and value chunk; NOTES.md).
+// Chunk c of a row of NC 16-element chunks: the last under last_mask, the others whole.
 template <typename T, int NC>
 __attribute__((always_inline)) inline __m512 load_chunk(const T* row, int c, __mmask16 last_mask) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (c != NC - 1) return _mm512_loadu_ps(row + 16 * c);
-  }
-  return load16<T>(row + 16 * c, c == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff));
+  return c == NC - 1 ? load16<T>(row + 16 * c, last_mask) : load16<T>(row + 16 * c);
 }
 
 // exp(x) in float32, ~1-2 ulp over the normal range; exp(-inf) = 0, large x -> inf.
