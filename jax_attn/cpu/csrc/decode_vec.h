@@ -150,8 +150,7 @@ inline void accumulate_values(const float* v_rows, int64_t stride, __mmask16 las
 #pragma GCC unroll 4
       for (int j = 0; j < kMaxCB; ++j) {
         if (cb + j < NC) {
-          const __mmask16 m = cb + j == NC - 1 ? last_mask : static_cast<__mmask16>(0xffff);
-          v[j] = load16<float>(v_rows + t * stride + 16 * (cb + j), m);
+          v[j] = load_chunk<float, NC>(v_rows + t * stride, cb + j, last_mask);
         }
       }
 #pragma GCC unroll 4
