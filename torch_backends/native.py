@@ -21,6 +21,7 @@ Where the library cannot be built (no compiler, a failed build, `JAX_ATTN_CPU_DI
 says so once per process.
 """
 
+import ctypes
 import importlib.util
 import math
 import sys
@@ -38,6 +39,7 @@ LIB_NAME = "libjax_attn_torch.so"
 # The C++ units of the torch library, as glob patterns in csrc/ (every csrc header is part of
 # its cache key).
 UNITS = (
+    "isa.cc",  # what the kernels run on this CPU (split_decode_path)
     "paged_decode.cc",
     "decode_items_*.cc",  # the decode kernel's items, one unit per cache dtype
     "ragged_paged_attention.cc",
@@ -206,6 +208,33 @@ def decode_supported(query: Tensor, key_cache: Tensor) -> bool:
         and key_cache.dim() == 5
         and key_cache.shape[-1] * key_cache.element_size() == 16
     )
+
+
+_CACHE_DTYPE_NAMES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
+def split_decode_path(
+    query_dtype: torch.dtype, kv_cache_dtype: str, block_size: int, group: int
+) -> str:
+    """Which code `paged_decode_split` runs here for `query_dtype` queries on a cache of
+    `kv_cache_dtype` ("auto": the queries' dtype, or vLLM's fp8 names) at `block_size` with
+    `group` query heads per kv head: "amx" (bf16 queries on a bf16 or fp8 cache, on a CPU whose
+    AMX tiles this process may use, at block sizes 16, 32 or multiples of 64), "vector", or
+    "unavailable" (no native ops). `jax_attn.cpu.decode_path(..., layout="split")` answers the
+    same for the XLA library."""
+    if unavailable_reason() is not None:
+        return "unavailable"
+    fn = ctypes.CDLL(str(_state["path"])).jax_attn_cpu_decode_on_amx
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    query = str(query_dtype).removeprefix("torch.")
+    cache = query if kv_cache_dtype == "auto" else _CACHE_DTYPE_NAMES.get(kv_cache_dtype, "")
+    amx = fn(cache.encode(), query.encode(), 1, int(block_size), int(group))
+    return "amx" if amx else "vector"
 
 
 def paged_decode_split(

@@ -94,3 +94,27 @@ def test_torch_op_equals_the_xla_handler_bit_for_bit(
         k_scale=float(scales[0]), v_scale=float(scales[1]), **kwargs,
     )  # fmt: skip
     np.testing.assert_array_equal(_bits(_jnp(out)), _bits(expected))
+
+
+@pytest.mark.parametrize(
+    "query,cache,block_size,group",
+    [
+        ("bfloat16", "auto", 128, 4),
+        ("bfloat16", "fp8", 16, 1),
+        ("bfloat16", "fp8_e5m2", 48, 8),
+        ("bfloat16", "auto", 64, 9),
+        ("float32", "auto", 128, 4),
+        ("float16", "auto", 16, 4),
+    ],
+)
+def test_both_libraries_name_the_same_split_decode_path(query, cache, block_size, group):
+    """`native.split_decode_path` (the torch library) and `cpu.decode_path(..., "split")` (the
+    XLA one) ask the same rule of one source: they agree, and float queries never take the
+    tiles."""
+    cache_dtype = {"auto": query, "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[cache]
+    torch_path = native.split_decode_path(getattr(torch, query), cache, block_size, group)
+    xla_path = jax_cpu.decode_path(cache_dtype, query, block_size, group, layout="split")
+    assert torch_path == xla_path
+    assert torch_path in ("amx", "vector")
+    if query != "bfloat16" or block_size == 48:
+        assert torch_path == "vector"

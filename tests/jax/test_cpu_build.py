@@ -267,7 +267,8 @@ NOT_HERE_WITHOUT_AMX = {
 
 def _pytest_in_child(env: dict, tests) -> subprocess.CompletedProcess:
     """`tests` ((file, -k expression or None), ...) in one child pytest run, one file at a time
-    so each keeps its own -k; returns the last failing run or the last run. The stages' skip
+    so each keeps its own -k (a file of tests/jax, or a path under tests/ with its folder);
+    returns the last failing run or the last run. The stages' skip
     audit variables stay behind (a child runs a few files: no stage's tests need pass there);
     JAX_ATTN_REQUIRE_NATIVE goes on, so a child that cannot build the kernels fails."""
     env = {k: v for k, v in env.items()
@@ -278,7 +279,7 @@ def _pytest_in_child(env: dict, tests) -> subprocess.CompletedProcess:
                "-p", "no:xdist",
                "-rs",  # a failed build shows as skips: print their reason
                "-s",  # the sanitizer's report goes to fd 2: keep it out of pytest's capture
-               str(REPO / "tests" / "jax" / name)]  # fmt: skip
+               str(REPO / "tests" / (name if "/" in name else f"jax/{name}"))]  # fmt: skip
         if keyword:
             cmd += ["-k", keyword]
         last = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=2400)
@@ -313,6 +314,53 @@ def test_sanitizer_build_runs_both_kernels(portable):
     tail = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, (env["JAX_ATTN_CPU_EXTRA_FLAGS"], result.stdout[-3000:],
                                     result.stderr[-3000:])  # fmt: skip
+    assert " passed" in tail and "skipped" not in tail, result.stdout[-3000:]
+
+
+# What the build with emulated AMX tiles runs: every AMX case of both kernels (token-major and,
+# through the torch ops, vLLM's split layout), and the AMX peak probe's exact sums.
+EMULATED_AMX_TESTS = (
+    ("test_cpu_ragged.py", "amx"),
+    ("test_cpu_decode.py", "amx"),
+    ("test_cpu_amx_peak.py", "every_tile or available_where"),
+    ("torch/test_native_ops.py", "not opcheck"),
+)
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_emulated_amx_build_runs_the_amx_tests_under_the_sanitizers():
+    """The AMX paths on any AVX-512 BF16 CPU: a build with -DJAX_ATTN_AMX_EMULATE=1
+    (amx_tiles.h: every tile instruction done in software on per-thread tile registers, a
+    configuration the hardware would fault on stops the process) and ASan + UBSan, running
+    EMULATED_AMX_TESTS in a child process, no case skipped. The tiles' tiling, operand packing
+    and masking are then checked against the float64 oracle on CPUs without tiles, and their
+    memory accesses by the sanitizers, which cannot see inside a real tile load."""
+    if cpu.unavailable_reason() is not None:
+        pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
+    missing = {"avx512f", "avx512bw", "avx512_bf16", "avx512vbmi"} - _cpu_flags()
+    if missing:
+        pytest.skip(f"the emulated tiles need AVX-512 with {', '.join(sorted(missing))}")
+    pytest.importorskip("torch", reason="the split layout's AMX decode runs as a torch op")
+    from interop import bad_metadata
+
+    try:
+        env = bad_metadata.sanitizer_env("-DJAX_ATTN_AMX_EMULATE=1")
+    except RuntimeError as e:
+        pytest.skip(f"native CPU kernels: {e}")
+    check = subprocess.run(
+        [sys.executable, "-c", "from jax_attn import cpu; print(cpu.isa())"],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )  # fmt: skip
+    assert "amx-bf16 (emulated)" in check.stdout, (check.stdout, check.stderr[-3000:])
+    result = _pytest_in_child(env, EMULATED_AMX_TESTS)
+    tail = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     assert " passed" in tail and "skipped" not in tail, result.stdout[-3000:]
 
 

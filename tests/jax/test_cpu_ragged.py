@@ -341,12 +341,19 @@ AMX_CASES = [
 
 def test_isa_names_amx_where_the_cpu_has_it():
     """`cpu.isa()` reports AMX exactly where /proc/cpuinfo has the tiles, in the native build
-    (-march=native) unless turned off."""
+    (-march=native) unless turned off; a build with emulated tiles (-DJAX_ATTN_AMX_EMULATE=1)
+    reports them as emulated on any CPU."""
     import os
 
     assert cpu.isa() is not None and cpu.isa().startswith("bf16 products: ")
-    native = "-march" not in os.environ.get("JAX_ATTN_CPU_EXTRA_FLAGS", "")
-    if native and os.environ.get("JAX_ATTN_CPU_AMX", "") != "0":
+    flags = os.environ.get("JAX_ATTN_CPU_EXTRA_FLAGS", "")
+    on = os.environ.get("JAX_ATTN_CPU_AMX", "") != "0"
+    if "-DJAX_ATTN_AMX_EMULATE=1" in flags.split():
+        assert AMX == on and (("(emulated)" in cpu.isa()) == on), cpu.isa()
+        return
+    assert "(emulated)" not in cpu.isa()
+    native = "-march" not in flags
+    if native and on:
         assert AMX == _cpu_has_amx()
     if not native:
         assert not AMX

@@ -12,6 +12,9 @@
 // (while C fits 24 bits), so every element ends at exactly iterations * 32 a b and the result's
 // mean over all of them shows that every item ran every product.
 //
+// In a build with emulated tiles (amx_tiles.h, a test build) the probe runs them in software:
+// its exact sums then check the emulation, and its GFLOP/s are no peak.
+//
 // Where the tiles cannot run (a build without AMX-BF16, a CPU without it, Linux refusing the
 // tile state, $JAX_ATTN_CPU_AMX=0) the handler returns an error naming why, and
 // `jax_attn_cpu_amx_unavailable()` says the same without a call (what `amx_peak.available()`
@@ -38,13 +41,18 @@ std::string amx_unavailable_reason() {
 #if JAX_ATTN_AMX
   if (amx_available()) return "";
   const char* env = std::getenv("JAX_ATTN_CPU_AMX");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return "turned off by JAX_ATTN_CPU_AMX=0";
+  // (emulated tiles are off only by that variable)
+  if (JAX_ATTN_AMX_EMULATED || (env != nullptr && std::strcmp(env, "0") == 0)) {
+    return "turned off by JAX_ATTN_CPU_AMX=0";
+  }
+#if !JAX_ATTN_AMX_EMULATED
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0 || (d & (1u << 24)) == 0 ||
       (d & (1u << 22)) == 0) {
     return "this CPU has no AMX-TILE / AMX-BF16 (CPUID leaf 7)";
   }
   return "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)";
+#endif
 #else
   return "the kernels were built without AMX-BF16 (the compiler flags give no "
          "-mamx-tile -mamx-bf16 -mavx512bf16, e.g. -march=x86-64-v3)";
@@ -73,20 +81,20 @@ double run_tiles(int64_t iterations, uint16_t a, uint16_t b) {
   JAX_ATTN_TILE_LOAD(5, A, 64);
   JAX_ATTN_TILE_LOAD(6, B, 64);
   JAX_ATTN_TILE_LOAD(7, B, 64);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  JAX_ATTN_TILE_ZERO(0);
+  JAX_ATTN_TILE_ZERO(1);
+  JAX_ATTN_TILE_ZERO(2);
+  JAX_ATTN_TILE_ZERO(3);
   for (int64_t it = 0; it < iterations; ++it) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    JAX_ATTN_TILE_DPBF16PS(0, 4, 6);
+    JAX_ATTN_TILE_DPBF16PS(1, 4, 7);
+    JAX_ATTN_TILE_DPBF16PS(2, 5, 6);
+    JAX_ATTN_TILE_DPBF16PS(3, 5, 7);
   }
-  _tile_stored(0, C[0], 64);
-  _tile_stored(1, C[1], 64);
-  _tile_stored(2, C[2], 64);
-  _tile_stored(3, C[3], 64);
+  JAX_ATTN_TILE_STORE(0, C[0], 64);
+  JAX_ATTN_TILE_STORE(1, C[1], 64);
+  JAX_ATTN_TILE_STORE(2, C[2], 64);
+  JAX_ATTN_TILE_STORE(3, C[3], 64);
   double sum = 0.0;
   for (const auto& tile : C) {
     for (const auto& row : tile) {

@@ -23,19 +23,133 @@
 
 #include "kernel_common.h"
 
-#if JAX_ATTN_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
-    defined(__AVX512BF16__) && defined(__x86_64__)
+// JAX_ATTN_AMX: the tile paths are compiled in. Natively where the compiler targets AMX-TILE and
+// AMX-BF16; emulated (JAX_ATTN_AMX_EMULATED) in a test build made with -DJAX_ATTN_AMX_EMULATE=1 on
+// any AVX-512 BF16 CPU, where every tile instruction below is done in software on per-thread
+// tile registers: the AMX paths' tiling, operand layouts and masking then run, under the
+// correctness tests and the sanitizers, on CPUs without tiles (tests/jax/test_cpu_build.py).
+#if JAX_ATTN_AVX512 && defined(JAX_ATTN_AMX_EMULATE) && defined(__AVX512BF16__)
+#if JAX_ATTN_AMX_EMULATE
 #define JAX_ATTN_AMX 1
+#define JAX_ATTN_AMX_EMULATED 1
+#endif
+#endif
+#if !defined(JAX_ATTN_AMX) && JAX_ATTN_AVX512 && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__x86_64__)
+#define JAX_ATTN_AMX 1
+#define JAX_ATTN_AMX_EMULATED 0
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#else
+#endif
+#if !defined(JAX_ATTN_AMX)
 #define JAX_ATTN_AMX 0
+#define JAX_ATTN_AMX_EMULATED 0
 #endif
 
 namespace jax_attn_cpu {
 
 #if JAX_ATTN_AMX
+
+struct alignas(64) TileConfig {
+  uint8_t bytes[64];  // palette (byte 0), colsb[8] (uint16 at 16 + 2t), rows[8] (byte 48 + t)
+};
+
+#if JAX_ATTN_AMX_EMULATED
+
+// $JAX_ATTN_CPU_AMX=0 turns the (emulated) tiles off as it does the real ones.
+inline bool amx_available() {
+  static const bool ok = [] {
+    const char* env = std::getenv("JAX_ATTN_CPU_AMX");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return ok;
+}
+
+// The tile registers of the calling thread and their configuration, as the instructions define
+// them: a load zeroes the bytes past a tile's configured rows and columns, a dot product writes
+// only its destination's configured part, and an operand that does not fit the configuration
+// (where the hardware faults) stops the process.
+namespace amx_emulation {
+
+struct Tiles {
+  alignas(64) uint8_t data[8][16][64];
+  uint8_t rows[8];
+  uint16_t colsb[8];
+};
+
+inline Tiles& tiles() {
+  thread_local Tiles t = {};
+  return t;
+}
+
+inline void configure(const TileConfig& cfg) {  // LDTILECFG: the tiles start zeroed
+  Tiles& t = tiles();
+  for (int i = 0; i < 8; ++i) {
+    std::memcpy(&t.colsb[i], cfg.bytes + 16 + 2 * i, sizeof(uint16_t));
+    t.rows[i] = cfg.bytes[48 + i];
+    if (t.rows[i] > 16 || t.colsb[i] > 64 || t.colsb[i] % 4 != 0) __builtin_trap();
+  }
+  std::memset(t.data, 0, sizeof(t.data));
+}
+
+inline void release() {  // TILERELEASE: back to the initial, unconfigured state
+  Tiles& t = tiles();
+  std::memset(&t, 0, sizeof(t));
+}
+
+inline void load(int i, const void* base, long stride) {
+  Tiles& t = tiles();
+  if (t.rows[i] == 0) __builtin_trap();
+  std::memset(t.data[i], 0, sizeof(t.data[i]));
+  for (int r = 0; r < t.rows[i]; ++r) {
+    std::memcpy(t.data[i][r], static_cast<const uint8_t*>(base) + r * stride, t.colsb[i]);
+  }
+}
+
+inline void store(int i, void* base, long stride) {
+  const Tiles& t = tiles();
+  if (t.rows[i] == 0) __builtin_trap();
+  for (int r = 0; r < t.rows[i]; ++r) {
+    std::memcpy(static_cast<uint8_t*>(base) + r * stride, t.data[i][r], t.colsb[i]);
+  }
+}
+
+inline void zero(int i) { std::memset(tiles().data[i], 0, sizeof(tiles().data[i])); }
+
+// TDPBF16PS c, a, b: c[m][n] += a[m][2k] b[k][2n] + a[m][2k + 1] b[k][2n + 1] over k, in the
+// order and rounding of vdpbf16ps (the instruction's own definition: float32 products of bf16,
+// round to nearest even, denormals flushed), one vdpbf16ps per (m, k).
+inline void dpbf16ps(int c, int a, int b) {
+  Tiles& t = tiles();
+  const int M = t.rows[c], N = t.colsb[c] / 4, K = t.colsb[a] / 4;
+  if (M == 0 || t.rows[a] != M || t.rows[b] != K || t.colsb[b] != t.colsb[c]) __builtin_trap();
+  const __mmask16 lanes = tail_mask(N);
+  for (int m = 0; m < M; ++m) {
+    __m512 acc = _mm512_maskz_loadu_ps(lanes, t.data[c][m]);
+    for (int k = 0; k < K; ++k) {
+      uint32_t pair;
+      std::memcpy(&pair, t.data[a][m] + 4 * k, sizeof(pair));
+      const __m512i bk = _mm512_maskz_loadu_epi32(lanes, t.data[b][k]);
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)),
+                             (__m512bh)bk);
+    }
+    _mm512_storeu_ps(t.data[c][m], _mm512_maskz_mov_ps(lanes, acc));
+  }
+}
+
+}  // namespace amx_emulation
+
+inline void load_tile_config(const TileConfig& cfg) { amx_emulation::configure(cfg); }
+#define JAX_ATTN_TILE_LOAD(tile, base, stride) \
+  ::jax_attn_cpu::amx_emulation::load(tile, base, static_cast<long>(stride))
+#define JAX_ATTN_TILE_STORE(tile, base, stride) \
+  ::jax_attn_cpu::amx_emulation::store(tile, base, static_cast<long>(stride))
+#define JAX_ATTN_TILE_ZERO(tile) ::jax_attn_cpu::amx_emulation::zero(tile)
+#define JAX_ATTN_TILE_DPBF16PS(c, a, b) ::jax_attn_cpu::amx_emulation::dpbf16ps(c, a, b)
+#define JAX_ATTN_TILE_RELEASE() ::jax_attn_cpu::amx_emulation::release()
+
+#else  // the tiles themselves
 
 // Whether this process may run tile instructions: the CPU has AMX-TILE and AMX-BF16 (CPUID
 // leaf 7: EDX bits 24 and 22), Linux granted the tile data state (arch_prctl
@@ -70,12 +184,14 @@ inline bool amx_available() {
   __asm__ volatile("tilestored %%tmm" #tile ", (%0,%1,1)" ::"r"((void*)(base)),            \
                    "r"(static_cast<long>(stride))                                          \
                    : "memory")
-struct alignas(64) TileConfig {
-  uint8_t bytes[64];
-};
+#define JAX_ATTN_TILE_ZERO(tile) _tile_zero(tile)
+#define JAX_ATTN_TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#define JAX_ATTN_TILE_RELEASE() _tile_release()
 inline void load_tile_config(const TileConfig& cfg) {
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
+
+#endif  // JAX_ATTN_AMX_EMULATED
 
 // Eight tiles of 16 rows x 64 bytes (palette 1), loaded on construction and released on
 // destruction (the tile state returns to its initial, cheap-to-switch form). One per item:
@@ -91,7 +207,7 @@ class TileScope {
     }
     load_tile_config(cfg);
   }
-  ~TileScope() { _tile_release(); }
+  ~TileScope() { JAX_ATTN_TILE_RELEASE(); }
   TileScope(const TileScope&) = delete;
   TileScope& operator=(const TileScope&) = delete;
 };
@@ -109,10 +225,10 @@ inline void amx_block(const bf16_t* A, int64_t lda, const uint32_t* B, int64_t l
   static_assert(MT >= 1 && MT <= 2 && NT >= 1 && NT <= 2, "at most 2 x 2 C tiles");
   const int64_t ab = lda * 2, bb = ldb * 4, cb = ldc * 4;
   if (zero) {
-    _tile_zero(0);
-    if constexpr (NT > 1) _tile_zero(1);
-    if constexpr (MT > 1) _tile_zero(2);
-    if constexpr (MT > 1 && NT > 1) _tile_zero(3);
+    JAX_ATTN_TILE_ZERO(0);
+    if constexpr (NT > 1) JAX_ATTN_TILE_ZERO(1);
+    if constexpr (MT > 1) JAX_ATTN_TILE_ZERO(2);
+    if constexpr (MT > 1 && NT > 1) JAX_ATTN_TILE_ZERO(3);
   } else {
     JAX_ATTN_TILE_LOAD(0, C, cb);
     if constexpr (NT > 1) JAX_ATTN_TILE_LOAD(1, C + 16, cb);
@@ -125,15 +241,15 @@ inline void amx_block(const bf16_t* A, int64_t lda, const uint32_t* B, int64_t l
     const uint32_t* b = B + 16 * c * ldb;
     JAX_ATTN_TILE_LOAD(6, b, bb);
     if constexpr (NT > 1) JAX_ATTN_TILE_LOAD(7, b + 16, bb);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NT > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MT > 1) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (MT > 1 && NT > 1) _tile_dpbf16ps(3, 5, 7);
+    JAX_ATTN_TILE_DPBF16PS(0, 4, 6);
+    if constexpr (NT > 1) JAX_ATTN_TILE_DPBF16PS(1, 4, 7);
+    if constexpr (MT > 1) JAX_ATTN_TILE_DPBF16PS(2, 5, 6);
+    if constexpr (MT > 1 && NT > 1) JAX_ATTN_TILE_DPBF16PS(3, 5, 7);
   }
-  _tile_stored(0, C, cb);
-  if constexpr (NT > 1) _tile_stored(1, C + 16, cb);
-  if constexpr (MT > 1) _tile_stored(2, C + 16 * ldc, cb);
-  if constexpr (MT > 1 && NT > 1) _tile_stored(3, C + 16 * ldc + 16, cb);
+  JAX_ATTN_TILE_STORE(0, C, cb);
+  if constexpr (NT > 1) JAX_ATTN_TILE_STORE(1, C + 16, cb);
+  if constexpr (MT > 1) JAX_ATTN_TILE_STORE(2, C + 16 * ldc, cb);
+  if constexpr (MT > 1 && NT > 1) JAX_ATTN_TILE_STORE(3, C + 16 * ldc + 16, cb);
 }
 
 // fn(std::integral_constant<int, mt>, std::integral_constant<int, nt>) for mt, nt in {1, 2}:

@@ -322,8 +322,8 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
         for (int64_t grp = 0; grp < groups; ++grp) {
           const int64_t hg = h * groups + grp;
           const uint32_t* q_tiles = qt + hg * Dc * 16 * W;
-          _tile_zero(0);
-          if (pair) _tile_zero(1);
+          JAX_ATTN_TILE_ZERO(0);
+          if (pair) JAX_ATTN_TILE_ZERO(1);
           for (int64_t dc = 0; dc < Dc; ++dc) {
             prefetch();
             const bf16_t* k0 = key_src[0] + 32 * dc;
@@ -331,18 +331,18 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
             if (dc & 1) {
               JAX_ATTN_TILE_LOAD(7, q_tiles + dc * 16 * W, 4 * W);
               JAX_ATTN_TILE_LOAD(3, k0, key_stride[0]);
-              _tile_dpbf16ps(0, 3, 7);
+              JAX_ATTN_TILE_DPBF16PS(0, 3, 7);
               if (pair) {
                 JAX_ATTN_TILE_LOAD(5, k1, key_stride[1]);
-                _tile_dpbf16ps(1, 5, 7);
+                JAX_ATTN_TILE_DPBF16PS(1, 5, 7);
               }
             } else {
               JAX_ATTN_TILE_LOAD(6, q_tiles + dc * 16 * W, 4 * W);
               JAX_ATTN_TILE_LOAD(2, k0, key_stride[0]);
-              _tile_dpbf16ps(0, 2, 6);
+              JAX_ATTN_TILE_DPBF16PS(0, 2, 6);
               if (pair) {
                 JAX_ATTN_TILE_LOAD(4, k1, key_stride[1]);
-                _tile_dpbf16ps(1, 4, 6);
+                JAX_ATTN_TILE_DPBF16PS(1, 4, 6);
               }
             }
           }
@@ -452,15 +452,15 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
               if (c & 1) {
                 JAX_ATTN_TILE_LOAD(5, pr + c * W * 32, 64);
                 JAX_ATTN_TILE_LOAD(2, b, 64);
-                _tile_dpbf16ps(6, 5, 2);
+                JAX_ATTN_TILE_DPBF16PS(6, 5, 2);
                 JAX_ATTN_TILE_LOAD(3, b + 16 * 32, 64);
-                _tile_dpbf16ps(7, 5, 3);
+                JAX_ATTN_TILE_DPBF16PS(7, 5, 3);
               } else {
                 JAX_ATTN_TILE_LOAD(4, pr + c * W * 32, 64);
                 JAX_ATTN_TILE_LOAD(0, b, 64);
-                _tile_dpbf16ps(6, 4, 0);
+                JAX_ATTN_TILE_DPBF16PS(6, 4, 0);
                 JAX_ATTN_TILE_LOAD(1, b + 16 * 32, 64);
-                _tile_dpbf16ps(7, 4, 1);
+                JAX_ATTN_TILE_DPBF16PS(7, 4, 1);
               }
             }
             JAX_ATTN_TILE_STORE(6, o + 16 * j, 4 * DO);
@@ -471,7 +471,7 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
     }
     ahead.issue(ahead.lines_left());
   }
-  _tile_release();
+  JAX_ATTN_TILE_RELEASE();
 
   // The item's state, in the vector path's form, for finish_item.
   RowsState st(Hq, DP);

@@ -221,17 +221,17 @@ void decode_item_amx_split(const Problem& p, const Item& it, float* scratch,
         const uint32_t* qg = qbd + hg * D8 * 256;
         for (int64_t kt = 0; kt < key_tiles; kt += 2) {
           const bool pair = kt + 1 < key_tiles;
-          _tile_zero(0);
-          if (pair) _tile_zero(1);
+          JAX_ATTN_TILE_ZERO(0);
+          if (pair) JAX_ATTN_TILE_ZERO(1);
           for (int64_t c = 0; c < D8; ++c) {
             ahead.step();
             const bf16_t* slice = kb + (c * BS + kt * tile_tokens) * 8;
             JAX_ATTN_TILE_LOAD(2, qg + c * 256, 64);
             JAX_ATTN_TILE_LOAD(3, slice, 64);
-            _tile_dpbf16ps(0, 3, 2);
+            JAX_ATTN_TILE_DPBF16PS(0, 3, 2);
             if (pair) {
               JAX_ATTN_TILE_LOAD(4, slice + tile_tokens * 8, 64);
-              _tile_dpbf16ps(1, 4, 2);
+              JAX_ATTN_TILE_DPBF16PS(1, 4, 2);
             }
           }
           JAX_ATTN_TILE_STORE(0, logits + kt * tile_tokens * W, 64);
@@ -266,14 +266,14 @@ void decode_item_amx_split(const Problem& p, const Item& it, float* scratch,
             ahead.step();
             JAX_ATTN_TILE_LOAD(5, rows + t, 2 * BS);
             JAX_ATTN_TILE_LOAD(6, pt + t * W, 16);
-            _tile_dpbf16ps(7, 5, 6);
+            JAX_ATTN_TILE_DPBF16PS(7, 5, 6);
           }
           JAX_ATTN_TILE_STORE(7, ot + d0 * W, 16);
         }
       }
     }
   }
-  _tile_release();
+  JAX_ATTN_TILE_RELEASE();
 
   // The item's state, in the vector path's form, for finish_item.
   const int64_t DP = (D + 15) / 16 * 16;

@@ -11,7 +11,8 @@
 
 extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa() {
   using namespace jax_attn_cpu;
-  const char* products = JAX_ATTN_AMX && amx_available() ? "amx-bf16"
+  const char* products = JAX_ATTN_AMX && amx_available()
+                             ? (JAX_ATTN_AMX_EMULATED ? "amx-bf16 (emulated)" : "amx-bf16")
 #if defined(__AVX512BF16__) && JAX_ATTN_AVX512
                          : "avx512-bf16";
 #elif JAX_ATTN_AVX512
