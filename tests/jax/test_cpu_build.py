@@ -327,11 +327,6 @@ EMULATED_AMX_TESTS = (
 )
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return set(next((line for line in f if line.startswith("flags")), "").split())
-
-
 @pytest.mark.slow
 @pytest.mark.long
 def test_emulated_amx_build_runs_the_amx_tests_under_the_sanitizers():
@@ -343,7 +338,9 @@ def test_emulated_amx_build_runs_the_amx_tests_under_the_sanitizers():
     memory accesses by the sanitizers, which cannot see inside a real tile load."""
     if cpu.unavailable_reason() is not None:
         pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
-    missing = {"avx512f", "avx512bw", "avx512_bf16", "avx512vbmi"} - _cpu_flags()
+    missing = {"avx512f", "avx512bw", "avx512_bf16", "avx512vbmi"} - set(
+        _build._cpu_flags().split()
+    )
     if missing:
         pytest.skip(f"the emulated tiles need AVX-512 with {', '.join(sorted(missing))}")
     pytest.importorskip("torch", reason="the split layout's AMX decode runs as a torch op")
