@@ -210,6 +210,13 @@ def decode_supported(query: Tensor, key_cache: Tensor) -> bool:
     )
 
 
+_CACHE_DTYPE_NAMES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
 def split_decode_path(
     query_dtype: torch.dtype, kv_cache_dtype: str, block_size: int, group: int
 ) -> str:
@@ -218,20 +225,15 @@ def split_decode_path(
     `group` query heads per kv head: "amx" (bf16 queries on a bf16 or fp8 cache, on a CPU whose
     AMX tiles this process may use, at block sizes 16, 32 or multiples of 64), "vector", or
     "unavailable" (no native ops). `jax_attn.cpu.decode_path(..., layout="split")` answers the
-    same for the XLA library. An unknown `kv_cache_dtype` raises ValueError naming it."""
-    from torch_backends.layouts import fp8_dtype  # (layouts imports this module)
-
-    cache = fp8_dtype(kv_cache_dtype) or query_dtype
+    same for the XLA library."""
     if unavailable_reason() is not None:
         return "unavailable"
-    if "decode_on_amx" not in _state:
-        fn = ctypes.CDLL(str(_state["path"])).jax_attn_cpu_decode_on_amx
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int64,
-                       ctypes.c_int64]  # fmt: skip
-        _state["decode_on_amx"] = fn
-    names = [str(dt).removeprefix("torch.").encode() for dt in (cache, query_dtype)]
-    amx = _state["decode_on_amx"](*names, 1, int(block_size), int(group))
+    fn = ctypes.CDLL(str(_state["path"])).jax_attn_cpu_decode_on_amx
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    query = str(query_dtype).removeprefix("torch.")
+    cache = query if kv_cache_dtype == "auto" else _CACHE_DTYPE_NAMES.get(kv_cache_dtype, "")
+    amx = fn(cache.encode(), query.encode(), 1, int(block_size), int(group))
     return "amx" if amx else "vector"
 
 
