@@ -389,7 +389,7 @@ SANITIZE_FLAGS = (
     "-fsanitize=address,undefined -fno-sanitize-recover=all -O1 -DJAX_ATTN_CPU_FEW_HEAD_SIZES"
     " --param=asan-instrumentation-with-call-threshold=0 -Werror"
 )
-PORTABLE_FLAGS = "-march=x86-64-v3"  # no AVX-512: the kernels' 8-wide GCC-vector path
+PORTABLE_FLAGS = "-march=x86-64-v3"  # no AVX-512: the AVX2 kernels (vec_avx2.h, decode_avx2.h)
 
 
 def sanitizer_env(extra_flags: str = "") -> dict:

@@ -217,6 +217,17 @@ _CACHE_DTYPE_NAMES = {
 }
 
 
+def isa() -> str | None:
+    """What the torch library's kernels run on this CPU (csrc/isa.cc, the same text as
+    `jax_attn.cpu.isa()`), e.g. "bf16 products: avx2 (widened to float32); prefetch: ...";
+    None without the native ops."""
+    if unavailable_reason() is not None:
+        return None
+    fn = ctypes.CDLL(str(_state["path"])).jax_attn_cpu_isa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
 def split_decode_path(
     query_dtype: torch.dtype, kv_cache_dtype: str, block_size: int, group: int
 ) -> str:

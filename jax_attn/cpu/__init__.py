@@ -8,7 +8,7 @@ or sizes are refused.
 Environment: `JAX_ATTN_CPU_THREADS` sets the worker count (default: XLA's intra-op pool size),
 `JAX_ATTN_CPU_DISABLE=1` turns the kernels off (to exercise the XLA fallback),
 `JAX_ATTN_CACHE_DIR` moves the build cache (default ~/.cache/jax-attn),
-`JAX_ATTN_CPU_EXTRA_FLAGS` adds compiler flags (e.g. `-march=x86-64-v3` for the portable
+`JAX_ATTN_CPU_EXTRA_FLAGS` adds compiler flags (e.g. `-march=x86-64-v3` for the AVX2
 kernels, `-fsanitize=address,undefined`), `JAX_ATTN_CPU_PREFETCH=0` turns the decode kernel's
 prefetches off (on vLLM's split layout, N sets their distance in kv-head tiles for keys,
 values twice as far; jax_attn's own cache prefetches the next tile),

@@ -361,22 +361,43 @@ def test_emulated_amx_build_runs_the_amx_tests_under_the_sanitizers():
     assert " passed" in tail and "skipped" not in tail, result.stdout[-3000:]
 
 
+# The builds without AVX-512 (flags, the test files each runs):
+# - avx2: -march=x86-64-v3, the AVX2 + FMA + F16C kernels (vec_avx2.h: the ragged kernel's
+#   8-wide vectors, decode_avx2.h) of AMD Zen 2 / 3 and Intel's client cores, through both
+#   kernels' whole correctness files, the bad-metadata tests and the read floor's (its AVX2
+#   loads);
+# - generic: the same without AVX2 and FMA, the code any other CPU compiles (GCC's generic
+#   vectors, the decode's scalar item), through both kernels' correctness files.
+PORTABLE_BUILDS = {
+    "avx2": ("-march=x86-64-v3", ("test_cpu_ragged.py", "test_cpu_decode.py",
+                                  "test_cpu_bad_metadata.py", "test_cpu_read_floor.py")),
+    "generic": ("-march=x86-64-v3 -mno-avx2 -mno-fma", ("test_cpu_ragged.py",
+                                                        "test_cpu_decode.py")),
+}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.long
-def test_portable_build_runs_the_correctness_tests():
-    """The portable kernels (-march=x86-64-v3: no AVX-512, the ragged kernel's 8-wide GCC
-    vectors and the decode kernel's scalar path) through both kernels' whole correctness files,
-    the bad-metadata tests and the read floor's (its AVX2 loads), without sanitizers (full
-    speed, every case)."""
+@pytest.mark.parametrize("build", sorted(PORTABLE_BUILDS))
+def test_portable_build_runs_the_correctness_tests(build):
+    """The kernels built without AVX-512 (PORTABLE_BUILDS) through the correctness tests,
+    without sanitizers (full speed, every case)."""
     if cpu.unavailable_reason() is not None:
         pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")
+    flags, files = PORTABLE_BUILDS[build]
+    missing = {"avx", "avx2", "fma", "f16c"} - set(_build._cpu_flags().split())
+    if missing:
+        pytest.skip(f"the {build} build needs {', '.join(sorted(missing))}")
     env = {
         **os.environ,
-        "JAX_ATTN_CPU_EXTRA_FLAGS": "-march=x86-64-v3 -Werror",
+        "JAX_ATTN_CPU_EXTRA_FLAGS": f"{flags} -Werror",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    files = ("test_cpu_ragged.py", "test_cpu_decode.py", "test_cpu_bad_metadata.py",
-             "test_cpu_read_floor.py")  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-c", "from jax_attn import cpu; print(cpu.isa())"],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )  # fmt: skip
+    assert ("avx2" in check.stdout) == (build == "avx2"), (check.stdout, check.stderr[-3000:])
     # The AMX cases skip without AVX-512 by design (the isa and decode_path tests cover that),
     # and so do the checks of the AVX-512 decode's code (they read what that build emits).
     keyword = {n: f"not {k}" for n, k in NOT_HERE_WITHOUT_AMX.items()}

@@ -48,6 +48,11 @@ CASES = [
     Case(block_size=32, split_tokens=64),
     *(Case(num_heads=h, num_kv_heads=kv) for h, kv in [(4, 4), (8, 2), (7, 1), (16, 2)]),
     *(Case(head_size=d) for d in (32, 72, 80, 128, 256)),
+    # Head sizes that are not a multiple of 8: the AVX2 decode widens such rows into tiles
+    # (decode_avx2.h); the AVX-512 one masks its last chunk.
+    Case(head_size=36, num_heads=6, num_kv_heads=2, alibi=True),
+    Case(dtype="bfloat16", head_size=100, num_heads=5, num_kv_heads=1, block_size=8),
+    Case(dtype="bfloat16", cache_dtype="float8_e4m3fn", head_size=20, soft_cap=3.0),
     Case(head_size=128, num_heads=32, num_kv_heads=8, split_tokens=128),
     *(Case(dtype=d) for d in ("bfloat16", "float16")),
     # bf16 queries on a bf16 cache take the vdpbf16ps path: odd 32-element tails, GQA 7 / 1,

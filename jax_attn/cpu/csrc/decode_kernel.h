@@ -15,6 +15,7 @@
 #include "amx_tiles.h"
 #include "cpu_features.h"
 #include "paged_decode.h"
+#include "vec_avx2.h"
 
 namespace jax_attn_cpu {
 namespace decode {
@@ -184,7 +185,7 @@ inline void finish_item(const Problem& p, const Item& it, RowsState& st, int64_t
   }
 }
 
-// One item, portable scalar code (machines without AVX-512; same algorithm and order).
+// One item, portable scalar code (machines without AVX-512 or AVX2; same algorithm and order).
 template <typename KV>
 void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
                         std::atomic<int32_t>* arrivals) {
@@ -237,7 +238,7 @@ void decode_item_scalar(const Problem& p, const Item& it, float* scratch,
   finish_item(p, it, st, DP, scratch, arrivals);
 }
 
-#if JAX_ATTN_AVX512
+#if JAX_ATTN_AVX512 || JAX_ATTN_AVX2
 
 
 // Prefetches rows of keys and of values (non-temporal by default: each line is read once), a
@@ -345,6 +346,14 @@ struct LineCursor {
     }
   }
 };
+
+#endif  // JAX_ATTN_AVX512 || JAX_ATTN_AVX2
+
+#if JAX_ATTN_AVX2
+#include "decode_avx2.h"  // decode_item_avx2: the item function of AVX2 builds
+#endif
+
+#if JAX_ATTN_AVX512
 
 // The AVX-512 tile helpers and the bf16 key dot (decode_vec.h; JAX_ATTN_DECODE_BF16_DOT), and
 // the fp8 conversions of the vdpbf16ps path (decode_fp8.h; JAX_ATTN_DECODE_FP8_DOT): parts of
@@ -1173,6 +1182,8 @@ ItemFn pick_item_fn(int64_t head_size) {
     default: return decode_item<KV, 16, kDot>;
 #endif
   }
+#elif JAX_ATTN_AVX2
+  return decode_item_avx2<KV>;
 #else
   return decode_item_scalar<KV>;
 #endif

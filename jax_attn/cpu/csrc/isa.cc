@@ -5,6 +5,7 @@
 #include "cpu_features.h"
 #include "kernel_common.h"
 #include "paged_decode.h"
+#include "vec_avx2.h"
 
 #include <cstring>
 #include <string>
@@ -17,6 +18,8 @@ extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa()
                          : "avx512-bf16";
 #elif JAX_ATTN_AVX512
                          : "avx512";
+#elif JAX_ATTN_AVX2
+                         : "avx2 (widened to float32)";
 #else
                          : "portable";
 #endif

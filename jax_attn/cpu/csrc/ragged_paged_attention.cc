@@ -73,6 +73,7 @@
 #include "cpu_features.h"
 #include "paged_decode.h"
 #include "ragged_paged_attention.h"
+#include "vec_avx2.h"
 
 namespace jax_attn_cpu {
 namespace {

@@ -16,8 +16,8 @@
 #pragma once
 
 // ---------------------------------------------------------------------------------------------
-// Vector type: AVX-512 (16 floats) when built for it, else GCC vectors of 8 floats (AVX2+FMA
-// on such machines, plain SSE or scalar code elsewhere: correct everywhere, fast on AVX-512).
+// Vector type: AVX-512 (16 floats) when built for it, else GCC vectors of 8 floats: AVX2 + FMA
+// (with vec_avx2.h's exp2 and soft cap) on such machines, plain SSE or scalar code elsewhere.
 // ---------------------------------------------------------------------------------------------
 #if JAX_ATTN_AVX512
 struct Vec {
@@ -99,22 +99,31 @@ struct Vec {
   static T add(T a, T b) { return a + b; }
   static T sub(T a, T b) { return a - b; }
   static T max(T a, T b) { return a > b ? a : b; }
+#if JAX_ATTN_AVX2  // vec_avx2.h: the polynomials of the AVX-512 Vec, on 8 lanes
+  static T exp2(T x) { return (T)exp2_nonpositive8<5>((__m256)x); }
+  static T soft_cap(T x, float cap) { return (T)soft_cap8((__m256)x, cap); }
+#else
   static T exp2(T x) {
     for (int i = 0; i < W; ++i) x[i] = std::exp2(x[i]);
     return x;
   }
-  static T exp2_bf16(T x) { return exp2(x); }
   static T soft_cap(T x, float cap) {
     for (int i = 0; i < W; ++i) x[i] = cap * std::tanh(x[i] / cap);
     return x;
   }
+#endif
+  static T exp2_bf16(T x) { return exp2(x); }
   static T if_le(T a, T b, T x, T y) { return a <= b ? x : y; }
   static T if_lt(T a, T b, T x, T y) { return a < b ? x : y; }
 };
 
 template <typename CT>
 inline void widen_row(const CT* src, float* dst, int64_t D, int64_t Dp) {
+#if JAX_ATTN_AVX2
+  widen_span(src, D, dst);
+#else
   for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
+#endif
   for (int64_t d = D; d < Dp; ++d) dst[d] = 0.0f;
 }
 #endif

@@ -1,0 +1,323 @@
+// Part of the decode kernel (decode_kernel.h), not a header of its own: included by that file
+// inside its namespaces, after Problem, Item, FloatBuffer, load_query_row, RowsState and
+// finish_item, which it uses. Compiled where the build has AVX2 + FMA + F16C and not AVX-512
+// (JAX_ATTN_AVX2, vec_avx2.h): there it is the decode's item function for every cache dtype,
+// layout and head size (before it, such machines ran decode_item_scalar, a token at a time).
+//
+// One item (a sequence, or a part of one): the blocks in table order, each in tiles of up to
+// 16 tokens, and per tile every kv head in turn:
+// - the head's keys and values as float32 rows: the cache's own rows for a float32 token-major
+//   cache whose head size is a multiple of 8, else widened into L1 tiles (vLLM's split layout:
+//   keys gathered 16 bytes at a time, values transposed 8 x 8 in registers);
+// - the G x n logits of the head's query rows, 8 dot products at a time (rows x tokens 4 x 2,
+//   2 x 4 or 1 x 8), their 8 accumulators summed into one vector by a transpose tree;
+// - one online-softmax step per row (soft cap, ALiBi, tokens past n masked), probabilities by
+//   exp8;
+// - acc = factor * acc + P V, 4 rows x 2 vectors of accumulators per pass over the tile.
+// The next tile's rows (all kv heads) are prefetched a line pair per p.v step (LineCursor).
+#pragma once
+
+constexpr int kAvx2Tile = 16;  // tokens per tile
+
+// Zeros standing in for the key rows past a tile's tokens (any element type: all-zero bits).
+alignas(64) inline constexpr float kZeroRow[kMaxHeadSize] = {};
+
+// The 8 dot products of rows q[0, RG) x keys k[0, TK) (element type T, widened as loaded) over
+// nc chunks of 8, as one vector: lane i * TK + j = q[i] . k[j].
+template <int RG, int TK, typename T>
+__attribute__((always_inline)) inline __m256 dots8(const float* const* q, const T* const* k,
+                                                   int64_t nc) {
+  static_assert(RG * TK == 8, "8 dot products");
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    __m256 kv[TK];
+#pragma GCC unroll 8
+    for (int j = 0; j < TK; ++j) kv[j] = Load8<T>::whole(k[j] + 8 * c);
+#pragma GCC unroll 4
+    for (int i = 0; i < RG; ++i) {
+      const __m256 qv = _mm256_loadu_ps(q[i] + 8 * c);
+#pragma GCC unroll 8
+      for (int j = 0; j < TK; ++j) acc[i * TK + j] = _mm256_fmadd_ps(qv, kv[j], acc[i * TK + j]);
+    }
+  }
+  return transpose_sum8(acc);
+}
+
+// Logits [G][16] of query rows q[0, G) against the tile's keys k[0, 16) (rows past the tile's
+// tokens are kZeroRow): rows in fours (tokens in pairs), then a pair, then one.
+template <typename T>
+inline void tile_logits_avx2(const float* const* q, int64_t G, const T* const* k, int64_t nc,
+                             float* logits) {
+  alignas(32) float lanes[8];
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {
+    for (int t = 0; t < kAvx2Tile; t += 2) {
+      _mm256_store_ps(lanes, dots8<4, 2>(q + g, k + t, nc));
+      for (int i = 0; i < 4; ++i) {
+        logits[(g + i) * kAvx2Tile + t] = lanes[2 * i];
+        logits[(g + i) * kAvx2Tile + t + 1] = lanes[2 * i + 1];
+      }
+    }
+  }
+  for (; g + 2 <= G; g += 2) {
+    for (int t = 0; t < kAvx2Tile; t += 4) {
+      _mm256_store_ps(lanes, dots8<2, 4>(q + g, k + t, nc));
+      for (int i = 0; i < 2; ++i) {
+        for (int j = 0; j < 4; ++j) logits[(g + i) * kAvx2Tile + t + j] = lanes[4 * i + j];
+      }
+    }
+  }
+  if (g < G) {
+    for (int t = 0; t < kAvx2Tile; t += 8) {
+      _mm256_storeu_ps(logits + g * kAvx2Tile + t, dots8<1, 8>(q + g, k + t, nc));
+    }
+  }
+}
+
+// acc[i][c0 .. c0 + 8 DV) = factor[i] * acc[i][..] + sum_{t < n} probs[i][t] * v[t][..] for R
+// rows (acc rows `acc_stride` floats apart, probs rows kAvx2Tile apart; value row t at
+// v + t * v_stride, element type T, widened as loaded); pf's next requests go out one step
+// per token.
+template <int R, int DV, typename T>
+__attribute__((always_inline)) inline void pv_avx2(float* acc, int64_t acc_stride,
+                                                   const float* probs, const float* factor,
+                                                   const T* v, int64_t v_stride, int64_t n,
+                                                   int64_t c0, LineCursor& pf) {
+  __m256 a[R][DV];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    const __m256 f = _mm256_set1_ps(factor[i]);
+#pragma GCC unroll 3
+    for (int d = 0; d < DV; ++d) {
+      a[i][d] = _mm256_mul_ps(_mm256_load_ps(acc + i * acc_stride + c0 + 8 * d), f);
+    }
+  }
+  const T* row = v + c0;
+  for (int64_t t = 0; t < n; ++t, row += v_stride) {
+    pf.step();
+    __m256 x[DV];
+#pragma GCC unroll 3
+    for (int d = 0; d < DV; ++d) x[d] = Load8<T>::whole(row + 8 * d);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const __m256 pr = _mm256_broadcast_ss(probs + i * kAvx2Tile + t);
+#pragma GCC unroll 3
+      for (int d = 0; d < DV; ++d) a[i][d] = _mm256_fmadd_ps(pr, x[d], a[i][d]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 3
+    for (int d = 0; d < DV; ++d) _mm256_store_ps(acc + i * acc_stride + c0 + 8 * d, a[i][d]);
+  }
+}
+
+// pv_avx2 for R rows over every chunk of the row (nc chunks: pairs, then one).
+template <int R, typename T>
+inline void pv_rows_avx2(float* acc, int64_t acc_stride, const float* probs, const float* factor,
+                         const T* v, int64_t v_stride, int64_t n, int64_t nc, LineCursor& pf) {
+  int64_t c = 0;
+  for (; c + 3 <= nc; c += 3) {
+    pv_avx2<R, 3>(acc, acc_stride, probs, factor, v, v_stride, n, 8 * c, pf);
+  }
+  if (c + 2 <= nc) {
+    pv_avx2<R, 2>(acc, acc_stride, probs, factor, v, v_stride, n, 8 * c, pf);
+    c += 2;
+  }
+  if (c < nc) pv_avx2<R, 1>(acc, acc_stride, probs, factor, v, v_stride, n, 8 * c, pf);
+}
+
+// acc = factor * acc + P V for the G rows of one kv head (acc rows DP apart): fours, then the
+// rest.
+template <typename T>
+inline void head_values_avx2(float* acc, int64_t DP, int64_t G, const float* probs,
+                             const float* factor, const T* v, int64_t v_stride, int64_t n,
+                             int64_t nc, LineCursor& pf) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {
+    pv_rows_avx2<4>(acc + g * DP, DP, probs + g * kAvx2Tile, factor + g, v, v_stride, n, nc, pf);
+  }
+  float* a = acc + g * DP;
+  const float* pr = probs + g * kAvx2Tile;
+  switch (G - g) {
+    case 3: pv_rows_avx2<3>(a, DP, pr, factor + g, v, v_stride, n, nc, pf); break;
+    case 2: pv_rows_avx2<2>(a, DP, pr, factor + g, v, v_stride, n, nc, pf); break;
+    case 1: pv_rows_avx2<1>(a, DP, pr, factor + g, v, v_stride, n, nc, pf); break;
+    default: break;
+  }
+}
+
+// One kv head's split-layout values [D, BS] (tokens [t0, t0 + n) of the block) as token rows
+// dst[t][0, D) (rows DP apart): 8 x 8 blocks through registers, the edges one by one.
+template <typename KV>
+inline void transpose_split_values_avx2(const KV* head, int64_t BS, int64_t t0, int64_t n,
+                                        int64_t D, float* dst, int64_t DP) {
+  const int64_t n8 = n / 8 * 8, d8 = D / 8 * 8;
+  for (int64_t d = 0; d < d8; d += 8) {
+    for (int64_t t = 0; t < n8; t += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = Load8<KV>::whole(head + (d + i) * BS + t0 + t);
+      transpose8x8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (t + i) * DP + d, r[i]);
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const KV* row = head + d * BS + t0;
+    for (int64_t t = d < d8 ? n8 : 0; t < n; ++t) dst[t * DP + d] = widen(row[t]);
+  }
+}
+
+// The scratch of one item's head steps: logits and probabilities [G][16], factors [G], and
+// the kv head's query rows.
+struct HeadScratchAvx2 {
+  float* logits;
+  float* probs;
+  float* factor;
+  const float** qrows;
+};
+
+// One kv head's step over a tile of n tokens whose first key is `dist0` positions after the
+// query (k_pos - q_pos, for ALiBi): the G rows' logits against keys k[0, 16) (element type T;
+// kZeroRow past n), one online-softmax step per row (soft cap, ALiBi, tokens past n masked),
+// and acc = factor * acc + P V (value row t at v + t * v_stride).
+template <typename T>
+inline void attend_head_avx2(const Problem& p, RowsState& st, const float* q, int64_t DP,
+                             int64_t nc, int64_t h, const T* const* k, const T* v,
+                             int64_t v_stride, int64_t n, float dist0,
+                             const HeadScratchAvx2& s, LineCursor& pf) {
+  const int64_t G = p.group;
+  for (int64_t g = 0; g < G; ++g) s.qrows[g] = q + (h * G + g) * DP;
+  tile_logits_avx2(s.qrows, G, k, nc, s.logits);
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 n_lanes = _mm256_set1_ps(static_cast<float>(n));
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t row = h * G + g;
+    __m256 l[2];
+    for (int i = 0; i < 2; ++i) {
+      const __m256 lane = _mm256_add_ps(iota, _mm256_set1_ps(8.0f * i));
+      l[i] = _mm256_loadu_ps(s.logits + g * kAvx2Tile + 8 * i);
+      if (p.cap > 0.0f) l[i] = soft_cap8(l[i], p.cap);
+      if (p.alibi) {
+        const __m256 dist = _mm256_add_ps(lane, _mm256_set1_ps(dist0));
+        l[i] = _mm256_fmadd_ps(_mm256_set1_ps(p.alibi[row]), dist, l[i]);
+      }
+      l[i] = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), l[i],
+                              _mm256_cmp_ps(lane, n_lanes, _CMP_LT_OQ));
+    }
+    OnlineSoftmaxRow& state = st.rows[row];
+    s.factor[g] = state.rescale(hmax8(_mm256_max_ps(l[0], l[1])));
+    const __m256 m = _mm256_set1_ps(state.max);
+    const __m256 p0 = exp8(_mm256_sub_ps(l[0], m)), p1 = exp8(_mm256_sub_ps(l[1], m));
+    state.add_sum(hsum8(_mm256_add_ps(p0, p1)));
+    _mm256_storeu_ps(s.probs + g * kAvx2Tile, p0);
+    _mm256_storeu_ps(s.probs + g * kAvx2Tile + 8, p1);
+  }
+  head_values_avx2(st.acc.get() + h * G * DP, DP, G, s.probs, s.factor, v, v_stride, n, nc, pf);
+}
+
+template <typename KV>
+void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
+                      std::atomic<int32_t>* arrivals) {
+  const int64_t D = p.head_size, G = p.group, Hq = p.num_heads, Hkv = p.num_kv_heads;
+  const int64_t BS = p.block_size;
+  const int64_t DP = round_up(D, 16);  // finish_item's and the scratch rows' padding
+  const int64_t nc = (D + 7) / 8;      // chunks of 8 elements the math reads
+  const int64_t q_pos = p.seq_lens[it.seq] - 1;
+  const int32_t* table = p.tables + it.seq * p.max_blocks;
+  const KV* kc = static_cast<const KV*>(p.key_cache);
+  const KV* vc = static_cast<const KV*>(p.value_cache);
+  const bool split = p.layout == CacheLayout::kSplit;
+  // Token-major rows are read in place (widened as loaded) when every chunk lies inside the
+  // row; else, and in the split layout, they go through float32 tiles first.
+  const bool in_place = !split && D % 8 == 0;
+
+  FloatBuffer q(static_cast<size_t>(Hq * DP));  // scaled by qk_scale, zero-padded
+  for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
+  RowsState st(Hq, DP);
+  // Float32 key and value tiles [16][DP] (columns past D stay zero), logits and probabilities
+  // [G][16], factors [G].
+  FloatBuffer tiles(static_cast<size_t>(2 * kAvx2Tile * DP + 2 * G * kAvx2Tile + G));
+  float* ktile = tiles.get();
+  float* vtile = ktile + kAvx2Tile * DP;
+  std::vector<const float*> qrows(G);
+  const HeadScratchAvx2 hs{vtile + kAvx2Tile * DP, vtile + kAvx2Tile * DP + G * kAvx2Tile,
+                           vtile + kAvx2Tile * DP + 2 * G * kAvx2Tile, qrows.data()};
+  const KV* k_rows[kAvx2Tile];    // in place
+  const float* k_tile[kAvx2Tile];  // through the tile
+
+  const int64_t elem = static_cast<int64_t>(sizeof(KV));
+  const int64_t row_stride = Hkv * D;  // token-major: token t -> t + 1 inside a block
+  const int64_t x = p.x;               // split: key elements per 16 bytes
+  const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
+    const int64_t t_end = std::min(it.end, (b + 1) * BS) - b * BS;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
+      const int64_t n = std::min<int64_t>(kAvx2Tile, t_end - t0);
+      const float dist0 = static_cast<float>(b * BS + t0 - q_pos);
+      // The next tile of this item (the next block's first when this one ends).
+      int64_t next_b = b, next_t0 = t0 + kAvx2Tile;
+      if (next_t0 >= t_end) {
+        next_b = b + 1;
+        next_t0 = 0;
+      }
+      const bool has_next = next_b <= last_block && p.prefetch_tiles > 0;
+      const int64_t next_n =
+          has_next ? std::min<int64_t>(kAvx2Tile, std::min(it.end - next_b * BS, BS) - next_t0)
+                   : 0;
+      // Token-major: the next tile's [next_n, Hkv, D] of each cache, requested over this
+      // tile's p.v steps (one per token of each pass), into L2 when it outgrows L1.
+      LineCursor pf;
+      if (has_next && !split) {
+        const int64_t off = (table[next_b] * BS + next_t0) * row_stride;
+        const int64_t bytes = next_n * row_stride * elem;
+        pf = LineCursor(kc + off, vc + off, bytes, bytes > p.nta_limit);
+      }
+      const int64_t passes = (G + 3) / 4 * ((nc + 2) / 3);  // p.v passes per kv head
+      for (int64_t h = 0; h < Hkv; ++h) {
+        pf.per = (pf.left + (Hkv - h) * passes * n - 1) / ((Hkv - h) * passes * n);
+        if (in_place) {  // [NB, BS, Hkv, D]
+          const KV* row0 = kc + (table[b] * BS + t0) * row_stride + h * D;
+          for (int64_t t = 0; t < kAvx2Tile; ++t) {
+            k_rows[t] = t < n ? row0 + t * row_stride : reinterpret_cast<const KV*>(kZeroRow);
+          }
+          attend_head_avx2<KV>(p, st, q.get(), DP, nc, h, k_rows,
+                               vc + (row0 - kc), row_stride, n, dist0, hs, pf);
+          continue;
+        }
+        if (split) {  // key [NB, Hkv, D / x, BS, x], value [NB, Hkv, D, BS]
+          const int64_t head = (table[b] * Hkv + h) * D * BS;
+          if (has_next) {  // the same head's next tile: its key pieces and value rows
+            const int64_t next = (table[next_b] * Hkv + h) * D * BS;
+            for (int64_t j = 0; j < D / x; ++j) {
+              _mm_prefetch(reinterpret_cast<const char*>(kc + next + j * BS * x + next_t0 * x),
+                           _MM_HINT_T0);
+            }
+            for (int64_t d = 0; d < D; ++d) {
+              _mm_prefetch(reinterpret_cast<const char*>(vc + next + d * BS + next_t0),
+                           _MM_HINT_T0);
+            }
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            for (int64_t j = 0; j < D; j += x) {
+              widen_span(kc + head + (j / x) * BS * x + (t0 + t) * x, std::min(x, D - j),
+                         ktile + t * DP + j);
+            }
+          }
+          transpose_split_values_avx2(vc + head, BS, t0, n, D, vtile, DP);
+        } else {  // token-major rows whose head size is not a multiple of 8
+          const int64_t row0 = (table[b] * BS + t0) * row_stride + h * D;
+          for (int64_t t = 0; t < n; ++t) {
+            widen_span(kc + row0 + t * row_stride, D, ktile + t * DP);
+            widen_span(vc + row0 + t * row_stride, D, vtile + t * DP);
+          }
+        }
+        for (int64_t t = 0; t < kAvx2Tile; ++t) k_tile[t] = t < n ? ktile + t * DP : kZeroRow;
+        attend_head_avx2<float>(p, st, q.get(), DP, nc, h, k_tile, vtile, DP, n, dist0, hs, pf);
+      }
+    }
+  }
+  finish_item(p, it, st, DP, scratch, arrivals);
+}
