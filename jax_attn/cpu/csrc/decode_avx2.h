@@ -37,7 +37,8 @@ __attribute__((always_inline)) inline __m256 dots8(const float* const* q, const 
     for (int j = 0; j < TK; ++j) kv[j] = Load8<T>::whole(k[j] + 8 * c);
 #pragma GCC unroll 4
     for (int i = 0; i < RG; ++i) {
-      const __m256 qv = _mm256_loadu_ps(q[i] + 8 * c);
+      __m256 qv = _mm256_loadu_ps(q[i] + 8 * c);
+      if (TK > 1) pin8(qv);
 #pragma GCC unroll 8
       for (int j = 0; j < TK; ++j) acc[i * TK + j] = _mm256_fmadd_ps(qv, kv[j], acc[i * TK + j]);
     }

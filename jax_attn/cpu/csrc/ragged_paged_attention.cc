@@ -249,14 +249,12 @@ inline void pv_rows(const PvArgs& a, int64_t M, int64_t d0) {
   int64_t r0 = 0;
   for (; r0 + kPvRows <= M; r0 += kPvRows) pv_call<kPvRows, DV, kDot>(a, r0, d0);
   switch (M - r0) {
-#if JAX_ATTN_AVX512
     case 5:
       pv_call<5, DV, kDot>(a, r0, d0);
       break;
     case 4:
       pv_call<4, DV, kDot>(a, r0, d0);
       break;
-#endif
     case 3:
       pv_call<3, DV, kDot>(a, r0, d0);
       break;
@@ -542,6 +540,14 @@ inline void head_logits(const Problem& p, HeadState& h, float* St, int64_t Mp, i
 #endif
   } else {
     for (int64_t n = nv; n < nc1; ++n) h.kr[n] = zero_row;
+#if !JAX_ATTN_AVX512
+    for (; r0 + 3 * W <= Mp; r0 += 3 * W) {
+      for (int64_t n0 = 0; n0 < keys(r0, 3 * W, nc2, kQkKeys2); n0 += kQkKeys2) {
+        lines.issue(kLinesPerBlock);
+        qk_block<3, kQkKeys2>(h.Qt, Mp, h.kr, p.D, St, r0, n0, step_max, nv);
+      }
+    }
+#endif
     for (; r0 + 2 * W <= Mp; r0 += 2 * W) {
       for (int64_t n0 = 0; n0 < keys(r0, 2 * W, nc2, kQkKeys2); n0 += kQkKeys2) {
         lines.issue(kLinesPerBlock);

@@ -72,6 +72,10 @@ inline void widen_span(const T* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = widen(src[i]);
 }
 
+// Pins v to a register at this point: GCC otherwise folds a vector that several FMAs read into
+// each of them as a memory operand, one load per FMA where one load would do.
+__attribute__((always_inline)) inline void pin8(__m256& v) { __asm__("" : "+x"(v)); }
+
 // 2^n for integer-valued n in [-127, 127] (n = -127 gives exactly 0).
 inline __m256 pow2i8(__m256 n) {
   const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
