@@ -19,13 +19,39 @@
 
 constexpr int kAvx2Tile = 16;  // tokens per tile
 
-// Zeros standing in for the key rows past a tile's tokens (any element type: all-zero bits).
-alignas(64) inline constexpr float kZeroRow[kMaxHeadSize] = {};
+// The keys of a tile, token j's chunk c (8 elements widened to float32) on request; tokens past
+// the tile's repeat its last one (their logits are masked whatever they hold).
+// - RowKeys: token rows of contiguous elements (token-major, or a float32 tile);
+// - SplitKeys: vLLM's split layout read in place, [D / x, BS, x] per kv head with x elements in
+//   16 bytes: token j's pieces `piece` (BS * x) elements apart from rows[j] (head + t * x).
+template <typename T>
+struct RowKeys {
+  const T* const* rows;
+  __attribute__((always_inline)) __m256 chunk(int j, int64_t c) const {
+    return Load8<T>::whole(rows[j] + 8 * c);
+  }
+};
+template <typename KV>
+struct SplitKeys {
+  const KV* const* rows;
+  int64_t piece;
+  __attribute__((always_inline)) __m256 chunk(int j, int64_t c) const {
+    if constexpr (sizeof(KV) == 4) {  // two pieces of 4
+      const float* r = reinterpret_cast<const float*>(rows[j]) + 2 * c * piece;
+      return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(r)), _mm_loadu_ps(r + piece),
+                                  1);
+    } else if constexpr (sizeof(KV) == 2) {  // one piece of 8
+      return Load8<KV>::whole(rows[j] + c * piece);
+    } else {  // half a piece of 16
+      return Load8<KV>::whole(rows[j] + (c / 2) * piece + (c % 2) * 8);
+    }
+  }
+};
 
-// The 8 dot products of rows q[0, RG) x keys k[0, TK) (element type T, widened as loaded) over
-// nc chunks of 8, as one vector: lane i * TK + j = q[i] . k[j].
-template <int RG, int TK, typename T>
-__attribute__((always_inline)) inline __m256 dots8(const float* const* q, const T* const* k,
+// The 8 dot products of rows q[0, RG) x keys t0 + [0, TK) over nc chunks of 8, as one vector:
+// lane i * TK + j = q[i] . k[t0 + j].
+template <int RG, int TK, typename Keys>
+__attribute__((always_inline)) inline __m256 dots8(const float* const* q, const Keys& k, int t0,
                                                    int64_t nc) {
   static_assert(RG * TK == 8, "8 dot products");
   __m256 acc[8];
@@ -34,7 +60,7 @@ __attribute__((always_inline)) inline __m256 dots8(const float* const* q, const 
   for (int64_t c = 0; c < nc; ++c) {
     __m256 kv[TK];
 #pragma GCC unroll 8
-    for (int j = 0; j < TK; ++j) kv[j] = Load8<T>::whole(k[j] + 8 * c);
+    for (int j = 0; j < TK; ++j) kv[j] = k.chunk(t0 + j, c);
 #pragma GCC unroll 4
     for (int i = 0; i < RG; ++i) {
       __m256 qv = _mm256_loadu_ps(q[i] + 8 * c);
@@ -46,16 +72,16 @@ __attribute__((always_inline)) inline __m256 dots8(const float* const* q, const 
   return transpose_sum8(acc);
 }
 
-// Logits [G][16] of query rows q[0, G) against the tile's keys k[0, 16) (rows past the tile's
-// tokens are kZeroRow): rows in fours (tokens in pairs), then a pair, then one.
-template <typename T>
-inline void tile_logits_avx2(const float* const* q, int64_t G, const T* const* k, int64_t nc,
+// Logits [G][16] of query rows q[0, G) against the tile's 16 keys: rows in fours (tokens in
+// pairs), then a pair, then one.
+template <typename Keys>
+inline void tile_logits_avx2(const float* const* q, int64_t G, const Keys& k, int64_t nc,
                              float* logits) {
   alignas(32) float lanes[8];
   int64_t g = 0;
   for (; g + 4 <= G; g += 4) {
     for (int t = 0; t < kAvx2Tile; t += 2) {
-      _mm256_store_ps(lanes, dots8<4, 2>(q + g, k + t, nc));
+      _mm256_store_ps(lanes, dots8<4, 2>(q + g, k, t, nc));
       for (int i = 0; i < 4; ++i) {
         logits[(g + i) * kAvx2Tile + t] = lanes[2 * i];
         logits[(g + i) * kAvx2Tile + t + 1] = lanes[2 * i + 1];
@@ -64,7 +90,7 @@ inline void tile_logits_avx2(const float* const* q, int64_t G, const T* const* k
   }
   for (; g + 2 <= G; g += 2) {
     for (int t = 0; t < kAvx2Tile; t += 4) {
-      _mm256_store_ps(lanes, dots8<2, 4>(q + g, k + t, nc));
+      _mm256_store_ps(lanes, dots8<2, 4>(q + g, k, t, nc));
       for (int i = 0; i < 2; ++i) {
         for (int j = 0; j < 4; ++j) logits[(g + i) * kAvx2Tile + t + j] = lanes[4 * i + j];
       }
@@ -72,7 +98,7 @@ inline void tile_logits_avx2(const float* const* q, int64_t G, const T* const* k
   }
   if (g < G) {
     for (int t = 0; t < kAvx2Tile; t += 8) {
-      _mm256_storeu_ps(logits + g * kAvx2Tile + t, dots8<1, 8>(q + g, k + t, nc));
+      _mm256_storeu_ps(logits + g * kAvx2Tile + t, dots8<1, 8>(q + g, k, t, nc));
     }
   }
 }
@@ -180,14 +206,13 @@ struct HeadScratchAvx2 {
 };
 
 // One kv head's step over a tile of n tokens whose first key is `dist0` positions after the
-// query (k_pos - q_pos, for ALiBi): the G rows' logits against keys k[0, 16) (element type T;
-// kZeroRow past n), one online-softmax step per row (soft cap, ALiBi, tokens past n masked),
-// and acc = factor * acc + P V (value row t at v + t * v_stride).
-template <typename T>
+// query (k_pos - q_pos, for ALiBi): the G rows' logits against the keys (RowKeys or
+// SplitKeys), one online-softmax step per row (soft cap, ALiBi, tokens past n masked), and
+// acc = factor * acc + P V (value row t at v + t * v_stride, element type T).
+template <typename Keys, typename T>
 inline void attend_head_avx2(const Problem& p, RowsState& st, const float* q, int64_t DP,
-                             int64_t nc, int64_t h, const T* const* k, const T* v,
-                             int64_t v_stride, int64_t n, float dist0,
-                             const HeadScratchAvx2& s, LineCursor& pf) {
+                             int64_t nc, int64_t h, const Keys& k, const T* v, int64_t v_stride,
+                             int64_t n, float dist0, const HeadScratchAvx2& s, LineCursor& pf) {
   const int64_t G = p.group;
   for (int64_t g = 0; g < G; ++g) s.qrows[g] = q + (h * G + g) * DP;
   tile_logits_avx2(s.qrows, G, k, nc, s.logits);
@@ -230,9 +255,10 @@ void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
   const KV* kc = static_cast<const KV*>(p.key_cache);
   const KV* vc = static_cast<const KV*>(p.value_cache);
   const bool split = p.layout == CacheLayout::kSplit;
-  // Token-major rows are read in place (widened as loaded) when every chunk lies inside the
-  // row; else, and in the split layout, they go through float32 tiles first.
-  const bool in_place = !split && D % 8 == 0;
+  // Keys are read in place (widened as loaded) when every chunk lies inside the row; else they,
+  // and the token-major values, go through float32 tiles. Split-layout values always do
+  // (transposed): the p.v reads token rows.
+  const bool in_place = D % 8 == 0 && (!split || D % p.x == 0);
 
   FloatBuffer q(static_cast<size_t>(Hq * DP));  // scaled by qk_scale, zero-padded
   for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
@@ -245,78 +271,97 @@ void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
   std::vector<const float*> qrows(G);
   const HeadScratchAvx2 hs{vtile + kAvx2Tile * DP, vtile + kAvx2Tile * DP + G * kAvx2Tile,
                            vtile + kAvx2Tile * DP + 2 * G * kAvx2Tile, qrows.data()};
-  const KV* k_rows[kAvx2Tile];    // in place
-  const float* k_tile[kAvx2Tile];  // through the tile
+  const KV* rows[kAvx2Tile];       // the keys in place: token rows, or split-layout pieces
+  const float* tile_rows[kAvx2Tile];  // through the tile
+  for (int t = 0; t < kAvx2Tile; ++t) tile_rows[t] = ktile + t * DP;
 
   const int64_t elem = static_cast<int64_t>(sizeof(KV));
   const int64_t row_stride = Hkv * D;  // token-major: token t -> t + 1 inside a block
   const int64_t x = p.x;               // split: key elements per 16 bytes
+  const int64_t head_elems = D * BS;   // split: one kv head's block in either cache
+  const int64_t passes = (G + 3) / 4 * ((nc + 2) / 3);  // p.v passes per kv head and tile
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
     const int64_t t_end = std::min(it.end, (b + 1) * BS) - b * BS;
+    if (split) {
+      // Kv heads outer: a head's block is contiguous in each cache and is read through before
+      // the next, whose blocks (keys and values) are requested over this one's p.v steps.
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t head = (table[b] * Hkv + h) * head_elems;
+        LineCursor pf;
+        if (p.prefetch_tiles > 0 && (h + 1 < Hkv || b < last_block)) {
+          const int64_t next = h + 1 < Hkv ? head + head_elems : table[b + 1] * Hkv * head_elems;
+          pf = LineCursor(kc + next, vc + next, head_elems * elem,
+                          2 * head_elems * elem > p.nta_limit);
+        }
+        int64_t steps = passes * (t_end - t_begin);
+        for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
+          const int64_t n = std::min<int64_t>(kAvx2Tile, t_end - t0);
+          const float dist0 = static_cast<float>(b * BS + t0 - q_pos);
+          pf.per = (pf.left + steps - 1) / steps;
+          steps -= passes * n;
+          transpose_split_values_avx2(vc + head, BS, t0, n, D, vtile, DP);
+          if (in_place) {  // [D / x, BS, x]: token t's pieces from head + t * x
+            for (int64_t t = 0; t < kAvx2Tile; ++t) {
+              rows[t] = kc + head + (t0 + std::min(t, n - 1)) * x;
+            }
+            attend_head_avx2(p, st, q.get(), DP, nc, h, SplitKeys<KV>{rows, BS * x}, vtile, DP,
+                             n, dist0, hs, pf);
+          } else {
+            for (int64_t t = 0; t < n; ++t) {
+              for (int64_t j = 0; j < D; j += x) {
+                widen_span(kc + head + (j / x) * BS * x + (t0 + t) * x, std::min(x, D - j),
+                           ktile + t * DP + j);
+              }
+            }
+            for (int64_t t = n; t < kAvx2Tile; ++t) tile_rows[t] = ktile + (n - 1) * DP;
+            attend_head_avx2(p, st, q.get(), DP, nc, h, RowKeys<float>{tile_rows}, vtile, DP, n,
+                             dist0, hs, pf);
+            for (int64_t t = n; t < kAvx2Tile; ++t) tile_rows[t] = ktile + t * DP;
+          }
+        }
+      }
+      continue;
+    }
+    // Token-major [NB, BS, Hkv, D]: tiles outer, kv heads inner; the next tile's
+    // [next_n, Hkv, D] of each cache requested over this tile's p.v steps, into L2 when it
+    // outgrows L1.
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
       const int64_t n = std::min<int64_t>(kAvx2Tile, t_end - t0);
       const float dist0 = static_cast<float>(b * BS + t0 - q_pos);
-      // The next tile of this item (the next block's first when this one ends).
       int64_t next_b = b, next_t0 = t0 + kAvx2Tile;
       if (next_t0 >= t_end) {
         next_b = b + 1;
         next_t0 = 0;
       }
-      const bool has_next = next_b <= last_block && p.prefetch_tiles > 0;
-      const int64_t next_n =
-          has_next ? std::min<int64_t>(kAvx2Tile, std::min(it.end - next_b * BS, BS) - next_t0)
-                   : 0;
-      // Token-major: the next tile's [next_n, Hkv, D] of each cache, requested over this
-      // tile's p.v steps (one per token of each pass), into L2 when it outgrows L1.
       LineCursor pf;
-      if (has_next && !split) {
+      if (next_b <= last_block && p.prefetch_tiles > 0) {
+        const int64_t next_n =
+            std::min<int64_t>(kAvx2Tile, std::min(it.end - next_b * BS, BS) - next_t0);
         const int64_t off = (table[next_b] * BS + next_t0) * row_stride;
         const int64_t bytes = next_n * row_stride * elem;
         pf = LineCursor(kc + off, vc + off, bytes, bytes > p.nta_limit);
       }
-      const int64_t passes = (G + 3) / 4 * ((nc + 2) / 3);  // p.v passes per kv head
       for (int64_t h = 0; h < Hkv; ++h) {
         pf.per = (pf.left + (Hkv - h) * passes * n - 1) / ((Hkv - h) * passes * n);
-        if (in_place) {  // [NB, BS, Hkv, D]
-          const KV* row0 = kc + (table[b] * BS + t0) * row_stride + h * D;
+        const int64_t row0 = (table[b] * BS + t0) * row_stride + h * D;
+        if (in_place) {
           for (int64_t t = 0; t < kAvx2Tile; ++t) {
-            k_rows[t] = t < n ? row0 + t * row_stride : reinterpret_cast<const KV*>(kZeroRow);
+            rows[t] = kc + row0 + std::min(t, n - 1) * row_stride;
           }
-          attend_head_avx2<KV>(p, st, q.get(), DP, nc, h, k_rows,
-                               vc + (row0 - kc), row_stride, n, dist0, hs, pf);
-          continue;
-        }
-        if (split) {  // key [NB, Hkv, D / x, BS, x], value [NB, Hkv, D, BS]
-          const int64_t head = (table[b] * Hkv + h) * D * BS;
-          if (has_next) {  // the same head's next tile: its key pieces and value rows
-            const int64_t next = (table[next_b] * Hkv + h) * D * BS;
-            for (int64_t j = 0; j < D / x; ++j) {
-              _mm_prefetch(reinterpret_cast<const char*>(kc + next + j * BS * x + next_t0 * x),
-                           _MM_HINT_T0);
-            }
-            for (int64_t d = 0; d < D; ++d) {
-              _mm_prefetch(reinterpret_cast<const char*>(vc + next + d * BS + next_t0),
-                           _MM_HINT_T0);
-            }
-          }
-          for (int64_t t = 0; t < n; ++t) {
-            for (int64_t j = 0; j < D; j += x) {
-              widen_span(kc + head + (j / x) * BS * x + (t0 + t) * x, std::min(x, D - j),
-                         ktile + t * DP + j);
-            }
-          }
-          transpose_split_values_avx2(vc + head, BS, t0, n, D, vtile, DP);
-        } else {  // token-major rows whose head size is not a multiple of 8
-          const int64_t row0 = (table[b] * BS + t0) * row_stride + h * D;
+          attend_head_avx2(p, st, q.get(), DP, nc, h, RowKeys<KV>{rows}, vc + row0, row_stride,
+                           n, dist0, hs, pf);
+        } else {
           for (int64_t t = 0; t < n; ++t) {
             widen_span(kc + row0 + t * row_stride, D, ktile + t * DP);
             widen_span(vc + row0 + t * row_stride, D, vtile + t * DP);
           }
+          for (int64_t t = n; t < kAvx2Tile; ++t) tile_rows[t] = ktile + (n - 1) * DP;
+          attend_head_avx2(p, st, q.get(), DP, nc, h, RowKeys<float>{tile_rows}, vtile, DP, n,
+                           dist0, hs, pf);
+          for (int64_t t = n; t < kAvx2Tile; ++t) tile_rows[t] = ktile + t * DP;
         }
-        for (int64_t t = 0; t < kAvx2Tile; ++t) k_tile[t] = t < n ? ktile + t * DP : kZeroRow;
-        attend_head_avx2<float>(p, st, q.get(), DP, nc, h, k_tile, vtile, DP, n, dist0, hs, pf);
       }
     }
   }
