@@ -5,16 +5,19 @@
 // layout and head size (before it, such machines ran decode_item_scalar, a token at a time).
 //
 // One item (a sequence, or a part of one): the blocks in table order, each in tiles of up to
-// 16 tokens, and per tile every kv head in turn:
-// - the head's keys and values as float32 rows: the cache's own rows for a float32 token-major
-//   cache whose head size is a multiple of 8, else widened into L1 tiles (vLLM's split layout:
-//   keys gathered 16 bytes at a time, values transposed 8 x 8 in registers);
+// 16 tokens, per tile and kv head:
 // - the G x n logits of the head's query rows, 8 dot products at a time (rows x tokens 4 x 2,
-//   2 x 4 or 1 x 8), their 8 accumulators summed into one vector by a transpose tree;
+//   2 x 4 or 1 x 8), their 8 accumulators summed into one vector by a transpose tree; the keys
+//   read in place and widened as loaded (RowKeys on token-major rows, SplitKeys on vLLM's
+//   16-byte pieces), or from a float32 tile where the head size is not a multiple of 8;
 // - one online-softmax step per row (soft cap, ALiBi, tokens past n masked), probabilities by
 //   exp8;
-// - acc = factor * acc + P V, 4 rows x 2 vectors of accumulators per pass over the tile.
-// The next tile's rows (all kv heads) are prefetched a line pair per p.v step (LineCursor).
+// - acc = factor * acc + P V, 4 rows x 3 vectors of accumulators per pass over the tile, the
+//   values read in place (token-major) or from a float32 tile (the split layout's, transposed
+//   8 x 8 in registers).
+// Token-major: tiles outer, kv heads inner, the next tile's rows (all kv heads) requested a line
+// pair per p.v step (LineCursor). Split: kv heads outer (a head's block is contiguous), the next
+// head block requested the same way.
 #pragma once
 
 constexpr int kAvx2Tile = 16;  // tokens per tile
@@ -141,7 +144,7 @@ __attribute__((always_inline)) inline void pv_avx2(float* acc, int64_t acc_strid
   }
 }
 
-// pv_avx2 for R rows over every chunk of the row (nc chunks: pairs, then one).
+// pv_avx2 for R rows over every chunk of the row (nc chunks: threes, then a pair or one).
 template <int R, typename T>
 inline void pv_rows_avx2(float* acc, int64_t acc_stride, const float* probs, const float* factor,
                          const T* v, int64_t v_stride, int64_t n, int64_t nc, LineCursor& pf) {
