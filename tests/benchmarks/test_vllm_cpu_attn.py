@@ -24,17 +24,6 @@ QUERY_LENS = (17, 5, 3, 1, 1, 1)
 SEQ_LENS = (17, 5, 33, 40, 1, 77)
 
 
-# vLLM 0.32 refuses fp8 caches on x86 CPUs without AVX-512 or AMX (AMD Zen 3, say), in its
-# own words; the peer passes them on as its skip.
-FP8_REFUSED = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
-
-
-def vllm_takes_fp8() -> bool:
-    from jax_attn.cpu import _build
-
-    return bool(set(_build._cpu_flags().split()) & {"avx512f", "amx_tile"})
-
-
 def _spec(query_lens=QUERY_LENS, seq_lens=SEQ_LENS, **kw) -> Spec:
     small = dict(num_heads=8, num_kv_heads=2, head_size=64, reps=1)
     return Spec("small", query_lens, seq_lens, **(small | kw))
@@ -62,8 +51,8 @@ def _jax_xla(data) -> np.ndarray:
 def test_matches_jax_xla(kw, seed):
     spec = _spec(**kw)
     data = make_data(spec, np.random.default_rng(seed))
-    if spec.cache_dtype and not vllm_takes_fp8():
-        with pytest.raises(Skip, match=FP8_REFUSED):
+    if spec.cache_dtype and not backends.vllm_takes_fp8():
+        with pytest.raises(Skip, match=backends.VLLM_FP8_REFUSED):
             backends._prepare_vllm_cpu_attn(data)
         return
     prepared = backends._prepare_vllm_cpu_attn(data)
@@ -94,8 +83,8 @@ def test_amx_fp8_deviation():
     spec = _spec(dtype="bfloat16", block_size=32, **fp8, num_heads=32, num_kv_heads=8,
                  head_size=128, query_lens=(1,) * 8, seq_lens=(1024,) * 8)  # fmt: skip
     data = make_data(spec, np.random.default_rng(0))
-    if not vllm_takes_fp8():
-        with pytest.raises(Skip, match=FP8_REFUSED):
+    if not backends.vllm_takes_fp8():
+        with pytest.raises(Skip, match=backends.VLLM_FP8_REFUSED):
             backends._prepare_vllm_cpu_attn(data)
         return
     ratios = []
@@ -127,7 +116,9 @@ def _expected_isa(spec: Spec) -> str:
 def test_fp8_at_block_16_is_skipped_with_the_reason():
     spec = _spec(dtype="bfloat16", cache_dtype="float8_e4m3fn")
     reason = r"fp8 cache only with the vec/amx ISAs.*block 16 runs vec16"
-    with pytest.raises(Skip, match=reason if vllm_takes_fp8() else FP8_REFUSED):
+    if not backends.vllm_takes_fp8():
+        reason = backends.VLLM_FP8_REFUSED
+    with pytest.raises(Skip, match=reason):
         backends._prepare_vllm_cpu_attn(make_data(spec, np.random.default_rng(0)))
 
 
