@@ -451,7 +451,7 @@ def vllm_takes_fp8() -> bool:
     """Whether vLLM 0.32 takes fp8 caches on this CPU (its rule: AVX-512 or AMX)."""
     from jax_attn.cpu import _build
 
-    return bool(set(_build._cpu_flags().split()) & {"avx512f", "amx_tile"})
+    return bool(_build.cpu_flags() & {"avx512f", "amx_tile"})
 
 
 def why_vllm_cpu_attn_unavailable() -> str | None:

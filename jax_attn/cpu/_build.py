@@ -157,6 +157,12 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (`avx2`, `avx512f`, `amx_tile`...):
+    the set the build is keyed on."""
+    return frozenset(_cpu_flags().split())
+
+
 @functools.cache
 def _compiler_version(cxx: str) -> str:
     try:

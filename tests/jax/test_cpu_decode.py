@@ -486,7 +486,7 @@ def _kernel_asm(function: str, flags: tuple[str, ...]) -> str:
     """The disassembly of the first kernel function whose name contains `function`, in the
     library built here; skips (naming what is missing) where that code is not built for this
     CPU's AVX-512 or objdump is missing."""
-    have = _build._cpu_flags().split()  # the flags the build is keyed on
+    have = _build.cpu_flags()  # the flags the build is keyed on
     missing = [f for f in flags if f not in have]
     if missing:
         pytest.skip(f"the CPU has no {', '.join(missing)}: {function} is not built here")
