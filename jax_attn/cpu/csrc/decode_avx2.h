@@ -30,7 +30,7 @@ constexpr int kAvx2Tile = 16;  // tokens per tile
 template <typename T>
 struct RowKeys {
   const T* const* rows;
-  __attribute__((always_inline)) __m256 chunk(int j, int64_t c) const {
+  __attribute__((always_inline)) __m256 chunk(int64_t j, int64_t c) const {
     return Load8<T>::whole(rows[j] + 8 * c);
   }
 };
@@ -38,7 +38,7 @@ template <typename KV>
 struct SplitKeys {
   const KV* const* rows;
   int64_t piece;
-  __attribute__((always_inline)) __m256 chunk(int j, int64_t c) const {
+  __attribute__((always_inline)) __m256 chunk(int64_t j, int64_t c) const {
     if constexpr (sizeof(KV) == 4) {  // two pieces of 4
       const float* r = reinterpret_cast<const float*>(rows[j]) + 2 * c * piece;
       return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(r)), _mm_loadu_ps(r + piece),
@@ -51,16 +51,14 @@ struct SplitKeys {
   }
 };
 
-// The 8 dot products of rows q[0, RG) x keys t0 + [0, TK) over nc chunks of 8, as one vector:
-// lane i * TK + j = q[i] . k[t0 + j].
+// Adds chunks [c0, c1) of the 8 dot products of rows q[0, RG) x keys t0 + [0, TK) to acc
+// (acc[i * TK + j]: q[i] . k[t0 + j], lane-wise partial sums).
 template <int RG, int TK, typename Keys>
-__attribute__((always_inline)) inline __m256 dots8(const float* const* q, const Keys& k, int t0,
-                                                   int64_t nc) {
+__attribute__((always_inline)) inline void accumulate8(__m256 (&acc)[8], const float* const* q,
+                                                       const Keys& k, int64_t t0, int64_t c0,
+                                                       int64_t c1) {
   static_assert(RG * TK == 8, "8 dot products");
-  __m256 acc[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < nc; ++c) {
+  for (int64_t c = c0; c < c1; ++c) {
     __m256 kv[TK];
 #pragma GCC unroll 8
     for (int j = 0; j < TK; ++j) kv[j] = k.chunk(t0 + j, c);
@@ -72,22 +70,33 @@ __attribute__((always_inline)) inline __m256 dots8(const float* const* q, const 
       for (int j = 0; j < TK; ++j) acc[i * TK + j] = _mm256_fmadd_ps(qv, kv[j], acc[i * TK + j]);
     }
   }
+}
+
+// The 8 dot products of rows q[0, RG) x keys t0 + [0, TK) over nc chunks of 8, as one vector:
+// lane i * TK + j = q[i] . k[t0 + j].
+template <int RG, int TK, typename Keys>
+__attribute__((always_inline)) inline __m256 dots8(const float* const* q, const Keys& k,
+                                                   int64_t t0, int64_t nc) {
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  accumulate8<RG, TK>(acc, q, k, t0, 0, nc);
   return transpose_sum8(acc);
 }
 
-// Logits [G][16] of query rows q[0, G) against the tile's 16 keys: rows in fours (tokens in
+// Logits [G][ld] of query rows q[0, G) against the tile's 16 keys: rows in fours (tokens in
 // pairs), then a pair, then one.
 template <typename Keys>
 inline void tile_logits_avx2(const float* const* q, int64_t G, const Keys& k, int64_t nc,
-                             float* logits) {
+                             float* logits, int64_t ld = kAvx2Tile) {
   alignas(32) float lanes[8];
   int64_t g = 0;
   for (; g + 4 <= G; g += 4) {
     for (int t = 0; t < kAvx2Tile; t += 2) {
       _mm256_store_ps(lanes, dots8<4, 2>(q + g, k, t, nc));
       for (int i = 0; i < 4; ++i) {
-        logits[(g + i) * kAvx2Tile + t] = lanes[2 * i];
-        logits[(g + i) * kAvx2Tile + t + 1] = lanes[2 * i + 1];
+        logits[(g + i) * ld + t] = lanes[2 * i];
+        logits[(g + i) * ld + t + 1] = lanes[2 * i + 1];
       }
     }
   }
@@ -95,13 +104,13 @@ inline void tile_logits_avx2(const float* const* q, int64_t G, const Keys& k, in
     for (int t = 0; t < kAvx2Tile; t += 4) {
       _mm256_store_ps(lanes, dots8<2, 4>(q + g, k, t, nc));
       for (int i = 0; i < 2; ++i) {
-        for (int j = 0; j < 4; ++j) logits[(g + i) * kAvx2Tile + t + j] = lanes[4 * i + j];
+        for (int j = 0; j < 4; ++j) logits[(g + i) * ld + t + j] = lanes[4 * i + j];
       }
     }
   }
   if (g < G) {
     for (int t = 0; t < kAvx2Tile; t += 8) {
-      _mm256_storeu_ps(logits + g * kAvx2Tile + t, dots8<1, 8>(q + g, k, t, nc));
+      _mm256_storeu_ps(logits + g * ld + t, dots8<1, 8>(q + g, k, t, nc));
     }
   }
 }
@@ -199,6 +208,165 @@ inline void transpose_split_values_avx2(const KV* head, int64_t BS, int64_t t0, 
   }
 }
 
+// The split layout's values as the "keys" of dots8: value row d of a kv head's block, chunk c
+// = its elements [8c, 8c + 8) from base + d * stride (tokens t_begin + 8c onwards).
+template <typename T>
+struct StridedRows {
+  const T* base;
+  int64_t stride;
+  __attribute__((always_inline)) __m256 chunk(int64_t j, int64_t c) const {
+    return Load8<T>::whole(base + j * stride + 8 * c);
+  }
+};
+
+// acc[i][0, D) = factor[i] * acc[i][..] + sum_t probs[i][t] v[t][..] for RG rows, the values in
+// vLLM's split layout ([D, BS] per kv head, from v = the first token's column) read in place as
+// D rows over the tokens: dots8 with probability rows for query rows and value rows for keys,
+// 8 sums at a time. `full` chunks of 8 tokens come from the cache; a partial last chunk from
+// `tail` ([D][8], zero past the tokens; nullptr for none), its probabilities zero past n. The
+// sums of RG rows x 8 / RG value rows come out interleaved and are put in d order in registers.
+template <int RG, typename KV>
+inline void pv_split_rows_avx2(float* acc, int64_t acc_stride, const float* const* probs,
+                               const float* factor, const KV* v, int64_t BS, int64_t full,
+                               const float* tail, int64_t D, LineCursor& pf) {
+  constexpr int TK = 8 / RG;
+  const StridedRows<KV> values{v, BS};
+  const StridedRows<float> tails{tail, 8};
+  const float* tail_probs[RG];
+  __m256 f[RG];
+  for (int i = 0; i < RG; ++i) {
+    tail_probs[i] = probs[i] + 8 * full;
+    f[i] = _mm256_set1_ps(factor[i]);
+  }
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 r[RG];  // r[k] lane i * TK + j: row i against value row d + k * TK + j
+#pragma GCC unroll 4
+    for (int k = 0; k < RG; ++k) {
+      pf.step();
+      __m256 a[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      accumulate8<RG, TK>(a, probs, values, d + k * TK, 0, full);
+      if (tail) accumulate8<RG, TK>(a, tail_probs, tails, d + k * TK, 0, 1);
+      r[k] = transpose_sum8(a);
+    }
+    __m256 out[RG];  // row i's sums for value rows d .. d + 7
+    if constexpr (RG == 4) {  // a 4 x 4 transpose of (row, value-row pair) elements
+      const __m256d r0 = _mm256_castps_pd(r[0]), r1 = _mm256_castps_pd(r[1]);
+      const __m256d r2 = _mm256_castps_pd(r[2]), r3 = _mm256_castps_pd(r[3]);
+      const __m256d lo01 = _mm256_unpacklo_pd(r0, r1), hi01 = _mm256_unpackhi_pd(r0, r1);
+      const __m256d lo23 = _mm256_unpacklo_pd(r2, r3), hi23 = _mm256_unpackhi_pd(r2, r3);
+      out[0] = _mm256_castpd_ps(_mm256_permute2f128_pd(lo01, lo23, 0x20));
+      out[1] = _mm256_castpd_ps(_mm256_permute2f128_pd(hi01, hi23, 0x20));
+      out[2] = _mm256_castpd_ps(_mm256_permute2f128_pd(lo01, lo23, 0x31));
+      out[3] = _mm256_castpd_ps(_mm256_permute2f128_pd(hi01, hi23, 0x31));
+    } else if constexpr (RG == 2) {
+      out[0] = _mm256_permute2f128_ps(r[0], r[1], 0x20);
+      out[1] = _mm256_permute2f128_ps(r[0], r[1], 0x31);
+    } else {
+      out[0] = r[0];
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < RG; ++i) {
+      float* a = acc + i * acc_stride + d;
+      _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_load_ps(a), f[i], out[i]));
+    }
+  }
+}
+
+// The scratch of the split layout's block step: logits and probabilities [G][ld] (ld = the
+// block size rounded up to 16), factors [G], the partial chunk's values [D][8], and the query
+// and probability rows of the kv head.
+struct SplitBlockScratch {
+  float* logits;
+  float* probs;
+  float* factor;
+  float* tail;
+  int64_t ld;
+  const float** qrows;
+  const float** prows;
+};
+
+// One kv head's tokens [t_begin, t_begin + n) of a block in vLLM's split layout (khead / vhead:
+// the head's [D / x, BS, x] keys and [D, BS] values; D a multiple of 8 and of x), both read in
+// place: the G rows' logits in tiles of 16 (SplitKeys), one online-softmax step per row over
+// all n tokens, then acc = factor * acc + P V in the dot form (pv_split_rows_avx2). The first
+// key is `dist0` positions after the query (ALiBi).
+template <typename KV>
+inline void attend_split_block_avx2(const Problem& p, RowsState& st, const float* q, int64_t DP,
+                                    int64_t nc, int64_t h, const KV* khead, const KV* vhead,
+                                    int64_t t_begin, int64_t n, float dist0,
+                                    const SplitBlockScratch& s, LineCursor& pf) {
+  const int64_t G = p.group, BS = p.block_size, D = p.head_size, x = p.x, ld = s.ld;
+  for (int64_t g = 0; g < G; ++g) {
+    s.qrows[g] = q + (h * G + g) * DP;
+    s.prows[g] = s.probs + g * ld;
+  }
+  const KV* rows[kAvx2Tile];
+  for (int64_t t0 = 0; t0 < n; t0 += kAvx2Tile) {
+    const int64_t m = std::min<int64_t>(kAvx2Tile, n - t0);
+    for (int64_t t = 0; t < kAvx2Tile; ++t) {
+      rows[t] = khead + (t_begin + t0 + std::min(t, m - 1)) * x;
+    }
+    tile_logits_avx2(s.qrows, G, SplitKeys<KV>{rows, BS * x}, nc, s.logits + t0, ld);
+  }
+  const int64_t chunks = (n + 7) / 8;
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 n_lanes = _mm256_set1_ps(static_cast<float>(n));
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t row = h * G + g;
+    float* l = s.logits + g * ld;
+    __m256 mx = minus_inf;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256 lane = _mm256_add_ps(iota, _mm256_set1_ps(8.0f * static_cast<float>(c)));
+      __m256 v = _mm256_loadu_ps(l + 8 * c);
+      if (p.cap > 0.0f) v = soft_cap8(v, p.cap);
+      if (p.alibi) {
+        const __m256 dist = _mm256_add_ps(lane, _mm256_set1_ps(dist0));
+        v = _mm256_fmadd_ps(_mm256_set1_ps(p.alibi[row]), dist, v);
+      }
+      v = _mm256_blendv_ps(minus_inf, v, _mm256_cmp_ps(lane, n_lanes, _CMP_LT_OQ));
+      _mm256_storeu_ps(l + 8 * c, v);
+      mx = _mm256_max_ps(mx, v);
+    }
+    OnlineSoftmaxRow& state = st.rows[row];
+    s.factor[g] = state.rescale(hmax8(mx));
+    const __m256 m = _mm256_set1_ps(state.max);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256 pr = exp8(_mm256_sub_ps(_mm256_loadu_ps(l + 8 * c), m));
+      _mm256_storeu_ps(s.probs + g * ld + 8 * c, pr);
+      sum = _mm256_add_ps(sum, pr);
+    }
+    state.add_sum(hsum8(sum));
+  }
+  const int64_t full = n / 8, rem = n % 8;
+  const float* tail = nullptr;
+  if (rem > 0) {
+    for (int64_t d = 0; d < D; ++d) {
+      const KV* src = vhead + d * BS + t_begin + 8 * full;
+      for (int64_t t = 0; t < 8; ++t) s.tail[d * 8 + t] = t < rem ? widen(src[t]) : 0.0f;
+    }
+    tail = s.tail;
+  }
+  const int64_t steps = (G / 4 * 4 + (G % 4 >= 2 ? 2 : 0) + G % 2) * (D / 8);  // pf.step()s
+  pf.per = (pf.left + steps - 1) / steps;
+  float* acc = st.acc.get() + h * G * DP;
+  const KV* v = vhead + t_begin;
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {
+    pv_split_rows_avx2<4>(acc + g * DP, DP, s.prows + g, s.factor + g, v, BS, full, tail, D, pf);
+  }
+  if (g + 2 <= G) {
+    pv_split_rows_avx2<2>(acc + g * DP, DP, s.prows + g, s.factor + g, v, BS, full, tail, D, pf);
+    g += 2;
+  }
+  if (g < G) {
+    pv_split_rows_avx2<1>(acc + g * DP, DP, s.prows + g, s.factor + g, v, BS, full, tail, D, pf);
+  }
+}
+
 // The scratch of one item's head steps: logits and probabilities [G][16], factors [G], and
 // the kv head's query rows.
 struct HeadScratchAvx2 {
@@ -221,10 +389,12 @@ inline void attend_head_avx2(const Problem& p, RowsState& st, const float* q, in
   tile_logits_avx2(s.qrows, G, k, nc, s.logits);
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 n_lanes = _mm256_set1_ps(static_cast<float>(n));
+  constexpr int kChunks = kAvx2Tile / 8;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t row = h * G + g;
-    __m256 l[2];
-    for (int i = 0; i < 2; ++i) {
+    __m256 l[kChunks];
+    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int i = 0; i < kChunks; ++i) {
       const __m256 lane = _mm256_add_ps(iota, _mm256_set1_ps(8.0f * i));
       l[i] = _mm256_loadu_ps(s.logits + g * kAvx2Tile + 8 * i);
       if (p.cap > 0.0f) l[i] = soft_cap8(l[i], p.cap);
@@ -234,14 +404,18 @@ inline void attend_head_avx2(const Problem& p, RowsState& st, const float* q, in
       }
       l[i] = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), l[i],
                               _mm256_cmp_ps(lane, n_lanes, _CMP_LT_OQ));
+      mx = _mm256_max_ps(mx, l[i]);
     }
     OnlineSoftmaxRow& state = st.rows[row];
-    s.factor[g] = state.rescale(hmax8(_mm256_max_ps(l[0], l[1])));
+    s.factor[g] = state.rescale(hmax8(mx));
     const __m256 m = _mm256_set1_ps(state.max);
-    const __m256 p0 = exp8(_mm256_sub_ps(l[0], m)), p1 = exp8(_mm256_sub_ps(l[1], m));
-    state.add_sum(hsum8(_mm256_add_ps(p0, p1)));
-    _mm256_storeu_ps(s.probs + g * kAvx2Tile, p0);
-    _mm256_storeu_ps(s.probs + g * kAvx2Tile + 8, p1);
+    __m256 sum = _mm256_setzero_ps();
+    for (int i = 0; i < kChunks; ++i) {
+      const __m256 pr = exp8(_mm256_sub_ps(l[i], m));
+      sum = _mm256_add_ps(sum, pr);
+      _mm256_storeu_ps(s.probs + g * kAvx2Tile + 8 * i, pr);
+    }
+    state.add_sum(hsum8(sum));
   }
   head_values_avx2(st.acc.get() + h * G * DP, DP, G, s.probs, s.factor, v, v_stride, n, nc, pf);
 }
@@ -258,10 +432,10 @@ void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
   const KV* kc = static_cast<const KV*>(p.key_cache);
   const KV* vc = static_cast<const KV*>(p.value_cache);
   const bool split = p.layout == CacheLayout::kSplit;
-  // Keys are read in place (widened as loaded) when every chunk lies inside the row; else they,
-  // and the token-major values, go through float32 tiles. Split-layout values always do
-  // (transposed): the p.v reads token rows.
-  const bool in_place = D % 8 == 0 && (!split || D % p.x == 0);
+  // Keys and values are read in place (widened as loaded) when every chunk of 8 lies inside the
+  // row (the split layout's D is a multiple of x: paged_decode.cc); else they go through float32
+  // tiles, the split layout's values transposed.
+  const bool in_place = D % 8 == 0;
 
   FloatBuffer q(static_cast<size_t>(Hq * DP));  // scaled by qk_scale, zero-padded
   for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
@@ -274,6 +448,14 @@ void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
   std::vector<const float*> qrows(G);
   const HeadScratchAvx2 hs{vtile + kAvx2Tile * DP, vtile + kAvx2Tile * DP + G * kAvx2Tile,
                            vtile + kAvx2Tile * DP + 2 * G * kAvx2Tile, qrows.data()};
+  // The split layout's block step (attend_split_block_avx2).
+  const int64_t ld = round_up(BS, kAvx2Tile);
+  const bool split_blocks = split && in_place;
+  FloatBuffer split_buffer(split_blocks ? static_cast<size_t>(2 * G * ld + G + 8 * D) : 0);
+  std::vector<const float*> prows(split_blocks ? G : 0);
+  float* const sb = split_buffer.get();
+  const SplitBlockScratch split_scratch{
+      sb, sb + G * ld, sb + 2 * G * ld, sb + 2 * G * ld + G, ld, qrows.data(), prows.data()};
   const KV* rows[kAvx2Tile];       // the keys in place: token rows, or split-layout pieces
   const float* tile_rows[kAvx2Tile];  // through the tile
   for (int t = 0; t < kAvx2Tile; ++t) tile_rows[t] = ktile + t * DP;
@@ -298,6 +480,13 @@ void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
           pf = LineCursor(kc + next, vc + next, head_elems * elem,
                           2 * head_elems * elem > p.nta_limit);
         }
+        if (split_blocks) {
+          attend_split_block_avx2(p, st, q.get(), DP, nc, h, kc + head, vc + head, t_begin,
+                                  t_end - t_begin, static_cast<float>(b * BS + t_begin - q_pos),
+                                  split_scratch, pf);
+          continue;
+        }
+        // D not a multiple of 8: keys widened and values transposed into float32 tiles.
         int64_t steps = passes * (t_end - t_begin);
         for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
           const int64_t n = std::min<int64_t>(kAvx2Tile, t_end - t0);
@@ -305,31 +494,23 @@ void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
           pf.per = (pf.left + steps - 1) / steps;
           steps -= passes * n;
           transpose_split_values_avx2(vc + head, BS, t0, n, D, vtile, DP);
-          if (in_place) {  // [D / x, BS, x]: token t's pieces from head + t * x
-            for (int64_t t = 0; t < kAvx2Tile; ++t) {
-              rows[t] = kc + head + (t0 + std::min(t, n - 1)) * x;
+          for (int64_t t = 0; t < n; ++t) {
+            for (int64_t j = 0; j < D; j += x) {
+              widen_span(kc + head + (j / x) * BS * x + (t0 + t) * x, std::min(x, D - j),
+                         ktile + t * DP + j);
             }
-            attend_head_avx2(p, st, q.get(), DP, nc, h, SplitKeys<KV>{rows, BS * x}, vtile, DP,
-                             n, dist0, hs, pf);
-          } else {
-            for (int64_t t = 0; t < n; ++t) {
-              for (int64_t j = 0; j < D; j += x) {
-                widen_span(kc + head + (j / x) * BS * x + (t0 + t) * x, std::min(x, D - j),
-                           ktile + t * DP + j);
-              }
-            }
-            for (int64_t t = n; t < kAvx2Tile; ++t) tile_rows[t] = ktile + (n - 1) * DP;
-            attend_head_avx2(p, st, q.get(), DP, nc, h, RowKeys<float>{tile_rows}, vtile, DP, n,
-                             dist0, hs, pf);
-            for (int64_t t = n; t < kAvx2Tile; ++t) tile_rows[t] = ktile + t * DP;
           }
+          for (int64_t t = n; t < kAvx2Tile; ++t) tile_rows[t] = ktile + (n - 1) * DP;
+          attend_head_avx2(p, st, q.get(), DP, nc, h, RowKeys<float>{tile_rows}, vtile, DP, n,
+                           dist0, hs, pf);
+          for (int64_t t = n; t < kAvx2Tile; ++t) tile_rows[t] = ktile + t * DP;
         }
       }
       continue;
     }
     // Token-major [NB, BS, Hkv, D]: tiles outer, kv heads inner; the next tile's
-    // [next_n, Hkv, D] of each cache requested over this tile's p.v steps, into L2 when it
-    // outgrows L1.
+    // [next_n, Hkv, D] of each cache requested over this tile's p.v steps, into L2 when the
+    // two together outgrow L1 (nta_limit_bytes).
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
       const int64_t n = std::min<int64_t>(kAvx2Tile, t_end - t0);
       const float dist0 = static_cast<float>(b * BS + t0 - q_pos);
@@ -344,7 +525,7 @@ void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
             std::min<int64_t>(kAvx2Tile, std::min(it.end - next_b * BS, BS) - next_t0);
         const int64_t off = (table[next_b] * BS + next_t0) * row_stride;
         const int64_t bytes = next_n * row_stride * elem;
-        pf = LineCursor(kc + off, vc + off, bytes, bytes > p.nta_limit);
+        pf = LineCursor(kc + off, vc + off, bytes, 2 * bytes > p.nta_limit);
       }
       for (int64_t h = 0; h < Hkv; ++h) {
         pf.per = (pf.left + (Hkv - h) * passes * n - 1) / ((Hkv - h) * passes * n);
