@@ -4,20 +4,26 @@
 // (JAX_ATTN_AVX2, vec_avx2.h): there it is the decode's item function for every cache dtype,
 // layout and head size (before it, such machines ran decode_item_scalar, a token at a time).
 //
-// One item (a sequence, or a part of one): the blocks in table order, each in tiles of up to
-// 16 tokens, per tile and kv head:
-// - the G x n logits of the head's query rows, 8 dot products at a time (rows x tokens 4 x 2,
-//   2 x 4 or 1 x 8), their 8 accumulators summed into one vector by a transpose tree; the keys
-//   read in place and widened as loaded (RowKeys on token-major rows, SplitKeys on vLLM's
-//   16-byte pieces), or from a float32 tile where the head size is not a multiple of 8;
-// - one online-softmax step per row (soft cap, ALiBi, tokens past n masked), probabilities by
-//   exp8;
-// - acc = factor * acc + P V, 4 rows x 3 vectors of accumulators per pass over the tile, the
-//   values read in place (token-major) or from a float32 tile (the split layout's, transposed
-//   8 x 8 in registers).
-// Token-major: tiles outer, kv heads inner, the next tile's rows (all kv heads) requested a line
-// pair per p.v step (LineCursor). Split: kv heads outer (a head's block is contiguous), the next
-// head block requested the same way.
+// One item (a sequence, or a part of one): the blocks in table order.
+// - Token-major: tiles of up to 16 tokens outer, kv heads inner, per tile and kv head:
+//   - the G x n logits of the head's query rows, 8 dot products at a time (rows x tokens 4 x 2,
+//     2 x 4 or 1 x 8), their 8 accumulators summed into one vector by a transpose tree; the
+//     keys read in place and widened as loaded (RowKeys), or from a float32 tile where the head
+//     size is not a multiple of 8;
+//   - one online-softmax step per row (soft cap, ALiBi, tokens past n masked), probabilities by
+//     exp8;
+//   - acc = factor * acc + P V, 4 rows x 3 vectors of accumulators per pass over the tile, the
+//     values read in place or from a float32 tile.
+//   The next tile's rows (all kv heads) are requested a line pair per p.v step (LineCursor).
+// - vLLM's split layout: kv heads outer (a head's block is contiguous), the next head block
+//   requested the same way; per kv head, the block's tokens in one step
+//   (attend_split_block_avx2): the logits in tiles of 16 from the keys' 16-byte pieces in place
+//   (SplitKeys), one softmax step over the block, and the p.v in the dot form: the values
+//   [D, BS] are D rows over the tokens, so dots8 takes probability rows for query rows and
+//   value rows for keys (pv_split_rows_avx2). Against transposing each tile's values into
+//   token rows first, that took the TORCH_SDPA decode at block 128 from 18.9 to 10.9 ms in
+//   bf16 and from 34.3 to 27.7 in float32 (Zen 3 VM; 1.04-1.52x at blocks 16 and 32; NOTES.md).
+//   Head sizes that are not a multiple of 8 (float32 only: x = 4) keep the tiles.
 #pragma once
 
 constexpr int kAvx2Tile = 16;  // tokens per tile
