@@ -280,6 +280,45 @@ inline void pv_split_rows_avx2(float* acc, int64_t acc_stride, const float* cons
   }
 }
 
+// One online-softmax step per row for the G rows of kv head h over n tokens whose first key is
+// `dist0` positions after the query: logits[g * ld + t] (t < n) get the soft cap and ALiBi,
+// tokens past n are masked, factor[g] takes the accumulator's rescale, and probs[g * ld + t]
+// the probabilities (zero past n, up to n rounded up to 8); the logits are overwritten.
+inline void softmax_rows_avx2(const Problem& p, RowsState& st, int64_t h, float* logits,
+                              float* probs, float* factor, int64_t ld, int64_t n, float dist0) {
+  const int64_t G = p.group, chunks = (n + 7) / 8;
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 n_lanes = _mm256_set1_ps(static_cast<float>(n));
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t row = h * G + g;
+    float* l = logits + g * ld;
+    __m256 mx = minus_inf;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256 lane = _mm256_add_ps(iota, _mm256_set1_ps(8.0f * static_cast<float>(c)));
+      __m256 v = _mm256_loadu_ps(l + 8 * c);
+      if (p.cap > 0.0f) v = soft_cap8(v, p.cap);
+      if (p.alibi) {
+        const __m256 dist = _mm256_add_ps(lane, _mm256_set1_ps(dist0));
+        v = _mm256_fmadd_ps(_mm256_set1_ps(p.alibi[row]), dist, v);
+      }
+      v = _mm256_blendv_ps(minus_inf, v, _mm256_cmp_ps(lane, n_lanes, _CMP_LT_OQ));
+      _mm256_storeu_ps(l + 8 * c, v);
+      mx = _mm256_max_ps(mx, v);
+    }
+    OnlineSoftmaxRow& state = st.rows[row];
+    factor[g] = state.rescale(hmax8(mx));
+    const __m256 m = _mm256_set1_ps(state.max);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256 pr = exp8(_mm256_sub_ps(_mm256_loadu_ps(l + 8 * c), m));
+      _mm256_storeu_ps(probs + g * ld + 8 * c, pr);
+      sum = _mm256_add_ps(sum, pr);
+    }
+    state.add_sum(hsum8(sum));
+  }
+}
+
 // The scratch of the split layout's block step: logits and probabilities [G][ld] (ld = the
 // block size rounded up to 16), factors [G], the partial chunk's values [D][8], and the query
 // and probability rows of the kv head.
@@ -316,37 +355,7 @@ inline void attend_split_block_avx2(const Problem& p, RowsState& st, const float
     }
     tile_logits_avx2(s.qrows, G, SplitKeys<KV>{rows, BS * x}, nc, s.logits + t0, ld);
   }
-  const int64_t chunks = (n + 7) / 8;
-  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 n_lanes = _mm256_set1_ps(static_cast<float>(n));
-  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t row = h * G + g;
-    float* l = s.logits + g * ld;
-    __m256 mx = minus_inf;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 lane = _mm256_add_ps(iota, _mm256_set1_ps(8.0f * static_cast<float>(c)));
-      __m256 v = _mm256_loadu_ps(l + 8 * c);
-      if (p.cap > 0.0f) v = soft_cap8(v, p.cap);
-      if (p.alibi) {
-        const __m256 dist = _mm256_add_ps(lane, _mm256_set1_ps(dist0));
-        v = _mm256_fmadd_ps(_mm256_set1_ps(p.alibi[row]), dist, v);
-      }
-      v = _mm256_blendv_ps(minus_inf, v, _mm256_cmp_ps(lane, n_lanes, _CMP_LT_OQ));
-      _mm256_storeu_ps(l + 8 * c, v);
-      mx = _mm256_max_ps(mx, v);
-    }
-    OnlineSoftmaxRow& state = st.rows[row];
-    s.factor[g] = state.rescale(hmax8(mx));
-    const __m256 m = _mm256_set1_ps(state.max);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 pr = exp8(_mm256_sub_ps(_mm256_loadu_ps(l + 8 * c), m));
-      _mm256_storeu_ps(s.probs + g * ld + 8 * c, pr);
-      sum = _mm256_add_ps(sum, pr);
-    }
-    state.add_sum(hsum8(sum));
-  }
+  softmax_rows_avx2(p, st, h, s.logits, s.probs, s.factor, ld, n, dist0);
   const int64_t full = n / 8, rem = n % 8;
   const float* tail = nullptr;
   if (rem > 0) {
@@ -393,36 +402,7 @@ inline void attend_head_avx2(const Problem& p, RowsState& st, const float* q, in
   const int64_t G = p.group;
   for (int64_t g = 0; g < G; ++g) s.qrows[g] = q + (h * G + g) * DP;
   tile_logits_avx2(s.qrows, G, k, nc, s.logits);
-  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 n_lanes = _mm256_set1_ps(static_cast<float>(n));
-  constexpr int kChunks = kAvx2Tile / 8;
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t row = h * G + g;
-    __m256 l[kChunks];
-    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int i = 0; i < kChunks; ++i) {
-      const __m256 lane = _mm256_add_ps(iota, _mm256_set1_ps(8.0f * i));
-      l[i] = _mm256_loadu_ps(s.logits + g * kAvx2Tile + 8 * i);
-      if (p.cap > 0.0f) l[i] = soft_cap8(l[i], p.cap);
-      if (p.alibi) {
-        const __m256 dist = _mm256_add_ps(lane, _mm256_set1_ps(dist0));
-        l[i] = _mm256_fmadd_ps(_mm256_set1_ps(p.alibi[row]), dist, l[i]);
-      }
-      l[i] = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), l[i],
-                              _mm256_cmp_ps(lane, n_lanes, _CMP_LT_OQ));
-      mx = _mm256_max_ps(mx, l[i]);
-    }
-    OnlineSoftmaxRow& state = st.rows[row];
-    s.factor[g] = state.rescale(hmax8(mx));
-    const __m256 m = _mm256_set1_ps(state.max);
-    __m256 sum = _mm256_setzero_ps();
-    for (int i = 0; i < kChunks; ++i) {
-      const __m256 pr = exp8(_mm256_sub_ps(l[i], m));
-      sum = _mm256_add_ps(sum, pr);
-      _mm256_storeu_ps(s.probs + g * kAvx2Tile + 8 * i, pr);
-    }
-    state.add_sum(hsum8(sum));
-  }
+  softmax_rows_avx2(p, st, h, s.logits, s.probs, s.factor, kAvx2Tile, n, dist0);
   head_values_avx2(st.acc.get() + h * G * DP, DP, G, s.probs, s.factor, v, v_stride, n, nc, pf);
 }
 
