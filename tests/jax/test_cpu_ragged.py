@@ -84,6 +84,9 @@ CASES = [
     Case(batch="decodes", num_heads=12, num_kv_heads=4, alibi=True, sliding_window=33),
     Case(batch="decodes", num_heads=16, num_kv_heads=4, cache_dtype="float8_e4m3fn", soft_cap=3.0),
     *(Case(head_size=d) for d in (32, 72, 80, 128, 256)),
+    # Head sizes that are not whole 8-float vectors: the AVX2 query transpose's partial block.
+    Case(batch="long", head_size=36, num_heads=6, num_kv_heads=2, alibi=True),
+    Case(dtype="bfloat16", head_size=100, num_heads=5, num_kv_heads=1, block_size=8),
     Case(batch="long", head_size=128, num_heads=32, num_kv_heads=8),
     Case(batch="large", head_size=256, num_heads=8, num_kv_heads=2),
     Case(batch="staged", head_size=128, num_heads=16, num_kv_heads=4),
