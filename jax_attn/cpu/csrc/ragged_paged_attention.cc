@@ -652,7 +652,7 @@ inline void transpose_queries(RowFn row, int64_t M, int64_t Mp, int64_t D, float
             x[i] = _mm256_mul_ps(Load8<QT>::whole(rows[i] + c0), qk_scale);
           } else {
             alignas(32) float tail[8] = {};
-            for (int64_t j = 0; j < n; ++j) tail[j] = widen(rows[i][c0 + j]);
+            widen_span(rows[i] + c0, n, tail);
             x[i] = _mm256_mul_ps(_mm256_load_ps(tail), qk_scale);
           }
         }
