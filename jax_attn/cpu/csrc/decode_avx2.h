@@ -36,14 +36,22 @@ constexpr int kAvx2Tile = 16;  // tokens per tile
 template <typename T>
 struct RowKeys {
   const T* const* rows;
+  static constexpr bool kPairs = kLoadsInPairs<T>;
   __attribute__((always_inline)) __m256 chunk(int64_t j, int64_t c) const {
     return Load8<T>::whole(rows[j] + 8 * c);
+  }
+  __attribute__((always_inline)) void chunks2(int64_t j, int64_t c, __m256& x0, __m256& x1) const {
+    load8x2(rows[j] + 8 * c, x0, x1);
   }
 };
 template <typename KV>
 struct SplitKeys {
   const KV* const* rows;
   int64_t piece;
+  static constexpr bool kPairs = kLoadsInPairs<KV> && sizeof(KV) == 1;  // c even: one piece
+  __attribute__((always_inline)) void chunks2(int64_t j, int64_t c, __m256& x0, __m256& x1) const {
+    load8x2(rows[j] + (c / 2) * piece, x0, x1);
+  }
   __attribute__((always_inline)) __m256 chunk(int64_t j, int64_t c) const {
     if constexpr (sizeof(KV) == 4) {  // two pieces of 4
       const float* r = reinterpret_cast<const float*>(rows[j]) + 2 * c * piece;
@@ -64,7 +72,27 @@ __attribute__((always_inline)) inline void accumulate8(__m256 (&acc)[8], const f
                                                        const Keys& k, int64_t t0, int64_t c0,
                                                        int64_t c1) {
   static_assert(RG * TK == 8, "8 dot products");
-  for (int64_t c = c0; c < c1; ++c) {
+  int64_t c = c0;
+  if constexpr (Keys::kPairs && TK <= 2) {  // two chunks per load (c0 even)
+    for (; c + 2 <= c1; c += 2) {
+      __m256 kv[TK][2];
+#pragma GCC unroll 2
+      for (int j = 0; j < TK; ++j) k.chunks2(t0 + j, c, kv[j][0], kv[j][1]);
+#pragma GCC unroll 2
+      for (int e = 0; e < 2; ++e) {
+#pragma GCC unroll 4
+        for (int i = 0; i < RG; ++i) {
+          __m256 qv = _mm256_loadu_ps(q[i] + 8 * (c + e));
+          if (TK > 1) pin8(qv);
+#pragma GCC unroll 2
+          for (int j = 0; j < TK; ++j) {
+            acc[i * TK + j] = _mm256_fmadd_ps(qv, kv[j][e], acc[i * TK + j]);
+          }
+        }
+      }
+    }
+  }
+  for (; c < c1; ++c) {
     __m256 kv[TK];
 #pragma GCC unroll 8
     for (int j = 0; j < TK; ++j) kv[j] = k.chunk(t0 + j, c);
@@ -143,8 +171,13 @@ __attribute__((always_inline)) inline void pv_avx2(float* acc, int64_t acc_strid
   for (int64_t t = 0; t < n; ++t, row += v_stride) {
     pf.step();
     __m256 x[DV];
+    if constexpr (kLoadsInPairs<T> && DV % 2 == 0) {
+#pragma GCC unroll 2
+      for (int d = 0; d < DV; d += 2) load8x2(row + 8 * d, x[d], x[d + 1]);
+    } else {
 #pragma GCC unroll 3
-    for (int d = 0; d < DV; ++d) x[d] = Load8<T>::whole(row + 8 * d);
+      for (int d = 0; d < DV; ++d) x[d] = Load8<T>::whole(row + 8 * d);
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       const __m256 pr = _mm256_broadcast_ss(probs + i * kAvx2Tile + t);
@@ -164,6 +197,11 @@ template <int R, typename T>
 inline void pv_rows_avx2(float* acc, int64_t acc_stride, const float* probs, const float* factor,
                          const T* v, int64_t v_stride, int64_t n, int64_t nc, LineCursor& pf) {
   int64_t c = 0;
+  if constexpr (kLoadsInPairs<T>) {  // passes of two chunks, read by one load
+    for (; c + 2 <= nc; c += 2) {
+      pv_avx2<R, 2>(acc, acc_stride, probs, factor, v, v_stride, n, 8 * c, pf);
+    }
+  }
   for (; c + 3 <= nc; c += 3) {
     pv_avx2<R, 3>(acc, acc_stride, probs, factor, v, v_stride, n, 8 * c, pf);
   }
@@ -220,8 +258,12 @@ template <typename T>
 struct StridedRows {
   const T* base;
   int64_t stride;
+  static constexpr bool kPairs = kLoadsInPairs<T>;
   __attribute__((always_inline)) __m256 chunk(int64_t j, int64_t c) const {
     return Load8<T>::whole(base + j * stride + 8 * c);
+  }
+  __attribute__((always_inline)) void chunks2(int64_t j, int64_t c, __m256& x0, __m256& x1) const {
+    load8x2(base + j * stride + 8 * c, x0, x1);
   }
 };
 
@@ -406,9 +448,10 @@ inline void attend_head_avx2(const Problem& p, RowsState& st, const float* q, in
   head_values_avx2(st.acc.get() + h * G * DP, DP, G, s.probs, s.factor, v, v_stride, n, nc, pf);
 }
 
+// One item's blocks for cache element type KV (e4m3 as e4m3_folded_t: decode_item_avx2).
 template <typename KV>
-void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
-                      std::atomic<int32_t>* arrivals) {
+void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
+                         std::atomic<int32_t>* arrivals) {
   const int64_t D = p.head_size, G = p.group, Hq = p.num_heads, Hkv = p.num_kv_heads;
   const int64_t BS = p.block_size;
   const int64_t DP = round_up(D, 16);  // finish_item's and the scratch rows' padding
@@ -450,7 +493,8 @@ void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
   const int64_t row_stride = Hkv * D;  // token-major: token t -> t + 1 inside a block
   const int64_t x = p.x;               // split: key elements per 16 bytes
   const int64_t head_elems = D * BS;   // split: one kv head's block in either cache
-  const int64_t passes = (G + 3) / 4 * ((nc + 2) / 3);  // p.v passes per kv head and tile
+  // p.v passes per kv head and tile (pv_rows_avx2: chunks in threes, or in pairs)
+  const int64_t passes = (G + 3) / 4 * (kLoadsInPairs<KV> ? (nc + 1) / 2 : (nc + 2) / 3);
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
@@ -536,4 +580,20 @@ void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
     }
   }
   finish_item(p, it, st, DP, scratch, arrivals);
+}
+
+// The item function of AVX2 builds. An e4m3 cache is read as 2^-8 of its values
+// (e4m3_folded_t), the 2^8 folded into the query's scale and the output's: powers of two, so
+// the logits and outputs round exactly as with the values themselves.
+template <typename KV>
+void decode_item_avx2(const Problem& p, const Item& it, float* scratch,
+                      std::atomic<int32_t>* arrivals) {
+  if constexpr (std::is_same_v<KV, e4m3_t>) {
+    Problem folded = p;
+    folded.qk_scale *= kE4m3Fold;
+    folded.v_scale *= kE4m3Fold;
+    decode_item_avx2_as<e4m3_folded_t>(folded, it, scratch, arrivals);
+  } else {
+    decode_item_avx2_as<KV>(p, it, scratch, arrivals);
+  }
 }
