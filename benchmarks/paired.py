@@ -16,7 +16,8 @@ machine; `jax-attn bench` makes the records against the peers.
 WORKLOAD is a name from the bench's suite (`decode-f32-bs128`, `prefill-8x512-bs16`, ...).
 `--cache-resident` points every block table at the first sequence's blocks: the same math
 over keys that stay in the caches (the kernel's compute alone). `--env-a` / `--env-b` compare
-two settings of one tree (e.g. `JAX_ATTN_CPU_NTA_LIMIT=0`).
+two settings of one tree (e.g. `JAX_ATTN_CPU_NTA_LIMIT=0`); `--workload-b` gives B another
+workload of the suite (e.g. `prefill-bf16-bs128` against `prefill-8x512-bs128`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _worker(tree: str, workload: str, peer: str, resident: bool, quick: bool) ->
         print(json.dumps(times), flush=True)
 
 
-def _start(tree: str, args, env_pairs: list[str]) -> subprocess.Popen:
+def _start(tree: str, workload: str, args, env_pairs: list[str]) -> subprocess.Popen:
     env = dict(os.environ)
     for pair in env_pairs:
         name, sep, value = pair.partition("=")
@@ -73,7 +74,7 @@ def _start(tree: str, args, env_pairs: list[str]) -> subprocess.Popen:
             raise SystemExit(f"paired: --env-a / --env-b take NAME=VALUE, not {pair!r}")
         env[name] = value
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", tree]
-    command += [args.workload, "--peer", args.peer] + ["--cache-resident"] * args.cache_resident
+    command += [workload, "--peer", args.peer] + ["--cache-resident"] * args.cache_resident
     command += ["--quick"] * args.quick
     worker = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -96,9 +97,9 @@ def compare(args) -> dict:
     for tree in (args.tree_a, args.tree_b):
         if not (Path(tree) / "benchmarks" / "workloads.py").is_file():
             raise SystemExit(f"paired: {tree} is not a jax-attn tree (no benchmarks/workloads.py)")
-    workers = [_start(args.tree_a, args, args.env_a)]
+    workers = [_start(args.tree_a, args.workload, args, args.env_a)]
     try:
-        workers.append(_start(args.tree_b, args, args.env_b))
+        workers.append(_start(args.tree_b, args.workload_b, args, args.env_b))
         calls = max(1, round(args.slice / _slice(workers[0], 3)))
         medians: tuple[list[float], list[float]] = ([], [])
         end = time.monotonic() + args.seconds
@@ -115,6 +116,7 @@ def compare(args) -> dict:
     q1, q2, q3 = statistics.quantiles(ratios, n=4)
     result = {
         "workload": args.workload,
+        "workload_b": args.workload_b,
         "peer": args.peer,
         "cache_resident": args.cache_resident,
         "quick": args.quick,
@@ -135,7 +137,8 @@ def compare(args) -> dict:
         "slice_medians_s": [list(m) for m in medians],
     }
     print(
-        f"{args.workload} ({args.peer}{', cache-resident' if args.cache_resident else ''}): "
+        f"{args.workload}{'' if args.workload_b == args.workload else ' vs ' + args.workload_b} "
+        f"({args.peer}{', cache-resident' if args.cache_resident else ''}): "
         f"A {result['a']['median_ms']:.3f} ms, B {result['b']['median_ms']:.3f} ms; A/B paired "
         f"median {q2:.3f} [quartiles {q1:.3f}, {q3:.3f}], {len(ratios)} slices of {calls} calls"
     )
@@ -156,6 +159,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--slice", type=float, default=0.3, help="seconds of calls per slice")
     ap.add_argument("--peer", default="jax-cpu")
+    ap.add_argument(
+        "--workload-b", help="B's workload (default: WORKLOAD), e.g. bf16 against float32"
+    )
     ap.add_argument("--env-a", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--env-b", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--cache-resident", action="store_true")
@@ -163,6 +169,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", help="write the result, every slice's median included")
     args = ap.parse_args(argv)
     args.tree_b = args.tree_b or args.tree_a
+    args.workload_b = args.workload_b or args.workload
     args.tree_a, args.tree_b = (str(Path(t).resolve()) for t in (args.tree_a, args.tree_b))
     if args.seconds <= 0 or args.slice <= 0:
         ap.error("--seconds and --slice must be positive")

@@ -36,7 +36,19 @@ def test_both_sides_run_and_their_slices_are_paired(tmp_path):
     assert result["quartiles"][0] <= result["a_over_b"] <= result["quartiles"][1]
     assert result["a"]["median_ms"] == pytest.approx(1e3 * statistics.median(a))
     assert result["b"]["env"] == ["JAX_ATTN_PAIRED_B=1"] and result["a"]["env"] == []
+    assert result["workload_b"] == result["workload"] == "decode-f32-bs16"
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+
+
+def test_side_b_runs_its_own_workload():
+    """--workload-b: B prepares and times another workload of the suite (a name the suite
+    lacks stops B's worker, so B really looks it up)."""
+    args = ["decode-f32-bs16", ROOT, "--quick", "--seconds", "0.2", "--slice", "0.01"]
+    result = paired.compare(paired.parse([*args, "--workload-b", "decode-bf16-bs16"]))
+    assert (result["workload"], result["workload_b"]) == ("decode-f32-bs16", "decode-bf16-bs16")
+    assert result["slices"] >= 4 and min(result["slice_medians_s"][1]) > 0
+    with pytest.raises(SystemExit, match="did not start"):
+        paired.compare(paired.parse([*args, "--workload-b", "no-such-workload"]))
 
 
 def test_each_side_gets_its_own_environment(capfd):
