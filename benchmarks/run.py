@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -455,6 +456,68 @@ def run_workload(
     )
 
 
+def twin_pairs(names) -> list[tuple[str, str]]:
+    """The (float32 workload, its bfloat16 twin) pairs of `names` whose jax-cpu times a target
+    compares (check_targets): run_twins times them side by side."""
+    pairs = [("decode-f32-bs16", "decode-bf16-bs16"), ("prefill-8x512-bs16", "prefill-bf16-bs16")]
+    pairs += [(f"{f32}-bs128", f"{bf16}-bs128") for f32, bf16 in BF16_TWINS]
+    return [(a, b) for a, b in pairs if a in names and b in names]
+
+
+def run_twins(
+    specs: dict, peers: list, reps: int, budget_s: float | None, settle_s: float, progress
+) -> dict:
+    """jax-cpu on each twin_pairs pair side by side: each round one timed call of either
+    workload (after `settle_s` of its own calls), the order alternated, so that the machine's
+    drift falls on both alike. A workload's own rounds run minutes from its twin's, and on the
+    2-core VMs the same kernel's time drifted by up to 1.6x within an hour: the ratio of two
+    such medians measures the drift as much as the dtypes. The record, by "a / b": each round's
+    times, and the median of the rounds' ratios (a's time / b's) with its quartiles."""
+    cpu = next((peer for peer in peers if peer.name == CPU), None)
+    twins: dict[str, dict] = {}
+    for a, b in twin_pairs(specs) if cpu is not None else []:
+        key = f"{a} / {b}"
+        task = progress.add_task(f"{key}: side by side", total=reps)
+        prepared: dict[str, Prepared] = {}
+        try:
+            for name in (a, b):
+                prepared[name] = cpu.prepare(make_data(specs[name], np.random.default_rng(1)))
+                prepared[name].call()
+            timers = {name: _timer(p.call) for name, p in prepared.items()}
+            times: dict[str, list[float]] = {a: [], b: []}
+            started = time.perf_counter()
+            for r in range(reps):
+                for name in (a, b) if r % 2 == 0 else (b, a):
+                    _settle(timers[name], settle_s)
+                    times[name].append(timers[name]())
+                progress.advance(task)
+                elapsed = time.perf_counter() - started
+                if budget_s is not None and r + 1 >= MIN_REPS and elapsed > budget_s:
+                    break
+        except Exception as e:  # reported; the targets fall back to the workloads' own rounds
+            twins[key] = dict(status="error", note=f"{type(e).__name__}: {e}")
+            continue
+        finally:
+            for p in prepared.values():
+                if p.close is not None:
+                    p.close()
+            progress.remove_task(task)
+            prepared.clear()
+            gc.collect()
+        times = {name: [round(t, 6) for t in ts] for name, ts in times.items()}  # as kept
+        ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
+        q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+        twins[key] = dict(
+            status="ok",
+            workloads=[a, b],
+            ratio=q2,
+            quartiles=[q1, q3],
+            rounds=len(ratios),
+            times_s=times,
+        )
+    return twins
+
+
 def _floor_record(reader, times: list[float] | None) -> dict | None:
     """A read floor's stats, bytes, GB/s, kind ("native" or "xla") and method; None when it was
     not timed (no JAX, or the jitted sum already timed as "read")."""
@@ -629,6 +692,18 @@ def _time_ratio(results: dict, slower: tuple[str, str], faster: tuple[str, str],
     return _at_least(what, value, least, (slower, faster))
 
 
+def _twin_ratio(results: dict, twins: dict | None, f32: str, bf16: str, least: float) -> dict:
+    """_time_ratio of jax-cpu on float32 workload `f32` against its bfloat16 twin, judged on the
+    side-by-side rounds (run_twins) where the record has them (`side_by_side`); the ratio of the
+    two workloads' own medians stays beside it (`separate_rounds`)."""
+    target = _time_ratio(results, (f32, CPU), (bf16, CPU), least)
+    twin = (twins or {}).get(f"{f32} / {bf16}", {})
+    if twin.get("status") == "ok":
+        target.update(separate_rounds=target["value"], side_by_side=True, value=twin["ratio"])
+        target["met"] = bool(twin["ratio"] >= least)
+    return target
+
+
 def _field(
     results: dict, workload: str, field: str, what: str, least: float, not_here: str | None = None
 ) -> dict:
@@ -699,13 +774,16 @@ def check_targets(
     busy: dict | None = None,
     fma_peak: dict | None = None,
     fma_peak_after: dict | None = None,
+    twins: dict | None = None,
 ) -> list[dict]:
     """Every target on `results` (a record's "workloads", by name with the block size);
     `amx_peak` the run's AMX peak record (its targets are judged only where the tiles ran);
     `busy` the run's busy-process record (`--busy`; its targets are judged only then);
     `fma_peak` the run's FMA peak record (with the read floors: how far vLLM ratios can reach,
     _vllm_ratio), and `fma_peak_after` the probe's second run after the workloads (with the
-    first: whether every worker had a core of its own, cores_free_target)."""
+    first: whether every worker had a core of its own, cores_free_target); `twins` the run's
+    side-by-side rounds of float32 workloads and their bfloat16 twins (run_twins), on which
+    their time ratios are judged."""
     r = results
     targets = [
         cores_free_target(fma_peak, fma_peak_after),
@@ -713,7 +791,7 @@ def check_targets(
         _field(r, "decode-f32-bs16", "fraction_of_copy", "fraction of copy bandwidth", 0.60),
         _time_ratio(r, ("decode-f32-bs16", "IPEX"), ("decode-f32-bs16", CPU), 1.5),
         _field(r, "decode-bf16-bs16", "fraction_of_copy", "fraction of copy bandwidth", 0.50),
-        _time_ratio(r, ("decode-f32-bs16", CPU), ("decode-bf16-bs16", CPU), 1.6),
+        _twin_ratio(r, twins, "decode-f32-bs16", "decode-bf16-bs16", 1.6),
         _time_ratio(r, ("decode-bf16-bs16", "IPEX"), ("decode-bf16-bs16", CPU), 1.5),
         _time_ratio(r, ("prefill-8x512-bs16", "IPEX"), ("prefill-8x512-bs16", CPU), 1.5),
         _time_ratio(r, ("prefill-8x512-bs16", BASELINE), ("prefill-8x512-bs16", CPU), 1.0),
@@ -740,7 +818,7 @@ def check_targets(
     # Issue 21: vLLM 0.32's CPU_ATTN (the vllm env) at block 16.
     targets += [_vllm_ratio(r, w, least, fma_peak) for w, least in VLLM_BS16_TARGETS]
     targets += [
-        _time_ratio(r, ("prefill-8x512-bs16", CPU), ("prefill-bf16-bs16", CPU), 1.8),
+        _twin_ratio(r, twins, "prefill-8x512-bs16", "prefill-bf16-bs16", 1.8),
         _field(r, "prefill-8x512-bs16", "fraction_of_fma_peak", "fraction of the FMA peak", 0.75),
     ]
     compile_s = _row(r, "decode-f32-bs16", CPU).get("compile_s")
@@ -774,8 +852,7 @@ def check_targets(
         )
     )
     targets += [
-        _time_ratio(r, (f"{f32}-bs128", CPU), (f"{bf16}-bs128", CPU), 1.0)
-        for f32, bf16 in BF16_TWINS
+        _twin_ratio(r, twins, f"{f32}-bs128", f"{bf16}-bs128", 1.0) for f32, bf16 in BF16_TWINS
     ]
     targets += [
         _time_ratio(r, (f"{w}-bs128", "IPEX"), (f"{w}-bs128", CPU), 1.0)
@@ -794,6 +871,7 @@ def record_targets(record: dict, results: dict) -> list[dict]:
         record.get("busy"),
         record.get("fma_peak"),
         record.get("fma_peak_after"),
+        record.get("twins"),
     )
 
 
@@ -1300,6 +1378,15 @@ def _run(
             add_amx_fractions(result, record["amx_peak"])
             record["workloads"][spec.name] = result
         copier.close()
+        twin_reps = max(2 * (reps_arg or MIN_REPS), 2 * MIN_REPS)
+        record["twins"] = run_twins(
+            specs,
+            peers,
+            twin_reps,
+            None if quick else WORKLOAD_BUDGET_S,
+            0.0 if quick else SETTLE_S,
+            progress,
+        )
         progress.update(task, description="FMA peak again")
         time.sleep(SETTLE_AFTER_S)  # torch's OpenMP workers stop spinning
         record["fma_peak_after"] = measure_fma_peak(quick)

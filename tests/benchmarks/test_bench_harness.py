@@ -411,6 +411,44 @@ def test_check_refuses_a_quick_record_and_a_file_that_is_not_one(tmp_path, capsy
     assert "a --quick record" in out and "not a bench record" in out
 
 
+def test_bf16_twins_are_judged_side_by_side_where_the_record_has_them():
+    """The workloads' own medians say bf16 is slower (0.9); the side-by-side rounds say 1.08:
+    the target takes the side-by-side ratio and keeps the other beside it; without them, the
+    medians' ratio."""
+    rows = {
+        "prefill-8x512-bs128": {"backends": {run.CPU: _row(0.018)}},
+        "prefill-bf16-bs128": {"backends": {run.CPU: _row(0.020)}},
+    }
+    name = "prefill-8x512-bs128 / prefill-bf16-bs128: jax-cpu time"
+
+    def judged(twins):
+        return next(t for t in run.check_targets(rows, twins=twins) if t["target"] == name)
+
+    alone = judged(None)
+    assert alone["value"] == pytest.approx(0.9) and alone["met"] is False
+    assert "side_by_side" not in alone
+    twins = {"prefill-8x512-bs128 / prefill-bf16-bs128": dict(status="ok", ratio=1.08)}
+    paired = judged(twins)
+    assert paired["value"] == 1.08 and paired["met"] is True and paired["side_by_side"]
+    assert paired["separate_rounds"] == pytest.approx(0.9)
+    failed = {"prefill-8x512-bs128 / prefill-bf16-bs128": dict(status="error", note="boom")}
+    assert judged(failed)["value"] == pytest.approx(0.9)
+
+
+def test_twin_pairs_are_the_bf16_time_targets():
+    """Every float32 / bfloat16 time target of check_targets has its pair in twin_pairs."""
+    names = [t["target"] for t in run.check_targets({})]
+    pairs = run.twin_pairs({w for t in run.check_targets({}) for w in _workloads(t)})
+    for a, b in pairs:
+        assert f"{a} / {b}: {run.CPU} time" in names
+    twin_targets = [n for n in names if " / " in n.split(":")[0] and "bf16" in n]
+    assert len(twin_targets) == len(pairs)
+
+
+def _workloads(target: dict) -> list[str]:
+    return [need.rsplit("/", 1)[0] for need in target["needs"]]
+
+
 def test_every_target_names_the_rows_it_needs():
     for target in run.check_targets({}):
         if target["target"].startswith("machine:"):  # judged on the probes, not on rows

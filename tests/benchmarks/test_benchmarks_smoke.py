@@ -83,6 +83,25 @@ def test_fma_peak_is_measured_and_each_row_is_set_against_it(record):
     assert [line.split(",")[0] for line in lines[3:]] == with_prefill
 
 
+def test_bf16_twins_run_side_by_side(record):
+    """Each float32 workload and its bfloat16 twin in the run, timed again in alternated rounds
+    (run.run_twins): every round's times kept, the ratio the median of the rounds' ratios."""
+    from jax_attn import cpu
+
+    if cpu.unavailable_reason() is not None:
+        assert record["twins"] == {}
+        pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")  # a skip, not a pass
+    pairs = run.twin_pairs(record["workloads"])
+    assert pairs and set(record["twins"]) == {f"{a} / {b}" for a, b in pairs}
+    for (a, b), twin in zip(pairs, record["twins"].values(), strict=True):
+        assert twin["status"] == "ok" and twin["workloads"] == [a, b], twin
+        times = twin["times_s"]
+        assert len(times[a]) == len(times[b]) == twin["rounds"] >= run.MIN_REPS
+        ratios = sorted(x / y for x, y in zip(times[a], times[b], strict=True))
+        assert ratios[0] <= twin["quartiles"][0] <= twin["ratio"] <= twin["quartiles"][1]
+        assert twin["ratio"] == pytest.approx(np.median(ratios), rel=1e-3)
+
+
 def test_jax_compile_time_is_reported(record):
     row = record["workloads"]["decode-f32-bs16"]["backends"][run.BASELINE]
     assert row["compile_s"] > 0 and row["entry"] == "paged_decode"
