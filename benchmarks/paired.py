@@ -17,7 +17,8 @@ WORKLOAD is a name from the bench's suite (`decode-f32-bs128`, `prefill-8x512-bs
 `--cache-resident` points every block table at the first sequence's blocks: the same math
 over keys that stay in the caches (the kernel's compute alone). `--env-a` / `--env-b` compare
 two settings of one tree (e.g. `JAX_ATTN_CPU_NTA_LIMIT=0`); `--workload-b` gives B another
-workload of the suite (e.g. `prefill-bf16-bs128` against `prefill-8x512-bs128`).
+workload of the suite (e.g. `prefill-bf16-bs128` against `prefill-8x512-bs128`), and
+`--peer-b` another peer (e.g. `TORCH_SDPA` against `jax-cpu` on one workload).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _worker(tree: str, workload: str, peer: str, resident: bool, quick: bool) ->
         print(json.dumps(times), flush=True)
 
 
-def _start(tree: str, workload: str, args, env_pairs: list[str]) -> subprocess.Popen:
+def _start(tree: str, workload: str, peer: str, args, env_pairs: list[str]) -> subprocess.Popen:
     env = dict(os.environ)
     for pair in env_pairs:
         name, sep, value = pair.partition("=")
@@ -74,7 +75,7 @@ def _start(tree: str, workload: str, args, env_pairs: list[str]) -> subprocess.P
             raise SystemExit(f"paired: --env-a / --env-b take NAME=VALUE, not {pair!r}")
         env[name] = value
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", tree]
-    command += [workload, "--peer", args.peer] + ["--cache-resident"] * args.cache_resident
+    command += [workload, "--peer", peer] + ["--cache-resident"] * args.cache_resident
     command += ["--quick"] * args.quick
     worker = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -97,9 +98,9 @@ def compare(args) -> dict:
     for tree in (args.tree_a, args.tree_b):
         if not (Path(tree) / "benchmarks" / "workloads.py").is_file():
             raise SystemExit(f"paired: {tree} is not a jax-attn tree (no benchmarks/workloads.py)")
-    workers = [_start(args.tree_a, args.workload, args, args.env_a)]
+    workers = [_start(args.tree_a, args.workload, args.peer, args, args.env_a)]
     try:
-        workers.append(_start(args.tree_b, args.workload_b, args, args.env_b))
+        workers.append(_start(args.tree_b, args.workload_b, args.peer_b, args, args.env_b))
         calls = max(1, round(args.slice / _slice(workers[0], 3)))
         medians: tuple[list[float], list[float]] = ([], [])
         end = time.monotonic() + args.seconds
@@ -118,6 +119,7 @@ def compare(args) -> dict:
         "workload": args.workload,
         "workload_b": args.workload_b,
         "peer": args.peer,
+        "peer_b": args.peer_b,
         "cache_resident": args.cache_resident,
         "quick": args.quick,
         "a": {
@@ -136,9 +138,12 @@ def compare(args) -> dict:
         "calls_per_slice": calls,
         "slice_medians_s": [list(m) for m in medians],
     }
+    workloads = args.workload + (
+        "" if args.workload_b == args.workload else f" vs {args.workload_b}"
+    )
+    peers = args.peer + ("" if args.peer_b == args.peer else f" vs {args.peer_b}")
     print(
-        f"{args.workload}{'' if args.workload_b == args.workload else ' vs ' + args.workload_b} "
-        f"({args.peer}{', cache-resident' if args.cache_resident else ''}): "
+        f"{workloads} ({peers}{', cache-resident' if args.cache_resident else ''}): "
         f"A {result['a']['median_ms']:.3f} ms, B {result['b']['median_ms']:.3f} ms; A/B paired "
         f"median {q2:.3f} [quartiles {q1:.3f}, {q3:.3f}], {len(ratios)} slices of {calls} calls"
     )
@@ -159,6 +164,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--slice", type=float, default=0.3, help="seconds of calls per slice")
     ap.add_argument("--peer", default="jax-cpu")
+    ap.add_argument("--peer-b", help="B's peer (default: --peer), e.g. TORCH_SDPA against jax-cpu")
     ap.add_argument(
         "--workload-b", help="B's workload (default: WORKLOAD), e.g. bf16 against float32"
     )
@@ -170,6 +176,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.tree_b = args.tree_b or args.tree_a
     args.workload_b = args.workload_b or args.workload
+    args.peer_b = args.peer_b or args.peer
     args.tree_a, args.tree_b = (str(Path(t).resolve()) for t in (args.tree_a, args.tree_b))
     if args.seconds <= 0 or args.slice <= 0:
         ap.error("--seconds and --slice must be positive")

@@ -51,6 +51,17 @@ def test_side_b_runs_its_own_workload():
         paired.compare(paired.parse([*args, "--workload-b", "no-such-workload"]))
 
 
+def test_side_b_runs_its_own_peer(capfd):
+    """--peer-b: B times another peer (one that is not a peer stops B's worker by name)."""
+    args = ["decode-f32-bs16", ROOT, "--quick", "--seconds", "0.2", "--slice", "0.01"]
+    result = paired.compare(paired.parse([*args, "--peer-b", backends.BASELINE]))
+    assert (result["peer"], result["peer_b"]) == ("jax-cpu", backends.BASELINE)
+    assert result["slices"] >= 4 and min(result["slice_medians_s"][1]) > 0
+    with pytest.raises(SystemExit, match="did not start"):
+        paired.compare(paired.parse([*args, "--peer-b", "no-such-peer"]))
+    assert "peer 'no-such-peer' is not one of" in capfd.readouterr().err
+
+
 def test_each_side_gets_its_own_environment(capfd):
     """Side A starts; side B, with the native kernels switched off, does not, and says why."""
     off = ["--env-b", "JAX_ATTN_CPU_DISABLE=1"]
