@@ -14,7 +14,8 @@
 //     exp8;
 //   - acc = factor * acc + P V, 4 rows x 3 vectors of accumulators per pass over the tile, the
 //     values read in place or from a float32 tile.
-//   The next tile's rows (all kv heads) are requested a line pair per p.v step (LineCursor).
+//   The next tile's rows (all kv heads) are requested a line pair per q.k and p.v step
+//   (LineCursor).
 // - vLLM's split layout: kv heads outer (a head's block is contiguous), the next head block
 //   requested the same way; per kv head, the block's tokens in one step
 //   (attend_split_block_avx2): the logits in tiles of 16 from the keys' 16-byte pieces in place
@@ -119,14 +120,22 @@ __attribute__((always_inline)) inline __m256 dots8(const float* const* q, const 
 }
 
 // Logits [G][ld] of query rows q[0, G) against the tile's 16 keys: rows in fours (tokens in
-// pairs), then a pair, then one.
+// pairs), then a pair, then one. pf's next requests go out one step per 8 dot products
+// (tile_logit_steps(G) steps), so that the next tile's lines are asked for over the q.k as well
+// as over the p.v: requested over the p.v alone, they left the memory idle for the q.k's half of
+// the time (decode-bf16-bs128 1.07-1.09x and decode-f32-bs128 1.07x with them spread, paired
+// A/B on the Zen 3 VM; 6 or 12 steps' requests per q.k step measured 0.98x and 0.86x; NOTES.md).
+constexpr int64_t tile_logit_steps(int64_t G) {
+  return G / 4 * (kAvx2Tile / 2) + (G % 4 >= 2 ? kAvx2Tile / 4 : 0) + G % 2 * (kAvx2Tile / 8);
+}
 template <typename Keys>
 inline void tile_logits_avx2(const float* const* q, int64_t G, const Keys& k, int64_t nc,
-                             float* logits, int64_t ld = kAvx2Tile) {
+                             float* logits, int64_t ld, LineCursor& pf) {
   alignas(32) float lanes[8];
   int64_t g = 0;
   for (; g + 4 <= G; g += 4) {
     for (int t = 0; t < kAvx2Tile; t += 2) {
+      pf.step();
       _mm256_store_ps(lanes, dots8<4, 2>(q + g, k, t, nc));
       for (int i = 0; i < 4; ++i) {
         logits[(g + i) * ld + t] = lanes[2 * i];
@@ -136,6 +145,7 @@ inline void tile_logits_avx2(const float* const* q, int64_t G, const Keys& k, in
   }
   for (; g + 2 <= G; g += 2) {
     for (int t = 0; t < kAvx2Tile; t += 4) {
+      pf.step();
       _mm256_store_ps(lanes, dots8<2, 4>(q + g, k, t, nc));
       for (int i = 0; i < 2; ++i) {
         for (int j = 0; j < 4; ++j) logits[(g + i) * ld + t + j] = lanes[4 * i + j];
@@ -144,6 +154,7 @@ inline void tile_logits_avx2(const float* const* q, int64_t G, const Keys& k, in
   }
   if (g < G) {
     for (int t = 0; t < kAvx2Tile; t += 8) {
+      pf.step();
       _mm256_storeu_ps(logits + g * ld + t, dots8<1, 8>(q + g, k, t, nc));
     }
   }
@@ -389,13 +400,18 @@ inline void attend_split_block_avx2(const Problem& p, RowsState& st, const float
     s.qrows[g] = q + (h * G + g) * DP;
     s.prows[g] = s.probs + g * ld;
   }
+  // pf.step()s: the logits' (tile_logit_steps per tile), then pv_split_rows_avx2's.
+  const int64_t tiles = (n + kAvx2Tile - 1) / kAvx2Tile;
+  const int64_t steps = tiles * tile_logit_steps(G) +
+                        (G / 4 * 4 + (G % 4 >= 2 ? 2 : 0) + G % 2) * (D / 8);
+  pf.per = (pf.left + steps - 1) / steps;
   const KV* rows[kAvx2Tile];
   for (int64_t t0 = 0; t0 < n; t0 += kAvx2Tile) {
     const int64_t m = std::min<int64_t>(kAvx2Tile, n - t0);
     for (int64_t t = 0; t < kAvx2Tile; ++t) {
       rows[t] = khead + (t_begin + t0 + std::min(t, m - 1)) * x;
     }
-    tile_logits_avx2(s.qrows, G, SplitKeys<KV>{rows, BS * x}, nc, s.logits + t0, ld);
+    tile_logits_avx2(s.qrows, G, SplitKeys<KV>{rows, BS * x}, nc, s.logits + t0, ld, pf);
   }
   softmax_rows_avx2(p, st, h, s.logits, s.probs, s.factor, ld, n, dist0);
   const int64_t full = n / 8, rem = n % 8;
@@ -407,8 +423,6 @@ inline void attend_split_block_avx2(const Problem& p, RowsState& st, const float
     }
     tail = s.tail;
   }
-  const int64_t steps = (G / 4 * 4 + (G % 4 >= 2 ? 2 : 0) + G % 2) * (D / 8);  // pf.step()s
-  pf.per = (pf.left + steps - 1) / steps;
   float* acc = st.acc.get() + h * G * DP;
   const KV* v = vhead + t_begin;
   int64_t g = 0;
@@ -443,7 +457,7 @@ inline void attend_head_avx2(const Problem& p, RowsState& st, const float* q, in
                              int64_t n, float dist0, const HeadScratchAvx2& s, LineCursor& pf) {
   const int64_t G = p.group;
   for (int64_t g = 0; g < G; ++g) s.qrows[g] = q + (h * G + g) * DP;
-  tile_logits_avx2(s.qrows, G, k, nc, s.logits);
+  tile_logits_avx2(s.qrows, G, k, nc, s.logits, kAvx2Tile, pf);
   softmax_rows_avx2(p, st, h, s.logits, s.probs, s.factor, kAvx2Tile, n, dist0);
   head_values_avx2(st.acc.get() + h * G * DP, DP, G, s.probs, s.factor, v, v_stride, n, nc, pf);
 }
@@ -493,15 +507,18 @@ void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
   const int64_t row_stride = Hkv * D;  // token-major: token t -> t + 1 inside a block
   const int64_t x = p.x;               // split: key elements per 16 bytes
   const int64_t head_elems = D * BS;   // split: one kv head's block in either cache
-  // p.v passes per kv head and tile (pv_rows_avx2: chunks in threes, or in pairs)
+  // p.v passes per kv head and tile (pv_rows_avx2: chunks in threes, or in pairs), and the
+  // pf.step()s of a kv head's tile of n tokens: the logits', then one per token and pass.
   const int64_t passes = (G + 3) / 4 * (kLoadsInPairs<KV> ? (nc + 1) / 2 : (nc + 2) / 3);
+  const auto head_steps = [&](int64_t n) { return tile_logit_steps(G) + passes * n; };
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
     const int64_t t_end = std::min(it.end, (b + 1) * BS) - b * BS;
     if (split) {
       // Kv heads outer: a head's block is contiguous in each cache and is read through before
-      // the next, whose blocks (keys and values) are requested over this one's p.v steps.
+      // the next, whose blocks (keys and values) are requested over this one's q.k and p.v
+      // steps.
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t head = (table[b] * Hkv + h) * head_elems;
         LineCursor pf;
@@ -517,12 +534,15 @@ void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
           continue;
         }
         // D not a multiple of 8: keys widened and values transposed into float32 tiles.
-        int64_t steps = passes * (t_end - t_begin);
+        int64_t steps = 0;
+        for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
+          steps += head_steps(std::min<int64_t>(kAvx2Tile, t_end - t0));
+        }
         for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
           const int64_t n = std::min<int64_t>(kAvx2Tile, t_end - t0);
           const float dist0 = static_cast<float>(b * BS + t0 - q_pos);
           pf.per = (pf.left + steps - 1) / steps;
-          steps -= passes * n;
+          steps -= head_steps(n);
           transpose_split_values_avx2(vc + head, BS, t0, n, D, vtile, DP);
           for (int64_t t = 0; t < n; ++t) {
             for (int64_t j = 0; j < D; j += x) {
@@ -539,8 +559,8 @@ void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
       continue;
     }
     // Token-major [NB, BS, Hkv, D]: tiles outer, kv heads inner; the next tile's
-    // [next_n, Hkv, D] of each cache requested over this tile's p.v steps, into L2 when the
-    // two together outgrow L1 (nta_limit_bytes).
+    // [next_n, Hkv, D] of each cache requested over this tile's q.k and p.v steps, into L2 when
+    // the two together outgrow L1 (nta_limit_bytes).
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
       const int64_t n = std::min<int64_t>(kAvx2Tile, t_end - t0);
       const float dist0 = static_cast<float>(b * BS + t0 - q_pos);
@@ -558,7 +578,7 @@ void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
         pf = LineCursor(kc + off, vc + off, bytes, 2 * bytes > p.nta_limit);
       }
       for (int64_t h = 0; h < Hkv; ++h) {
-        pf.per = (pf.left + (Hkv - h) * passes * n - 1) / ((Hkv - h) * passes * n);
+        pf.per = (pf.left + (Hkv - h) * head_steps(n) - 1) / ((Hkv - h) * head_steps(n));
         const int64_t row0 = (table[b] * BS + t0) * row_stride + h * D;
         if (in_place) {
           for (int64_t t = 0; t < kAvx2Tile; ++t) {
