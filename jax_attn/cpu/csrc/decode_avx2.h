@@ -120,11 +120,14 @@ __attribute__((always_inline)) inline __m256 dots8(const float* const* q, const 
 }
 
 // Logits [G][ld] of query rows q[0, G) against the tile's 16 keys: rows in fours (tokens in
-// pairs), then a pair, then one. pf's next requests go out one step per 8 dot products
-// (tile_logit_steps(G) steps), so that the next tile's lines are asked for over the q.k as well
-// as over the p.v: requested over the p.v alone, they left the memory idle for the q.k's half of
-// the time (decode-bf16-bs128 1.07-1.09x and decode-f32-bs128 1.07x with them spread, paired
-// A/B on the Zen 3 VM; 6 or 12 steps' requests per q.k step measured 0.98x and 0.86x; NOTES.md).
+// pairs), then a pair, then one. pf takes a step per 8 dot products (tile_logit_steps(G)
+// steps), so that the next tile's lines are asked for over the q.k as well as over the p.v, and
+// the pairs are paced evenly over all those steps (LineCursor::pace). Requested over the p.v
+// alone, `per` at a time (ending well before the tile did), they left the memory idle for much
+// of the time. Paired A/B on the Zen 3 VM: over the q.k too, decode-bf16-bs128 1.06-1.09x,
+// decode-f32-bs128 1.03-1.07x (6 or 12 steps' requests per q.k step: 0.98x and 0.86x); paced,
+// another 1.05-1.13x for bf16, 1.05-1.06x for f32, 1.16x for fp8 (ending at 70% of the steps:
+// 0.96x, 0.89x, 0.99x; NOTES.md).
 constexpr int64_t tile_logit_steps(int64_t G) {
   return G / 4 * (kAvx2Tile / 2) + (G % 4 >= 2 ? kAvx2Tile / 4 : 0) + G % 2 * (kAvx2Tile / 8);
 }
@@ -404,7 +407,7 @@ inline void attend_split_block_avx2(const Problem& p, RowsState& st, const float
   const int64_t tiles = (n + kAvx2Tile - 1) / kAvx2Tile;
   const int64_t steps = tiles * tile_logit_steps(G) +
                         (G / 4 * 4 + (G % 4 >= 2 ? 2 : 0) + G % 2) * (D / 8);
-  pf.per = (pf.left + steps - 1) / steps;
+  pf.pace(steps);
   const KV* rows[kAvx2Tile];
   for (int64_t t0 = 0; t0 < n; t0 += kAvx2Tile) {
     const int64_t m = std::min<int64_t>(kAvx2Tile, n - t0);
@@ -538,11 +541,10 @@ void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
         for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
           steps += head_steps(std::min<int64_t>(kAvx2Tile, t_end - t0));
         }
+        pf.pace(steps);
         for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
           const int64_t n = std::min<int64_t>(kAvx2Tile, t_end - t0);
           const float dist0 = static_cast<float>(b * BS + t0 - q_pos);
-          pf.per = (pf.left + steps - 1) / steps;
-          steps -= head_steps(n);
           transpose_split_values_avx2(vc + head, BS, t0, n, D, vtile, DP);
           for (int64_t t = 0; t < n; ++t) {
             for (int64_t j = 0; j < D; j += x) {
@@ -577,8 +579,8 @@ void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
         const int64_t bytes = next_n * row_stride * elem;
         pf = LineCursor(kc + off, vc + off, bytes, 2 * bytes > p.nta_limit);
       }
+      pf.pace(Hkv * head_steps(n));
       for (int64_t h = 0; h < Hkv; ++h) {
-        pf.per = (pf.left + (Hkv - h) * head_steps(n) - 1) / ((Hkv - h) * head_steps(n));
         const int64_t row0 = (table[b] * BS + t0) * row_stride + h * D;
         if (in_place) {
           for (int64_t t = 0; t < kAvx2Tile; ++t) {
