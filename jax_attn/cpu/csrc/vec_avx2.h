@@ -79,8 +79,8 @@ struct Load8<e4m3_folded_t> {
 };
 inline float widen(e4m3_folded_t x) { return widen(e4m3_t{x.bits}) * (1.0f / kE4m3Fold); }
 
-// 16 e4m3 codes as fp16 bits: e4m3_as_half8 on 16 lanes (one widening load, one set of the
-// five operations, the upper half taken out for its conversion).
+// 16 e4m3 codes as fp16 bits: e4m3_as_half8 on 16 lanes (one sign-extending load, one set of
+// its 16-bit operations; the caller takes the upper half out for its conversion).
 inline __m256i e4m3_as_half16(const e4m3_t* p) {
   const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i h =
