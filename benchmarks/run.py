@@ -1378,7 +1378,7 @@ def _run(
             add_amx_fractions(result, record["amx_peak"])
             record["workloads"][spec.name] = result
         copier.close()
-        twin_reps = max(2 * (reps_arg or MIN_REPS), 2 * MIN_REPS)
+        twin_reps = 2 * max(reps_arg or MIN_REPS, MIN_REPS)
         record["twins"] = run_twins(
             specs,
             peers,

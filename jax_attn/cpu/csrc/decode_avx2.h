@@ -138,7 +138,7 @@ inline void tile_logits_avx2(const float* const* q, int64_t G, const Keys& k, in
   int64_t g = 0;
   for (; g + 4 <= G; g += 4) {
     for (int t = 0; t < kAvx2Tile; t += 2) {
-      pf.step();
+      pf.paced_step();
       _mm256_store_ps(lanes, dots8<4, 2>(q + g, k, t, nc));
       for (int i = 0; i < 4; ++i) {
         logits[(g + i) * ld + t] = lanes[2 * i];
@@ -148,7 +148,7 @@ inline void tile_logits_avx2(const float* const* q, int64_t G, const Keys& k, in
   }
   for (; g + 2 <= G; g += 2) {
     for (int t = 0; t < kAvx2Tile; t += 4) {
-      pf.step();
+      pf.paced_step();
       _mm256_store_ps(lanes, dots8<2, 4>(q + g, k, t, nc));
       for (int i = 0; i < 2; ++i) {
         for (int j = 0; j < 4; ++j) logits[(g + i) * ld + t + j] = lanes[4 * i + j];
@@ -157,7 +157,7 @@ inline void tile_logits_avx2(const float* const* q, int64_t G, const Keys& k, in
   }
   if (g < G) {
     for (int t = 0; t < kAvx2Tile; t += 8) {
-      pf.step();
+      pf.paced_step();
       _mm256_storeu_ps(logits + g * ld + t, dots8<1, 8>(q + g, k, t, nc));
     }
   }
@@ -183,7 +183,7 @@ __attribute__((always_inline)) inline void pv_avx2(float* acc, int64_t acc_strid
   }
   const T* row = v + c0;
   for (int64_t t = 0; t < n; ++t, row += v_stride) {
-    pf.step();
+    pf.paced_step();
     __m256 x[DV];
     if constexpr (kLoadsInPairs<T> && DV % 2 == 0) {
 #pragma GCC unroll 2
@@ -304,7 +304,7 @@ inline void pv_split_rows_avx2(float* acc, int64_t acc_stride, const float* cons
     __m256 r[RG];  // r[k] lane i * TK + j: row i against value row d + k * TK + j
 #pragma GCC unroll 4
     for (int k = 0; k < RG; ++k) {
-      pf.step();
+      pf.paced_step();
       __m256 a[8];
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
@@ -403,7 +403,7 @@ inline void attend_split_block_avx2(const Problem& p, RowsState& st, const float
     s.qrows[g] = q + (h * G + g) * DP;
     s.prows[g] = s.probs + g * ld;
   }
-  // pf.step()s: the logits' (tile_logit_steps per tile), then pv_split_rows_avx2's.
+  // pf.paced_step()s: the logits' (tile_logit_steps per tile), then pv_split_rows_avx2's.
   const int64_t tiles = (n + kAvx2Tile - 1) / kAvx2Tile;
   const int64_t steps = tiles * tile_logit_steps(G) +
                         (G / 4 * 4 + (G % 4 >= 2 ? 2 : 0) + G % 2) * (D / 8);
@@ -510,10 +510,9 @@ void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
   const int64_t row_stride = Hkv * D;  // token-major: token t -> t + 1 inside a block
   const int64_t x = p.x;               // split: key elements per 16 bytes
   const int64_t head_elems = D * BS;   // split: one kv head's block in either cache
-  // p.v passes per kv head and tile (pv_rows_avx2: chunks in threes, or in pairs), and the
-  // pf.step()s of a kv head's tile of n tokens: the logits', then one per token and pass.
+  // p.v passes per kv head and tile (pv_rows_avx2: chunks in threes, or in pairs); a kv head's
+  // tile of n tokens takes tile_logit_steps(G) + passes * n pf.paced_step()s.
   const int64_t passes = (G + 3) / 4 * (kLoadsInPairs<KV> ? (nc + 1) / 2 : (nc + 2) / 3);
-  const auto head_steps = [&](int64_t n) { return tile_logit_steps(G) + passes * n; };
   const int64_t first_block = it.begin / BS, last_block = (it.end - 1) / BS;
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t_begin = std::max(it.begin, b * BS) - b * BS;
@@ -537,11 +536,8 @@ void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
           continue;
         }
         // D not a multiple of 8: keys widened and values transposed into float32 tiles.
-        int64_t steps = 0;
-        for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
-          steps += head_steps(std::min<int64_t>(kAvx2Tile, t_end - t0));
-        }
-        pf.pace(steps);
+        const int64_t tiles = (t_end - t_begin + kAvx2Tile - 1) / kAvx2Tile;
+        pf.pace(tiles * tile_logit_steps(G) + passes * (t_end - t_begin));
         for (int64_t t0 = t_begin; t0 < t_end; t0 += kAvx2Tile) {
           const int64_t n = std::min<int64_t>(kAvx2Tile, t_end - t0);
           const float dist0 = static_cast<float>(b * BS + t0 - q_pos);
@@ -579,7 +575,7 @@ void decode_item_avx2_as(const Problem& p, const Item& it, float* scratch,
         const int64_t bytes = next_n * row_stride * elem;
         pf = LineCursor(kc + off, vc + off, bytes, 2 * bytes > p.nta_limit);
       }
-      pf.pace(Hkv * head_steps(n));
+      pf.pace(Hkv * (tile_logit_steps(G) + passes * n));
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t row0 = (table[b] * BS + t0) * row_stride + h * D;
         if (in_place) {

@@ -317,14 +317,15 @@ class TilePrefetcher {
 // accumulator is spilled (all zmm registers are caller-saved). Used by the quads, where a
 // request per head step (48 per tile) instead sent them in bursts (from memory the bf16
 // decode then took 5.0 ms against 3.2; NOTES.md), the AMX split decode, and the split
-// layout's lanes (decode_split.h). The AVX2 decode paces it instead (pace): the pairs spread
-// evenly over a number of steps, one at a time, by an integer credit (decode_avx2.h).
+// layout's lanes (decode_split.h). The AVX2 decode paces it instead (pace, paced_step): the
+// pairs spread evenly over a number of steps, one at a time, by an integer credit
+// (decode_avx2.h).
 struct LineCursor {
   const char* k = nullptr;
   const char* v = nullptr;
   int64_t left = 0;  // K + V line pairs not yet requested
   int64_t per = 0;
-  int64_t num = 0, den = 0, credit = 0;  // pace: num pairs per den steps (den 0: `per`)
+  int64_t num = 0, den = 1, credit = 0;  // pace: num pairs per den steps (paced_step)
   bool to_l2 = false;
   LineCursor() = default;
   LineCursor(const void* key, const void* value, int64_t bytes, bool l2) : to_l2(l2) {
@@ -334,14 +335,11 @@ struct LineCursor {
     v = reinterpret_cast<const char*>(va & ~static_cast<uintptr_t>(63));
     left = (mis + bytes + 63) / 64;
   }
-  // The next `per` pairs (set per tile from the tile's number of steps), or under pace the
-  // pairs this step's share of the credit adds up to (compare and subtract: a division per step
-  // cost the AVX2 fp8 decode 8%).
-  inline void step() {
-    if (den == 0) {
-      issue(per);
-      return;
-    }
+  // The next `per` pairs (set per tile from the tile's number of steps).
+  inline void step() { issue(per); }
+  // Under pace: the pairs this step's share of the credit adds up to (compare and subtract: a
+  // division per step cost the AVX2 fp8 decode 8%).
+  inline void paced_step() {
     for (credit += num; credit >= den; credit -= den) issue(1);
   }
   // The pairs left, spread evenly over the next `steps` steps.
