@@ -435,6 +435,34 @@ def test_bf16_twins_are_judged_side_by_side_where_the_record_has_them():
     assert judged(failed)["value"] == pytest.approx(0.9)
 
 
+def test_read_floor_fractions_are_judged_beside_the_floor_where_the_record_has_them():
+    """The workload's own medians give 0.8 of the floor; the rounds beside the floor give 0.93:
+    the target takes the side-by-side fraction and keeps the other beside it; without them (or
+    where that run failed), the medians' fraction."""
+    rows = {"decode-bf16-bs128": {"backends": {run.CPU: dict(_row(0.004), fraction_of_read=0.8)}}}
+    name = "decode-bf16-bs128: jax-cpu fraction of the read floor"
+
+    def judged(pairs):
+        return next(t for t in run.check_targets(rows, floor_pairs=pairs) if t["target"] == name)
+
+    alone = judged(None)
+    assert alone["value"] == pytest.approx(0.8) and alone["met"] is False
+    assert "side_by_side" not in alone
+    paired = judged({"decode-bf16-bs128": dict(status="ok", fraction=0.93)})
+    assert paired["value"] == 0.93 and paired["met"] is True and paired["side_by_side"]
+    assert paired["separate_rounds"] == pytest.approx(0.8)
+    assert judged({"decode-bf16-bs128": dict(status="ok", fraction=0.85)})["met"] is False
+    failed = judged({"decode-bf16-bs128": dict(status="error", note="boom")})
+    assert failed["value"] == pytest.approx(0.8) and failed["met"] is False
+
+
+def test_floor_decodes_are_the_read_floor_targets():
+    """Every read-floor fraction target of check_targets has its workload in floor_decodes."""
+    targets = [t for t in run.check_targets({}) if "fraction of the read floor" in t["target"]]
+    names = {w for t in targets for w in _workloads(t)}
+    assert targets and set(run.floor_decodes(names)) == names
+
+
 def test_twin_pairs_are_the_bf16_time_targets():
     """Every float32 / bfloat16 time target of check_targets has its pair in twin_pairs."""
     names = [t["target"] for t in run.check_targets({})]

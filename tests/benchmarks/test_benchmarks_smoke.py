@@ -83,6 +83,30 @@ def test_fma_peak_is_measured_and_each_row_is_set_against_it(record):
     assert [line.split(",")[0] for line in lines[3:]] == with_prefill
 
 
+def test_read_floor_decodes_run_beside_their_floor(record):
+    """Each decode whose fraction of the read floor a target judges, timed again beside the read
+    floor of its cache in alternated rounds (run.run_floor_pairs): every round's times kept,
+    the fraction the median of the rounds' GB/s ratios, as `fraction_of_read` is defined."""
+    from jax_attn import cpu
+
+    if cpu.unavailable_reason() is not None:
+        assert record["floor_pairs"] == {}
+        pytest.skip(f"native CPU kernels: {cpu.unavailable_reason()}")  # a skip, not a pass
+    names = run.floor_decodes(record["workloads"])
+    assert names and set(record["floor_pairs"]) == set(names)
+    for name in names:
+        pair = record["floor_pairs"][name]
+        assert pair["status"] == "ok" and pair["read_kind"] == "native", pair
+        kernel, read = pair["times_s"]["kernel"], pair["times_s"]["read"]
+        assert len(kernel) == len(read) == pair["rounds"] >= run.MIN_REPS
+        moved = record["workloads"][name]["bytes"]
+        fractions = sorted(
+            moved / k / (pair["read_bytes"] / r) for k, r in zip(kernel, read, strict=True)
+        )
+        assert fractions[0] <= pair["quartiles"][0] <= pair["fraction"] <= pair["quartiles"][1]
+        assert pair["fraction"] == pytest.approx(np.median(fractions), rel=1e-3)
+
+
 def test_bf16_twins_run_side_by_side(record):
     """Each float32 workload and its bfloat16 twin in the run, timed again in alternated rounds
     (run.run_twins): every round's times kept, the ratio the median of the rounds' ratios."""
