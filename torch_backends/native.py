@@ -219,8 +219,8 @@ _CACHE_DTYPE_NAMES = {
 
 def isa() -> str | None:
     """What the torch library's kernels run on this CPU (csrc/isa.cc, the same text as
-    `jax_attn.cpu.isa()`), e.g. "bf16 products: avx2 (widened to float32); prefetch: ...";
-    None without the native ops."""
+    `jax_attn.cpu.isa()`), e.g. "bf16 products: avx2 (widened to float32); vectors: avx2;
+    prefetch: ..."; None without the native ops."""
     if unavailable_reason() is not None:
         return None
     fn = ctypes.CDLL(str(_state["path"])).jax_attn_cpu_isa

@@ -25,7 +25,8 @@ per-dimension lanes of `csrc/decode_split.h` (faster from cache, slower from mem
 `JAX_ATTN_CPU_AMX=0` keeps the bf16 products of the ragged kernel and of decode off the AMX
 tiles (read once per process; `decode_path(...)` says what decode runs). `isa()` names what
 the kernels run here: the bf16 products' instruction set (AMX tiles where the CPU has them and
-Linux grants the tile state) and the prefetch level.
+Linux grants the tile state), the vector code built (avx512, avx2, portable) and the prefetch
+level.
 `python -m jax_attn.cpu.build` builds eagerly. `fma_peak.measure()` times the vector FMA peak
 on the kernels' workers (what `jax-attn bench` reports compute against), `amx_peak.measure()`
 the AMX tiles' bf16 peak beside it (where they run: `amx_peak.unavailable_reason()`),

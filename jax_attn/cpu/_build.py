@@ -403,7 +403,7 @@ def registered(name: str) -> bool:
 
 def isa() -> str | None:
     """What the built kernels run on this CPU (csrc/isa.cc), e.g. "bf16 products: amx-bf16;
-    prefetch: L2"; None when the kernels are not available."""
+    vectors: avx512; prefetch: L2"; None when the kernels are not available."""
     if unavailable_reason() is not None:
         return None
     fn = getattr(_state["lib"], "jax_attn_cpu_isa", None)

@@ -1,6 +1,7 @@
 // What the built kernels run on this CPU, decided at run time (cpu_features.h, amx_tiles.h), for
 // `jax_attn.cpu.isa()`, `jax-attn info` and the bench record: the instruction set of the bf16
-// products (bf16 queries on a bf16 or fp8 cache) and where software prefetches go.
+// products (bf16 queries on a bf16 or fp8 cache), the vector code built, and where software
+// prefetches go.
 #include "amx_tiles.h"
 #include "cpu_features.h"
 #include "kernel_common.h"
@@ -23,9 +24,18 @@ extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa()
 #else
                          : "portable";
 #endif
+  // The vector code the kernels were built with (an emulated-AMX build's products say "amx").
+  const char* vectors =
+#if JAX_ATTN_AVX512
+      "avx512";
+#elif JAX_ATTN_AVX2
+      "avx2";
+#else
+      "portable";
+#endif
   const int64_t nta = nta_limit_bytes();
   static const std::string text =
-      std::string("bf16 products: ") + products + "; prefetch: " +
+      std::string("bf16 products: ") + products + "; vectors: " + vectors + "; prefetch: " +
       (nta == 0 ? std::string("L2")
                 : "NTA for tiles up to " + std::to_string(nta / 1024) + " KiB, else L2");
   return text.c_str();
