@@ -314,12 +314,12 @@ class TilePrefetcher {
 // One contiguous run of lines in each cache (the next tile's [rows, Hkv, D], or a head block
 // of the split layout), requested `per` K + V pairs at a time (step) from inside math loops,
 // its state in registers: TilePrefetcher::issue is a call there, and around a call every
-// accumulator is spilled (all zmm registers are caller-saved). Used by the quads, where a
-// request per head step (48 per tile) instead sent them in bursts (from memory the bf16
-// decode then took 5.0 ms against 3.2; NOTES.md), the AMX split decode, and the split
-// layout's lanes (decode_split.h). The AVX2 decode paces it instead (pace, paced_step): the
-// pairs spread evenly over a number of steps, one at a time, by an integer credit
-// (decode_avx2.h).
+// accumulator is spilled (all zmm registers are caller-saved). Used by the AMX split decode
+// and the split layout's lanes (decode_split.h). The AVX2 decode and the quads pace it
+// instead (pace, paced_step): the pairs spread evenly over a number of steps, one at a time,
+// by an integer credit (decode_avx2.h, decode_quads.h). In the quads a request per head step
+// (48 per tile) instead sent them in bursts (from memory the bf16 decode then took 5.0 ms
+// against 3.2; NOTES.md).
 struct LineCursor {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -346,6 +346,13 @@ struct LineCursor {
   inline void pace(int64_t steps) {
     num = left;
     den = std::max<int64_t>(steps, 1);
+    credit = 0;
+  }
+  // The pairs left, ceil(left / steps) at each of the next steps (done early, by up to a step's
+  // share per step).
+  inline void pace_ahead(int64_t steps) {
+    num = (left + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1);
+    den = 1;
     credit = 0;
   }
   inline void issue(int64_t n) {

@@ -87,7 +87,7 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
   for (int i = 0; i < 8; ++i) even[i] = odd[i] = _mm512_setzero_ps();
   int64_t s = 0;
   for (; s + 1 < D8; s += 2) {
-    pf.step();
+    pf.paced_step();
     const __m512bh q0 = (__m512bh)_mm512_load_si512(qv + 32 * s);
     const __m512bh q1 = (__m512bh)_mm512_load_si512(qv + 32 * s + 32);
 #pragma GCC unroll 8
@@ -190,7 +190,15 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
   // per head and widening.
   const int64_t steps = std::max<int64_t>(
       1, Hkv * (U * ((n > 8 ? 2 : 1) * (D8 / 2) + (NC2 + 1) / 2 * pairs) + 1 + (kFp8 ? 2 : 0)));
-  pf.per = (pf.left + steps - 1) / steps;
+  // bf16: the next tile's lines paced evenly over the steps (from memory, 2-core Zen 5 VM,
+  // paired against ceil(left / steps) a step: decode-bf16 1.050 [1.027, 1.072], 8 x 8192 bf16
+  // 1.052, block 16 1.015); fp8, whose tile is half as many lines: ceil(left / steps) a step,
+  // done early (paced evenly it was 0.975 [0.967, 0.980]; NOTES.md).
+  if constexpr (kFp8) {
+    pf.pace_ahead(steps);
+  } else {
+    pf.pace(steps);
+  }
   const __mmask16 valid = tail_mask(n);
   const int64_t tail = D - (NC2 - 1) * 32;  // bf16 elements in the last 32-element chunk
   const __mmask32 last_mask = tail >= 32 ? static_cast<__mmask32>(0xffffffffu)
@@ -210,9 +218,9 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
     if constexpr (kFp8) {
 #if JAX_ATTN_DECODE_FP8_DOT
       const Fp8Tables& tables = *static_cast<const Fp8Tables*>(fp8_tables);
-      pf.step();
+      pf.paced_step();
       convert_tile_fp8_bf16<KV, NC>(tables, k_rows + h * D, row_stride, n, D, s.keys);
-      pf.step();
+      pf.paced_step();
       convert_pairs_fp8<KV, DP2>(tables, *value_order, v_rows + h * D, row_stride, n, D,
                                  value_pairs);
 #endif
@@ -231,7 +239,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
     // The online softmax of each row over the tile (attend_tile_rows' steps), a quad at a time
     // with no call between its rows (the prefetcher's issue is one) and its 4 rescale factors
     // by one exp16: the rows' chains then overlap.
-    pf.step();
+    pf.paced_step();
     for (int64_t u = 0; u < U; ++u) {
       const int rg = static_cast<int>(std::min<int64_t>(4, G - 4 * u));
       OnlineSoftmaxRow* state = st.rows.data() + h * G + 4 * u;
@@ -288,7 +296,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
           }
         }
         for (int64_t k2 = 0; k2 < pairs; ++k2) {
-          pf.step();
+          pf.paced_step();
           __m512i w[4];
           if constexpr (kFp8) {
             const uint32_t* pw = value_pairs + k2 * DP2 + 32 * c0;
