@@ -784,9 +784,14 @@ def _twin_ratio(results: dict, twins: dict | None, f32: str, bf16: str, least: f
     two workloads' own medians stays beside it (`separate_rounds`)."""
     target = _time_ratio(results, (f32, CPU), (bf16, CPU), least)
     twin = (twins or {}).get(f"{f32} / {bf16}", {})
-    if twin.get("status") == "ok":
-        target.update(separate_rounds=target["value"], side_by_side=True, value=twin["ratio"])
-        target["met"] = bool(twin["ratio"] >= least)
+    return _side_by_side(target, twin["ratio"], least) if twin.get("status") == "ok" else target
+
+
+def _side_by_side(target: dict, value: float, least: float) -> dict:
+    """`target` judged on `value`, measured in side-by-side rounds, >= `least`; the value from
+    the workloads' own medians stays beside it as `separate_rounds`."""
+    target.update(separate_rounds=target["value"], side_by_side=True, value=value)
+    target["met"] = bool(value >= least)
     return target
 
 
@@ -803,10 +808,7 @@ def _floor_fraction(results: dict, pairs: dict | None, workload: str, least: flo
     from the workload's own medians stays beside it (`separate_rounds`)."""
     target = _field(results, workload, "fraction_of_read", "fraction of the read floor", least)
     pair = (pairs or {}).get(workload, {})
-    if pair.get("status") == "ok":
-        target.update(separate_rounds=target["value"], side_by_side=True, value=pair["fraction"])
-        target["met"] = bool(pair["fraction"] >= least)
-    return target
+    return _side_by_side(target, pair["fraction"], least) if pair.get("status") == "ok" else target
 
 
 def amx_not_here(amx_peak: dict | None) -> str | None:
