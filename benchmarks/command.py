@@ -92,6 +92,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "come back as fresh pages otherwise",
     )
     bench.add_argument(
+        "--output-pages-ab",
+        action="store_true",
+        help="with --engine: also the plugin with the kernels' large outputs on huge pages and "
+        "on 4 KiB pages (JAX_ATTN_CPU_HUGE_OUTPUT=1 / 0), whichever they choose by default",
+    )
+    bench.add_argument(
         "--mesh",
         help="strong scaling of a decode step over a mesh, e.g. tp=4 or tp=4,dp=2 "
         "(benchmarks/mesh.py; simulated CPU devices where the host has too few)",
@@ -122,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if cpu_only and other:
         print(f"{cpu_only[0]} is for the CPU suite, not with --{other}")
         return 2
-    for flag in ("huge_pages_ab", "keep_freed_ab"):
+    for flag in ("huge_pages_ab", "keep_freed_ab", "output_pages_ab"):
         if getattr(args, flag, False) and other != "engine":
             print(f"--{flag.replace('_', '-')} is for the engine bench: use it with --engine")
             return 2

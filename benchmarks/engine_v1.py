@@ -46,12 +46,17 @@ PAGE_PEERS = ("jax-attn-plugin-4k", "vllm-cpu-attn-thp")
 # zero every time, whichever backend writes them.
 KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 KEEP_PEERS = ("vllm-cpu-attn-keep", "jax-attn-plugin-keep")
+# `--output-pages-ab`: the plugin with the kernels' large outputs on huge pages and on 4 KiB
+# pages, whatever they choose here (JAX_ATTN_CPU_HUGE_OUTPUT, jax_attn/cpu/csrc/output_memory.h).
+OUTPUT_PEERS = ("jax-attn-plugin-huge-out", "jax-attn-plugin-4k-out")
 PEER_ENV = {
     "jax-attn-plugin": {"JAX_ATTN_VLLM": "1"},
     "jax-attn-plugin-4k": {"JAX_ATTN_VLLM": "1", "JAX_ATTN_VLLM_HUGE_PAGES": "0"},
     "vllm-cpu-attn-thp": {"THP_MEM_ALLOC_ENABLE": "1"},
     "vllm-cpu-attn-keep": KEEP_FREED,
     "jax-attn-plugin-keep": {"JAX_ATTN_VLLM": "1", **KEEP_FREED},
+    "jax-attn-plugin-huge-out": {"JAX_ATTN_VLLM": "1", "JAX_ATTN_CPU_HUGE_OUTPUT": "1"},
+    "jax-attn-plugin-4k-out": {"JAX_ATTN_VLLM": "1", "JAX_ATTN_CPU_HUGE_OUTPUT": "0"},
 }
 MODEL = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=256,
@@ -167,6 +172,8 @@ EXPECTED_IMPL = {
     "vllm-cpu-attn-thp": ["CPUAttentionBackendImpl"],
     "vllm-cpu-attn-keep": ["CPUAttentionBackendImpl"],
     "jax-attn-plugin-keep": ["NativeCPUAttentionImpl"],
+    "jax-attn-plugin-huge-out": ["NativeCPUAttentionImpl"],
+    "jax-attn-plugin-4k-out": ["NativeCPUAttentionImpl"],
 }
 
 
@@ -176,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else ["bfloat16", "float32"]
     peers = PEERS + (PAGE_PEERS if getattr(args, "huge_pages_ab", False) else ())
     peers += KEEP_PEERS if getattr(args, "keep_freed_ab", False) else ()
+    peers += OUTPUT_PEERS if getattr(args, "output_pages_ab", False) else ()
     record = dict(
         cpu=_cpu_model(), cores=os.cpu_count(), date=datetime.datetime.now().isoformat(),
         size=size, rounds=rounds, model=MODEL, peers=peers, load_before=os.getloadavg(),
@@ -229,9 +237,10 @@ def _print(record: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", choices=PEERS + PAGE_PEERS + KEEP_PEERS)
+    parser.add_argument("--child", choices=PEERS + PAGE_PEERS + KEEP_PEERS + OUTPUT_PEERS)
     parser.add_argument("--huge-pages-ab", action="store_true")
     parser.add_argument("--keep-freed-ab", action="store_true")
+    parser.add_argument("--output-pages-ab", action="store_true")
     parser.add_argument("--model")
     parser.add_argument("--dtype")
     parser.add_argument("--size")

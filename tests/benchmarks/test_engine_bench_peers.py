@@ -1,6 +1,6 @@
 """`jax-attn bench --engine`'s peers without an engine: what each child's environment says, the
-rotation over the peers `--huge-pages-ab` and `--keep-freed-ab` add, and the medians and ratios of
-the record."""
+rotation over the peers `--huge-pages-ab`, `--keep-freed-ab` and `--output-pages-ab` add, and
+the medians and ratios of the record."""
 
 import argparse
 import json
@@ -16,6 +16,7 @@ SWITCHES = (
     "THP_MEM_ALLOC_ENABLE",
     "MALLOC_MMAP_THRESHOLD_",
     "MALLOC_TRIM_THRESHOLD_",
+    "JAX_ATTN_CPU_HUGE_OUTPUT",
 )
 
 
@@ -37,18 +38,21 @@ class _FakeChildren:
 
 
 @pytest.mark.parametrize(
-    ("page_peers", "keep_peers"), [(False, False), (True, False), (False, True)]
+    ("page_peers", "keep_peers", "output_peers"),
+    [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
 )
-def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers, keep_peers):
+def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers, keep_peers, output_peers):
     for name in SWITCHES:  # the caller's own settings never reach a child
         monkeypatch.setenv(name, "7")
     peers = engine_v1.PEERS + (engine_v1.PAGE_PEERS if page_peers else ())
     peers += engine_v1.KEEP_PEERS if keep_peers else ()
+    peers += engine_v1.OUTPUT_PEERS if output_peers else ()
     children = _FakeChildren(peers)
     monkeypatch.setattr(engine_v1.subprocess, "run", children)
     out = tmp_path / "engine.json"
     args = argparse.Namespace(quick=True, reps=2, dtypes="float32", json=str(out),
-                              huge_pages_ab=page_peers, keep_freed_ab=keep_peers)  # fmt: skip
+                              huge_pages_ab=page_peers, keep_freed_ab=keep_peers,
+                              output_pages_ab=output_peers)  # fmt: skip
     assert engine_v1.run(args) == 0
 
     n = len(peers)
@@ -66,6 +70,9 @@ def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers, keep_peers)
         keep = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
         assert envs["vllm-cpu-attn-keep"] == {**none, **keep}
         assert envs["jax-attn-plugin-keep"] == {**none, "JAX_ATTN_VLLM": "1", **keep}
+    if output_peers:
+        for peer, value in (("jax-attn-plugin-huge-out", "1"), ("jax-attn-plugin-4k-out", "0")):
+            assert envs[peer] == {**none, "JAX_ATTN_VLLM": "1", "JAX_ATTN_CPU_HUGE_OUTPUT": value}
 
     record = json.loads(out.read_text())
     assert record["peers"] == list(peers)

@@ -4,11 +4,11 @@ changed, nothing else touched."""
 import ctypes
 import mmap
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from thp import thp_eligible, thp_mode
 
 from torch_backends import huge_pages
 
@@ -27,25 +27,6 @@ def _resident_pages(begin: int, size: int) -> int:
     vec = ctypes.create_string_buffer(size // PAGE)
     assert libc.mincore(begin, size, vec) == 0, ctypes.get_errno()
     return sum(b & 1 for b in vec.raw)
-
-
-def _thp_mode() -> str:
-    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    text = path.read_text() if path.exists() else "[never]"
-    return text[text.index("[") + 1 : text.index("]")]
-
-
-def _thp_eligible(address: int) -> bool:
-    """The THPeligible line of the /proc/self/smaps mapping that holds `address`."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and line.startswith("THPeligible:"):
-            return line.split()[1] == "1"
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def _chunked_tensor(rng, data_chunks, chunks=12):
@@ -105,17 +86,17 @@ def _chunk(x, first, c):
     return x[start : start + CHUNK // 4]
 
 
-@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off here (never)")
+@pytest.mark.skipif(thp_mode() == "never", reason="transparent huge pages are off here (never)")
 def test_the_chunks_are_marked_for_huge_pages():
     # A mapping of its own: memory from torch's allocator may lie where an earlier test's cache
     # was marked (the torch backends mark every cache they meet), and stay marked after a free.
     memory = mmap.mmap(-1, 7 * CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     x = torch.frombuffer(memory, dtype=torch.float32).zero_()  # faulted in, as a memset does
     first = (x.data_ptr() + CHUNK - 1) // CHUNK * CHUNK
-    if _thp_mode() == "madvise":
-        assert not _thp_eligible(first)  # as the memset left it
+    if thp_mode() == "madvise":
+        assert not thp_eligible(first)  # as the memset left it
     assert huge_pages.rebacked_zero_chunks(x).zero_chunks >= 6
-    assert _thp_eligible(first)
+    assert thp_eligible(first)
     assert not bool(x.any())
     del x
     memory.close()

@@ -1,10 +1,11 @@
 // What the built kernels run on this CPU, decided at run time (cpu_features.h, amx_tiles.h), for
 // `jax_attn.cpu.isa()`, `jax-attn info` and the bench record: the instruction set of the bf16
-// products (bf16 queries on a bf16 or fp8 cache), the vector code built, and where software
-// prefetches go.
+// products (bf16 queries on a bf16 or fp8 cache), the vector code built, where software
+// prefetches go, and which pages a large output goes on (output_memory.h).
 #include "amx_tiles.h"
 #include "cpu_features.h"
 #include "kernel_common.h"
+#include "output_memory.h"
 #include "paged_decode.h"
 #include "vec_avx2.h"
 
@@ -37,7 +38,8 @@ extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa()
   static const std::string text =
       std::string("bf16 products: ") + products + "; vectors: " + vectors + "; prefetch: " +
       (nta == 0 ? std::string("L2")
-                : "NTA for tiles up to " + std::to_string(nta / 1024) + " KiB, else L2");
+                : "NTA for tiles up to " + std::to_string(nta / 1024) + " KiB, else L2") +
+      "; large outputs: " + (huge_output_pages() ? "huge pages" : "4 KiB pages");
   return text.c_str();
 }
 

@@ -13,7 +13,6 @@
 //   key range of a query position).
 // - `Workers`: the threads a kernel runs its items on, provided by the caller (XLA's intra-op
 //   pool, or torch's); `run_items` hands items out one at a time.
-// - `prefault_output`: a large output's pages faulted in up front, a share per worker.
 // - `round_up`, `Scratch`: a thread's scratch memory, grown on demand.
 //
 // Everything lives in namespace jax_attn_cpu. No XLA or torch header is included here.
@@ -34,7 +33,6 @@
 
 #if defined(__linux__)
 #include <sched.h>
-#include <sys/mman.h>
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -375,60 +373,6 @@ void run_items(const Workers& workers, int64_t n, F&& fn) {
   workers.parallel_for(
       workers.self, n, std::min(workers.count, n),
       [](void* ctx, int64_t i) { (*static_cast<Fn*>(ctx))(i); }, &fn);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Output memory.
-// ---------------------------------------------------------------------------------------------
-
-// A large output is fresh memory on every call: XLA allocates it per execution (as a torch
-// caller does per call) and glibc maps
-// anything past its mmap threshold (at most 32 MiB) anew, so the kernel's first writes fault
-// it in 4 KiB at a time (16k faults for prefill-8x512's 64 MiB, a fifth of the call, measured)
-// and the next call's free unmaps it again. Asking for transparent huge pages on the 2 MiB
-// aligned inside of the buffer turns that into one fault per 2 MiB. A hint that changes no
-// byte: where THP is off, or "always", it does nothing.
-inline void advise_huge_pages(void* data, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < 4 * kHuge) return;  // small outputs: a syscall for little
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)data;
-  (void)bytes;
-#endif
-}
-
-// advise_huge_pages, then a large output's pages faulted in up front, a share per worker
-// (MADV_POPULATE_WRITE: page tables filled as a write would, no byte written; Linux 5.14+,
-// elsewhere a refused hint and the kernel's first stores fault them in as before). Measured on
-// prefill-8x512 (64 MiB of float32 output, 2-core Zen 5 VM, 8 rounds alternated): 47.1-49.3 ms
-// vs 48.3-50.2 in half the rounds and 60.7-61.8 in the other half, when faulted in by the
-// kernel's stores.
-inline void prefault_output(const Workers& workers, void* data, size_t bytes) {
-  advise_huge_pages(data, bytes);
-#if defined(__linux__)
-  constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE, for headers older than the kernel
-  constexpr size_t kPage = 4096;
-  // Only outputs past glibc's largest mmap threshold (32 MiB), which are fresh mappings on every
-  // call; smaller ones are often reused heap memory, already faulted in, where the walk costs
-  // more than it saves (mixed, 17 MiB: 12.7-14.7 vs 12.5-12.8 ms with an 8 MiB threshold).
-  if (bytes < (size_t{32} << 20)) return;
-  const int64_t shares = std::max<int64_t>(1, workers.count);
-  const size_t share = ((bytes + shares - 1) / shares + kPage - 1) & ~(kPage - 1);
-  const uintptr_t first = reinterpret_cast<uintptr_t>(data);
-  const uintptr_t last = first + bytes;
-  run_items(workers, shares, [&](int64_t w) {
-    // Whole pages only: a page shared with the buffer's neighbours is left to fault as usual.
-    const uintptr_t lo = (first + w * share + kPage - 1) & ~uintptr_t{kPage - 1};
-    const uintptr_t hi = std::min<uintptr_t>(first + (w + 1) * share, last) & ~uintptr_t{kPage - 1};
-    if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, kPopulateWrite);
-  });
-#else
-  (void)workers;
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -71,6 +71,7 @@
 
 #include "amx_tiles.h"
 #include "cpu_features.h"
+#include "output_memory.h"
 #include "paged_decode.h"
 #include "ragged_paged_attention.h"
 #include "vec_avx2.h"
