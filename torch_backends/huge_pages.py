@@ -33,6 +33,7 @@ CHUNK = 2 << 20  # bytes: an x86-64 transparent huge page
 ENV = "JAX_ATTN_VLLM_HUGE_PAGES"
 _MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; refused (EINVAL) before
 _SCAN_CHUNKS = 32  # chunks tested per torch call (a 64 MiB view, 32 booleans out)
 # Caches already seen by `rebacked_on_first_sight`, by data pointer.
 _SEEN: set[int] = set()
@@ -45,6 +46,7 @@ class Rebacked:
     chunks: int
     zero_chunks: int
     reason: str | None = None  # why nothing was done, when nothing was
+    populated: bool = False  # the handed-back chunks faulted in again at once (`populate`)
 
     @property
     def bytes(self) -> int:
@@ -87,9 +89,13 @@ def _zero_chunks(chunks: Tensor) -> list[bool]:
     return zero
 
 
-def rebacked_zero_chunks(tensor: Tensor) -> Rebacked:
+def rebacked_zero_chunks(tensor: Tensor, populate: bool = False) -> Rebacked:
     """Moves the all-zero 2 MiB chunks of a contiguous CPU tensor onto transparent huge pages
-    (module docstring); returns what it did. The tensor's values do not change."""
+    (module docstring); returns what it did. The tensor's values do not change. `populate`:
+    fault the handed-back chunks in again at once (`MADV_POPULATE_WRITE`, fresh zeroed huge
+    pages where Linux has them), so that the first writes into them later find their pages
+    there, as they found the ones `torch.zeros` had faulted in; where Linux refuses
+    (before 5.14), `populated` is False and they fault in on first write."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError(
             f"tensor must be a contiguous CPU tensor, got device {tensor.device} "
@@ -111,6 +117,7 @@ def rebacked_zero_chunks(tensor: Tensor) -> Rebacked:
     if libc.madvise(first, last - first, _MADV_HUGEPAGE) != 0:
         return Rebacked(n, 0, f"madvise(MADV_HUGEPAGE) failed: errno {ctypes.get_errno()}")
     i = 0
+    populated = populate
     while i < n:
         if not zero[i]:
             i += 1
@@ -120,19 +127,24 @@ def rebacked_zero_chunks(tensor: Tensor) -> Rebacked:
             j += 1
         if libc.madvise(first + i * CHUNK, (j - i) * CHUNK, _MADV_DONTNEED) != 0:
             raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on zero chunks")
+        if populated:
+            populated = libc.madvise(first + i * CHUNK, (j - i) * CHUNK, _MADV_POPULATE_WRITE) == 0
         i = j
-    return Rebacked(n, sum(zero))
+    return Rebacked(n, sum(zero), populated=populated and any(zero))
 
 
 def rebacked_on_first_sight(cache: Tensor) -> Rebacked | None:
-    """`rebacked_zero_chunks(cache)` the first time this cache (by data pointer) comes by, as a
-    serving step first meets a freshly made, still all-zero cache; None when it did nothing: seen
-    before, `$JAX_ATTN_VLLM_HUGE_PAGES` is "0", or not a contiguous CPU tensor (the torch
-    backends' caches, V0 and V1, call this before their first write)."""
+    """`rebacked_zero_chunks(cache, populate=True)` the first time this cache (by data pointer)
+    comes by, as a serving step first meets a freshly made, still all-zero cache; None when it
+    did nothing: seen before, `$JAX_ATTN_VLLM_HUGE_PAGES` is "0", or not a contiguous CPU tensor
+    (the torch backends' caches, V0 and V1, call this before their first write). Populated at
+    once, the cache's pages are zeroed here, once, as `torch.zeros` had zeroed the ones it
+    replaces, and not by the steps that first write each block: in vLLM's engine those faults
+    had been most of the plugin's system time (float32, 2-core Zen 5 VM, NOTES.md)."""
     ptr = cache.data_ptr()
     if ptr in _SEEN or cache.device.type != "cpu" or not cache.is_contiguous():
         return None
     _SEEN.add(ptr)
     if os.environ.get(ENV) == "0":
         return None
-    return rebacked_zero_chunks(cache)
+    return rebacked_zero_chunks(cache, populate=True)

@@ -3,12 +3,13 @@ changed, nothing else touched."""
 
 import ctypes
 import mmap
+import os
 import sys
 
 import numpy as np
 import pytest
 import torch
-from thp import thp_eligible, thp_mode
+from thp import linux_at_least, thp_eligible, thp_mode
 
 from torch_backends import huge_pages
 
@@ -78,6 +79,45 @@ def test_values_stay_and_only_zero_chunks_leave_memory():
     _chunk(x, first, c).fill_(2.5)
     assert torch.all(_chunk(x, first, c) == 2.5)
     del base
+
+
+@pytest.mark.skipif(
+    not linux_at_least(5, 14), reason=f"MADV_POPULATE_WRITE is Linux 5.14's ({os.uname().release})"
+)
+def test_populate_faults_the_zero_chunks_in_again():
+    rng = np.random.default_rng()
+    data = sorted(rng.choice(11, size=3, replace=False).tolist())
+    base, x, first = _chunked_tensor(rng, data)
+    before = x.clone()
+    whole = (x.data_ptr() + x.numel() * 4 - first) // CHUNK
+    zero = [c for c in range(whole) if not torch.any(_chunk(x, first, c))]
+
+    done = huge_pages.rebacked_zero_chunks(x, populate=True)
+
+    assert done.reason is None and done.populated and done.zero_chunks == len(zero) >= 5
+    for c in range(whole):  # before any read: every page of every chunk is there
+        resident = _resident_pages(first + c * CHUNK, CHUNK)
+        assert resident == CHUNK // PAGE, (
+            f"chunk {c} ({'zero' if c in zero else 'data'}): {resident}"
+        )
+    if thp_mode() != "never":
+        assert thp_eligible(first + zero[0] * CHUNK)
+    assert torch.equal(x, before)
+    del base
+
+
+def test_first_sight_populates_what_it_hands_back(monkeypatch):
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    monkeypatch.setattr(huge_pages, "_SEEN", set())  # an earlier cache may have had this address
+    memory = mmap.mmap(-1, 5 * CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    x = torch.frombuffer(memory, dtype=torch.float32).zero_()
+    done = huge_pages.rebacked_on_first_sight(x)
+    assert done is not None and done.zero_chunks >= 4
+    assert done.populated == linux_at_least(5, 14)
+    assert huge_pages.rebacked_on_first_sight(x) is None  # once per cache
+    assert not bool(x.any())
+    del x
+    memory.close()
 
 
 def _chunk(x, first, c):

@@ -289,14 +289,16 @@ def test_a_cache_meets_huge_pages_once(backend, monkeypatch, rng):
     """A cache's first step hands it to huge_pages before the write (all of a fresh cache is
     zeros), its later steps do not, and JAX_ATTN_VLLM_HUGE_PAGES=0 never: the outputs and the
     cache bytes are the same either way."""
+    from thp import linux_at_least
+
     from torch_backends import huge_pages
 
     monkeypatch.setattr(huge_pages, "_SEEN", set())
     calls = []
     real = huge_pages.rebacked_zero_chunks
 
-    def spy(tensor):
-        done = real(tensor)
+    def spy(tensor, populate=False):
+        done = real(tensor, populate=populate)
         calls.append((tensor.data_ptr(), done))
         return done
 
@@ -331,6 +333,7 @@ def test_a_cache_meets_huge_pages_once(backend, monkeypatch, rng):
             done = calls[0][1]
             if done.reason is None:  # Linux, private anonymous memory: every chunk was zeros
                 assert done.chunks >= 6 and done.zero_chunks == done.chunks
+                assert done.populated == linux_at_least(5, 14)  # faulted in up front
         else:
             assert len(calls) == 1
     (out_on, cache_on), (out_off, cache_off) = results

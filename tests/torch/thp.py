@@ -1,6 +1,9 @@
-"""Transparent huge pages as this process sees them: the system's mode and whether a mapping
-may hold them (for the tests of torch_backends.huge_pages and of the kernels' output pages)."""
+"""Transparent huge pages as this process sees them: the system's mode, whether a mapping may
+hold them, and the kernel's version (for the tests of torch_backends.huge_pages and of the
+kernels' output pages)."""
 
+import os
+import sys
 from pathlib import Path
 
 
@@ -22,3 +25,11 @@ def thp_eligible(address: int) -> bool:
         elif inside and line.startswith("THPeligible:"):
             return line.split()[1] == "1"
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def linux_at_least(major: int, minor: int) -> bool:
+    """Whether the running Linux kernel is at least major.minor (False elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    release = os.uname().release.split("-")[0].split(".")
+    return (int(release[0]), int(release[1])) >= (major, minor)
