@@ -300,8 +300,9 @@ def test_refuses_a_cache_that_is_not_dense_pages():
 
 @pytest.mark.parametrize("switch", [None, "0"])
 def test_a_cache_meets_huge_pages_once(monkeypatch, switch):
-    """The first update of a layer's cache hands its zero chunks to huge_pages, once per cache;
-    JAX_ATTN_VLLM_HUGE_PAGES=0 never. The stored rows are the same either way."""
+    """The first update of a layer's cache hands its zero chunks to huge_pages, populated at
+    once, once per cache; JAX_ATTN_VLLM_HUGE_PAGES=0 never. The stored rows are the same either
+    way."""
     monkeypatch.setattr(vllm_v1.huge_pages, "_SEEN", set())
     if switch is None:
         monkeypatch.delenv(vllm_v1.HUGE_PAGES_ENV, raising=False)
@@ -310,9 +311,9 @@ def test_a_cache_meets_huge_pages_once(monkeypatch, switch):
     calls = []
     real = vllm_v1.huge_pages.rebacked_zero_chunks
 
-    def spy(tensor):
-        calls.append(tensor.data_ptr())
-        return real(tensor)
+    def spy(tensor, populate=False):
+        calls.append((tensor.data_ptr(), populate))
+        return real(tensor, populate=populate)
 
     monkeypatch.setattr(vllm_v1.huge_pages, "rebacked_zero_chunks", spy)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
@@ -329,6 +330,6 @@ def test_a_cache_meets_huge_pages_once(monkeypatch, switch):
             pages = want.view(96, 2, 128, 2, 64)
             pages[slots // 128, 0, slots % 128] = key
             pages[slots // 128, 1, slots % 128] = value
-    assert calls == ([] if switch == "0" else [c.data_ptr() for c in caches])
+    assert calls == ([] if switch == "0" else [(c.data_ptr(), True) for c in caches])
     for cache, want in zip(caches, expected, strict=True):
         assert torch.equal(cache, want)
