@@ -273,7 +273,7 @@ def paged_decode_split(
         k_scale = v_scale = 1.0
     torch.ops.jax_attn.paged_decode_split(
         out,
-        dense(query, "query"),
+        token_rows(query, "query"),
         key_cache,
         value_cache,
         block_tables.to(torch.int32).contiguous(),
@@ -327,6 +327,21 @@ def dense(x: Tensor, slot: str) -> Tensor:
     return staged_empty(x, tuple(x.shape), slot).copy_(x)
 
 
+def token_rows(rows: Tensor, slot: str) -> Tensor:
+    """`rows` `[tokens, heads, head_size]` as the kernels read them: as they are when each
+    token's `[heads, head_size]` is dense and tokens lie at least that far apart (vLLM's query,
+    key and value, views of the fused qkv projection, whose tokens are `(Hq + 2 Hkv) * D`
+    apart: the kernels take the token stride, so a prefill's 64 MiB float32 query is not
+    copied), else `dense(rows, slot)`."""
+    tokens, heads, size = rows.shape
+    if rows.numel() == 0 or rows.is_contiguous():
+        return rows
+    heads_dense = (size <= 1 or rows.stride(2) == 1) and (heads <= 1 or rows.stride(1) == size)
+    if heads_dense and (tokens <= 1 or rows.stride(0) >= heads * size):
+        return rows
+    return dense(rows, slot)
+
+
 def ragged_paged_attention(
     out: Float[Tensor, "num_tokens num_heads head_size"],
     query: Float[Tensor, "num_tokens num_heads head_size"],
@@ -369,7 +384,7 @@ def ragged_paged_attention(
         k_scale = v_scale = 1.0
     torch.ops.jax_attn.ragged_paged_attention(
         out,
-        dense(query, "query"),
+        token_rows(query, "query"),
         key_cache,
         value_cache,
         _int32(query_start_loc),
@@ -395,7 +410,11 @@ def store_split(
     """Rows `[T, Hkv, D]`, already in the cache's element type (fp8: uint8 bits), to their
     slots in vLLM's split layout; -1 skips. Bad slots raise ValueError before any write."""
     torch.ops.jax_attn.store_split(
-        dense(key, "key"), dense(value, "value"), key_cache, value_cache, slots.to(torch.int64)
+        token_rows(key, "key"),
+        token_rows(value, "value"),
+        key_cache,
+        value_cache,
+        slots.to(torch.int64),
     )
 
 
@@ -419,7 +438,11 @@ def store_token_major(
     if not available():
         raise RuntimeError(f"torch_backends.native is not available: {unavailable_reason()}")
     torch.ops.jax_attn.store_token_major(
-        dense(key, "key"), dense(value, "value"), key_cache, value_cache, slots.to(torch.int64)
+        token_rows(key, "key"),
+        token_rows(value, "value"),
+        key_cache,
+        value_cache,
+        slots.to(torch.int64),
     )
 
 

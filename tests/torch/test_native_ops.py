@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +216,34 @@ def test_long_sequences_in_split_k_parts_match_the_float64_oracle(
     )  # fmt: skip
     assert_close(out.float(), expected, torch.bfloat16, FP8.get(kv_cache_dtype),
                  what="native decode, split-K")  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_fused_projections_query_is_read_where_it_lies(kv_cache_dtype, rng, monkeypatch):
+    """vLLM's query, a view of the fused qkv projection (tokens (Hq + 2 Hkv) * D apart, each
+    token's heads dense), is read in place, nothing staged, and gives the bits of its
+    contiguous copy: bf16 queries (the quads, or AMX tiles where the CPU has them), split-K
+    parts of a long sequence included."""
+    monkeypatch.setattr(native, "STAGE_MIN_BYTES", 0)  # would stage this small query
+    monkeypatch.setattr(native, "_staging", threading.local())
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, kc, vc, tables, lens = split_decode_case(
+        gen, num_seqs=5, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+        dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, max_len=1800,
+    )[:5]  # fmt: skip
+    fused = torch.randn(q.shape[0], 12, 128, generator=gen).to(torch.bfloat16)
+    fused[:, :8] = q
+    outs = []
+    for query in (q, fused[:, :8]):
+        out = torch.full_like(q, 7.0)
+        native.paged_decode_split(
+            out, query, kc, vc, tables, lens, scale=0.125, alibi_slopes=None, k_scale=0.8,
+            v_scale=1.3, sliding_window=None, logits_soft_cap=None,
+            kv_cache_dtype=kv_cache_dtype,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert not getattr(native._staging, "buffers", {}), "the strided query was staged"
 
 
 def _small_case(rng, dtype=torch.float32):
@@ -440,12 +469,20 @@ def _torch_path():
                                                   ("auto", torch.bfloat16),
                                                   ("fp8", torch.bfloat16),
                                                   ("fp8_e5m2", torch.float16)])  # fmt: skip
-def test_cache_write_is_byte_identical_to_the_torch_path(kv_cache_dtype, dtype, rng):
+@pytest.mark.parametrize("fused", [False, True], ids=["rows", "fused-qkv"])
+def test_cache_write_is_byte_identical_to_the_torch_path(kv_cache_dtype, dtype, fused, rng):
+    """fused: key and value as vLLM hands them over, views of one qkv projection (tokens
+    (4 + 2 Hkv) * D apart), which the native write reads where they lie."""
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     num_blocks, block_size, hkv, d, tokens = 12, 16, 2, 64, 40
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[::7] = -1  # PAD_SLOT_ID: skipped
     key, value = (torch.randn(tokens, hkv, d, generator=gen).to(dtype) for _ in "kv")
+    if fused:
+        qkv = torch.randn(tokens, 4 + 2 * hkv, d, generator=gen).to(dtype)
+        qkv[:, 4 : 4 + hkv], qkv[:, 4 + hkv :] = key, value
+        key, value = qkv[:, 4 : 4 + hkv], qkv[:, 4 + hkv :]
+        assert not key.is_contiguous() and not value.is_contiguous()
     caches = []
     for use_torch in (False, True):
         kv_cache = nan_cache(num_blocks, block_size, hkv, d, dtype, kv_cache_dtype)

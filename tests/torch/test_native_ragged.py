@@ -4,6 +4,8 @@ decodes and mixed steps over NaN-poisoned token-major caches against the float64
 input refused by name before any write; `opcheck`; `torch.compile` without a graph break. (The
 op against the XLA handler, bit for bit: tests/interop/test_interop_native_ragged.py.)"""
 
+import threading
+
 import pytest
 import torch
 from tolerances import assert_close
@@ -215,10 +217,38 @@ def test_num_seqs_as_an_int_and_threads_agree(rng):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_strided_queries_are_staged_in_a_reused_buffer(rng, monkeypatch):
-    """A query that is a strided view (vLLM's, of the fused qkv projection) gives the bits of
-    its contiguous copy; it is staged in one buffer per thread, reused by the next call, which
-    sees its own rows (a smaller step after a larger one too), not the last call's."""
+@pytest.mark.parametrize(
+    "dtype,cache_dtype", [(F32, F32), (BF16, BF16), (BF16, E4M3)], ids=["f32", "bf16", "fp8"]
+)
+def test_queries_of_a_fused_projection_are_read_where_they_lie(dtype, cache_dtype, rng,
+                                                               monkeypatch):  # fmt: skip
+    """vLLM's query is a view of the fused qkv projection: its tokens (Hq + 2 Hkv) * D apart,
+    each token's heads dense. The kernels read it in place (nothing staged) and give the bits
+    of its contiguous copy, for prefills, chunks and a run of decodes (the decode kernel's path
+    inside the ragged step). (The split decode op's: tests/torch/test_native_ops.py.)"""
+    monkeypatch.setattr(native, "STAGE_MIN_BYTES", 0)  # would stage these small queries
+    monkeypatch.setattr(native, "_staging", threading.local())
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    query, kc, vc, meta, _, _ = ragged_case(
+        gen, MIXED, num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=dtype,
+        cache_dtype=cache_dtype,
+    )  # fmt: skip
+    tokens, heads, size = query.shape
+    fused = torch.randn(tokens, heads + 4, size, generator=gen).to(dtype)
+    fused[:, :heads] = query
+    strided = fused[:, :heads]
+    assert not strided.is_contiguous() and strided.stride(0) == (heads + 4) * size
+    want, got = torch.full_like(query, 7.0), torch.full_like(query, 7.0)
+    native.ragged_paged_attention(want, query, kc, vc, **meta, scale=0.125)
+    native.ragged_paged_attention(got, strided, kc, vc, **meta, scale=0.125)
+    assert torch.equal(got, want)
+    assert not getattr(native._staging, "buffers", {}), "the strided query was staged"
+
+
+def test_queries_with_strided_heads_are_staged_in_a_reused_buffer(rng, monkeypatch):
+    """A query whose heads are not dense within a token is staged in one buffer per thread,
+    reused by the next call, which sees its own rows (a smaller step after a larger one too),
+    not the last call's; the bits are its contiguous copy's."""
     monkeypatch.setattr(native, "STAGE_MIN_BYTES", 0)  # stage these small queries as well
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     buffers = []
@@ -227,9 +257,9 @@ def test_strided_queries_are_staged_in_a_reused_buffer(rng, monkeypatch):
             gen, batch, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
             dtype=torch.float32, cache_dtype=torch.float32,
         )  # fmt: skip
-        fused = torch.cat([query, torch.randn(query.shape, generator=gen)], dim=1)
-        strided = fused[:, : query.shape[1]]
-        assert not strided.is_contiguous()
+        wide = torch.cat([query, torch.randn(query.shape, generator=gen)], dim=2)
+        strided = wide[:, :, : query.shape[2]]
+        assert strided.stride(1) != query.shape[2]
         want, got = torch.empty_like(query), torch.empty_like(query)
         native.ragged_paged_attention(want, query, kc, vc, **meta, scale=0.125)
         native.ragged_paged_attention(got, strided, kc, vc, **meta, scale=0.125)

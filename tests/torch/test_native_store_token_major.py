@@ -3,6 +3,8 @@
 plugin's pages `[NB, 2, BS, Hkv, D]` seen as two caches with a block stride, against a torch
 reference on NaN-poisoned caches; fp8 bytes; refusals by name before any write; `opcheck`."""
 
+import threading
+
 import pytest
 import torch
 
@@ -28,6 +30,16 @@ def _reference(key, value, key_cache, value_cache, slots):
             value_cache[slot // block_size, slot % block_size] = value[t]
 
 
+def _fused(key, value, fill):
+    """key and value as vLLM hands them over: views of one fused qkv projection `[T, 3 + 2 Hkv,
+    D]` (three query heads first), tokens (3 + 2 Hkv) * D elements apart."""
+    tokens, heads, size = key.shape
+    qkv = torch.full((tokens, 3 + 2 * heads, size), fill, dtype=key.dtype)
+    qkv[:, 3 : 3 + heads], qkv[:, 3 + heads :] = key, value
+    return qkv[:, 3 : 3 + heads], qkv[:, 3 + heads :]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["rows", "fused-qkv"])
 @pytest.mark.parametrize("pages", [False, True], ids=["dense", "pages"])
 @pytest.mark.parametrize(
     "dtype, num_kv_heads, head_size, block_size",
@@ -35,7 +47,9 @@ def _reference(key, value, key_cache, value_cache, slots):
      (torch.uint8, 2, 64, 16)],
     ids=["f32", "bf16-mqa", "f16-bs1", "fp8-bytes"],
 )  # fmt: skip
-def test_matches_the_reference(pages, dtype, num_kv_heads, head_size, block_size, seed):
+def test_matches_the_reference(pages, fused, dtype, num_kv_heads, head_size, block_size, seed,
+                               monkeypatch):  # fmt: skip
+    monkeypatch.setattr(native, "STAGE_MIN_BYTES", 0)  # would stage any rows copied
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 9
     shape = (num_blocks, block_size, num_kv_heads, head_size)
@@ -46,6 +60,9 @@ def test_matches_the_reference(pages, dtype, num_kv_heads, head_size, block_size
     else:
         key, value = _rows(gen, 7, num_kv_heads, head_size, dtype)
         fill = float("nan")
+    if fused:  # read where they lie: nothing staged
+        key, value = _fused(key, value, fill)
+        monkeypatch.setattr(native, "_staging", threading.local())
     if pages:  # page b: key block b, then value block b
         page = torch.full((num_blocks, 2, *shape[1:]), fill, dtype=dtype)
         key_cache, value_cache = page.unbind(1)
@@ -61,6 +78,8 @@ def test_matches_the_reference(pages, dtype, num_kv_heads, head_size, block_size
     native.store_token_major(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache.view(torch.uint8), expected_key.view(torch.uint8))
     assert torch.equal(value_cache.view(torch.uint8), expected_value.view(torch.uint8))
+    if fused:
+        assert not getattr(native._staging, "buffers", {}), "the fused rows were staged"
 
 
 @pytest.mark.parametrize(
@@ -74,6 +93,7 @@ def test_matches_the_reference(pages, dtype, num_kv_heads, head_size, block_size
         ("head-size", r"key_cache and value_cache must be \[num_blocks, block_size, num_kv_heads"),
         ("dtype", "key, value and both caches must have one dtype"),
         ("slots-int32", "slot_mapping must be int64"),
+        ("heads-strided", r"value must be contiguous, or a view whose tokens lie at least"),
     ],
 )  # fmt: skip
 def test_refuses_bad_input_before_any_write(case, match):
@@ -99,11 +119,13 @@ def test_refuses_bad_input_before_any_write(case, match):
     elif case == "dtype":
         key = key.double()
         value = value.double()
-    elif case == "slots-int32":
+    elif case in ("slots-int32", "heads-strided"):  # the op itself (native stages such rows)
+        if case == "slots-int32":
+            slots = slots.to(torch.int32)
+        else:
+            value = torch.cat([value, value], dim=2)[:, :, :8]
         with pytest.raises(ValueError, match=match):
-            torch.ops.jax_attn.store_token_major(
-                key, value, key_cache, value_cache, slots.to(torch.int32)
-            )
+            torch.ops.jax_attn.store_token_major(key, value, key_cache, value_cache, slots)
         assert page.isnan().all()
         return
     with pytest.raises(ValueError, match=match):

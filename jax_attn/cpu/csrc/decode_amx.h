@@ -217,7 +217,7 @@ void decode_item_amx(const Problem& p, const Item& it, float* scratch,
   FloatBuffer qt_buf(static_cast<size_t>(qt_size));
   uint32_t* qt = reinterpret_cast<uint32_t*>(qt_buf.get());
   const uint16_t* query = reinterpret_cast<const uint16_t*>(static_cast<const bf16_t*>(p.query)) +
-                          it.seq * Hq * D;
+                          it.seq * p.query_stride;
   for (int64_t h = 0; h < Hkv; ++h) {
     for (int64_t grp = 0; grp < groups; ++grp) {
       const int64_t rows = std::min<int64_t>(16, G - 16 * grp);

@@ -142,7 +142,7 @@ void decode_item_amx_split(const Problem& p, const Item& it, float* scratch,
   FloatBuffer qbd_buf(static_cast<size_t>(hg_count * D8 * 256));
   uint32_t* qbd = reinterpret_cast<uint32_t*>(qbd_buf.get());
   const uint16_t* query = reinterpret_cast<const uint16_t*>(static_cast<const bf16_t*>(p.query)) +
-                          it.seq * Hq * D;
+                          it.seq * p.query_stride;
   for (int64_t h = 0; h < Hkv; ++h) {
     for (int64_t grp = 0; grp < groups; ++grp) {
       for (int64_t r = 0; r < std::min<int64_t>(W, G - W * grp); ++r) {

@@ -39,6 +39,7 @@ struct Problem {
   CacheLayout layout;
   int64_t x;  // kSplit: key elements per 16 bytes (the innermost key dimension)
   const void* query;
+  int64_t query_stride;  // elements from sequence s's query rows [Hq, D] to s + 1's (>= Hq * D)
   void* out;
   const void* key_cache;
   const void* value_cache;
@@ -91,7 +92,7 @@ constexpr int64_t kPrefetchTiles = 4;
 
 // Query row `row` of sequence `seq`, widened and multiplied by `scale`, into dst[D].
 inline void load_query_row(const Problem& p, int64_t seq, int64_t row, float* dst) {
-  const int64_t offset = (seq * p.num_heads + row) * p.head_size;
+  const int64_t offset = seq * p.query_stride + row * p.head_size;
   const int64_t D = p.head_size;
   switch (p.query_type) {
     case DType::kF32: {
@@ -847,7 +848,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   FloatBuffer q2(kDot ? static_cast<size_t>(Hq * DP2 / 2) : 0);  // [Hq, DP2] bf16, zero-padded
   if constexpr (kDot) {
     bf16_t* dst = reinterpret_cast<bf16_t*>(q2.get());
-    const bf16_t* src = static_cast<const bf16_t*>(p.query) + it.seq * Hq * D;
+    const bf16_t* src = static_cast<const bf16_t*>(p.query) + it.seq * p.query_stride;
     for (int64_t r = 0; r < Hq; ++r) std::memcpy(dst + r * DP2, src + r * D, D * sizeof(bf16_t));
   } else {
     for (int64_t r = 0; r < Hq; ++r) load_query_row(p, it.seq, r, q.get() + r * DP);
@@ -867,7 +868,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   FloatBuffer quad_scratch(quads ? static_cast<size_t>(quad_tiles + (kFp8 ? 16 * DP2 : 0)) : 0);
   QuadScratch quad_s{};
   if (quad_logits) {
-    pack_query_quads(static_cast<const bf16_t*>(p.query) + it.seq * Hq * D, Hkv, p.group, D,
+    pack_query_quads(static_cast<const bf16_t*>(p.query) + it.seq * p.query_stride, Hkv, p.group, D,
                      reinterpret_cast<bf16_t*>(quad_q.get()));
   }
   if (quads) {

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace jax_attn_cpu {
@@ -21,14 +23,16 @@ void store_head(const StoreArgs& a, int64_t h) {
   const int64_t D = a.head_size, Hkv = a.num_kv_heads, BS = a.block_size;
   const auto* key = static_cast<const Elem*>(a.key);
   const auto* value = static_cast<const Elem*>(a.value);
+  const int64_t key_stride = a.key_stride > 0 ? a.key_stride : Hkv * D;
+  const int64_t value_stride = a.value_stride > 0 ? a.value_stride : Hkv * D;
   auto* kc = static_cast<Elem*>(a.key_cache);
   auto* vc = static_cast<Elem*>(a.value_cache);
   for (int64_t t = 0; t < a.num_tokens; ++t) {  // token order: a repeated slot keeps the last
     const int64_t slot = a.slots[t];
     if (slot < 0) continue;
     const int64_t b = slot / BS, o = slot % BS;
-    const Elem* k = key + (t * Hkv + h) * D;
-    const Elem* v = value + (t * Hkv + h) * D;
+    const Elem* k = key + t * key_stride + h * D;
+    const Elem* v = value + t * value_stride + h * D;
     if (a.layout == CacheLayout::kSplit) {
       constexpr int64_t x = 16 / kBytes;
       Elem* kdst = kc + (b * Hkv + h) * D * BS + o * x;  // [D / x, BS, x]
@@ -58,6 +62,13 @@ std::string store_rows(const StoreArgs& a, const Workers& workers) {
   if (a.layout == CacheLayout::kSplit && a.head_size * a.elem_bytes % 16 != 0) {
     return "head_size=" + std::to_string(a.head_size) +
            " must fill whole 16-byte vectors in the split cache layout";
+  }
+  for (const auto& [stride, name] : {std::pair{a.key_stride, "key"}, {a.value_stride, "value"}}) {
+    if (stride != 0 && stride < a.num_kv_heads * a.head_size) {
+      return std::string(name) + "'s row stride=" + std::to_string(stride) +
+             " must be 0 (dense) or at least num_kv_heads * head_size=" +
+             std::to_string(a.num_kv_heads * a.head_size) + " elements";
+    }
   }
   const int64_t block_elems = a.block_size * a.num_kv_heads * a.head_size;
   if (a.layout == CacheLayout::kTokenMajor && a.block_stride != 0 &&

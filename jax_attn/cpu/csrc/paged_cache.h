@@ -25,8 +25,9 @@ struct StoreArgs {
   // block).
   int64_t block_stride = 0;
   const int64_t* slots = nullptr;  // [T]
-  const void* key = nullptr;       // [T, Hkv, D]
-  const void* value = nullptr;
+  const void* key = nullptr;       // [T, Hkv, D], tokens key_stride elements apart
+  const void* value = nullptr;     // likewise, value_stride
+  int64_t key_stride = 0, value_stride = 0;  // 0: Hkv * D (dense rows)
   void* key_cache = nullptr;
   void* value_cache = nullptr;
 };

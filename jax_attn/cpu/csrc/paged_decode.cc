@@ -171,6 +171,11 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
     return std::string("query dtype ") + dtype_name(a.query_type) +
            " must be float32, bfloat16 or float16";
   }
+  if (a.query_stride != 0 && a.query_stride < a.num_heads * a.head_size) {
+    return "query's row stride=" + str(a.query_stride) +
+           " must be 0 (dense) or at least num_heads * head_size=" +
+           str(a.num_heads * a.head_size) + " elements";
+  }
   ItemFn item_fn = pick_item_fn(a.cache_type, a.query_type, a.head_size);
 #if JAX_ATTN_AMX && JAX_ATTN_DECODE_BF16_DOT
   if (item_fn != nullptr && decode_on_amx(a.layout, a.cache_type, a.query_type, a.block_size,
@@ -227,6 +232,7 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
   p.split_lanes = split_lanes_enabled();
   p.query_type = a.query_type;
   p.query = a.query;
+  p.query_stride = a.query_stride != 0 ? a.query_stride : a.num_heads * a.head_size;
   p.out = a.out;
   p.key_cache = a.key_cache;
   p.value_cache = a.value_cache;

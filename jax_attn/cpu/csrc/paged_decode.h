@@ -27,6 +27,7 @@ struct DecodeArgs {
   DType query_type = DType::kF32;  // query and output: f32, bf16 or f16
   DType cache_type = DType::kF32;  // both caches: f32, bf16, f16, e4m3fn or e5m2
   const void* query = nullptr;
+  int64_t query_stride = 0;  // elements from one sequence's query row to the next; 0: dense
   void* out = nullptr;
   const void* key_cache = nullptr;
   const void* value_cache = nullptr;

@@ -171,7 +171,7 @@ inline void amx_write_rows(const Problem& p, const Item& it, int64_t kvh, int64_
 // the softmax's gaps, saved nothing), so the steps simply run in order.
 template <typename CT>
 void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
-  const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq;
+  const int64_t G = p.G, D = p.D, Dp = p.Dp;
   const int64_t Dk = round_up(D, 32);
   const int64_t M = it.nt * G, Mp = round_up(M, W);
   const bool item_pack = task_packed == nullptr && Mp > kAmxRows;
@@ -205,7 +205,7 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
   TileScope tiles;
   for (int64_t kvh = it.kvh; kvh < it.kvh + it.num_kv; ++kvh) {
     const auto row = [&](int64_t r) {
-      return query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D;
+      return query + (it.t0 + r / G) * p.q_stride + (kvh * G + r % G) * D;
     };
     transpose_queries<bf16_t, true>(row, M, Mp, D, 0.0f, reinterpret_cast<float*>(Qt2));
     std::memset(Qt2 + D / 2 * Mp, 0, sizeof(uint32_t) * (Dk - D) / 2 * Mp);  // pairs past D

@@ -274,7 +274,8 @@ inline void pv_rows(const PvArgs& a, int64_t M, int64_t d0) {
 // Problem description and work items.
 // ---------------------------------------------------------------------------------------------
 struct Problem {
-  const void* query;      // [T, Hq, D]
+  const void* query;      // [T, Hq, D], tokens q_stride elements apart
+  int64_t q_stride;       // >= Hq * D
   const void* key_cache;  // [NB, BS, Hkv, D]
   const void* value_cache;
   void* out;              // [T, Hq, D]
@@ -716,7 +717,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
     HeadState& hs = heads[h];
     const int64_t kvh = it.kvh + h;
     const auto row = [&](int64_t r) {
-      return query + ((it.t0 + r / G) * Hq + kvh * G + r % G) * D;
+      return query + (it.t0 + r / G) * p.q_stride + (kvh * G + r % G) * D;
     };
     for (int64_t r = 0; r < Mp; ++r) {
       hs.q_pos[r] = r < M ? static_cast<float>(it.pos0 + r / G) : 0.0f;
@@ -748,8 +749,9 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
   // q.k register blocks.
   NextLines next_query;
   if (next != nullptr) {
-    next_query.base = reinterpret_cast<const char*>(query + (next->t0 * Hq + next->kvh * G) * D);
-    next_query.stride = Hq * D * static_cast<int64_t>(sizeof(QT));
+    next_query.base =
+        reinterpret_cast<const char*>(query + next->t0 * p.q_stride + next->kvh * G * D);
+    next_query.stride = p.q_stride * static_cast<int64_t>(sizeof(QT));
     next_query.run_bytes = next->num_kv * G * D * static_cast<int64_t>(sizeof(QT));
     next_query.rows = next->nt;
     if (next_task) {
@@ -982,6 +984,11 @@ std::string check_args(const RaggedArgs& a) {
     return "num_tokens=" + str(a.num_tokens) + ", num_blocks=" + str(a.num_blocks) +
            ", the rows of seq_lens=" + str(a.seq_rows) + " and max_blocks=" +
            str(a.max_blocks) + " must all be >= 0";
+  }
+  if (a.query_stride != 0 && a.query_stride < a.num_heads * a.head_size) {
+    return "query's row stride=" + str(a.query_stride) +
+           " must be 0 (dense) or at least num_heads * head_size=" +
+           str(a.num_heads * a.head_size) + " elements";
   }
   if (!supported_query(a.query_type)) {
     return std::string("query dtype ") + dtype_name(a.query_type) +
@@ -1257,6 +1264,7 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
 
   Problem p;
   p.query = a.query;
+  p.q_stride = a.query_stride != 0 ? a.query_stride : Hq * D;
   p.key_cache = a.key_cache;
   p.value_cache = a.value_cache;
   p.out = a.out;
@@ -1353,7 +1361,9 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
     d.layout = CacheLayout::kTokenMajor;
     d.query_type = qt;
     d.cache_type = ct;
-    d.query = static_cast<const char*>(p.query) + qsl[s0] * row_bytes;
+    d.query = static_cast<const char*>(p.query) +
+              qsl[s0] * p.q_stride * static_cast<int64_t>(element_bytes(qt));
+    d.query_stride = p.q_stride;
     d.out = out_bytes + qsl[s0] * row_bytes;
     d.key_cache = p.key_cache;
     d.value_cache = p.value_cache;

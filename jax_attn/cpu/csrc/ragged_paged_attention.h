@@ -13,7 +13,8 @@ namespace jax_attn_cpu {
 // owning rows [query_start_loc[s], query_start_loc[s + 1]) at the last q_len positions of its
 // seq_lens[s] keys, over caches [NB, BS, Hkv, D]. Only the first num_seqs of the seq_rows rows
 // of the metadata are real; output rows outside them are zeros. All arrays are dense,
-// row-major, in the dtypes named here.
+// row-major, in the dtypes named here, but for the query's tokens, which may lie query_stride
+// elements apart (a view of a fused qkv projection: each token's [Hq, D] dense).
 //
 //   query_start_loc [0, 40, 49, 50, 51]: seq 0 rows 0..39 (prefill), seq 1 rows 40..48 (a
 //   chunk after its cached prefix), seqs 2 and 3 one row each (decodes).
@@ -26,6 +27,7 @@ struct RaggedArgs {
   DType query_type = DType::kF32;  // query and output: f32, bf16 or f16
   DType cache_type = DType::kF32;  // both caches: f32, bf16, f16, e4m3fn or e5m2
   const void* query = nullptr;
+  int64_t query_stride = 0;  // elements from one token's query row to the next; 0: Hq * D
   void* out = nullptr;
   const void* key_cache = nullptr;
   const void* value_cache = nullptr;

@@ -2,7 +2,10 @@
 // kernels the XLA handlers run, on torch's intra-op threads (at::parallel_for), for
 // torch_backends (torch_backends/native.py builds and loads this library; it registers the
 // ops' fake kernels). Shapes and dtypes are checked here, values in the kernels; a bad
-// argument raises ValueError naming it, before anything is read or written.
+// argument raises ValueError naming it, before anything is read or written. Tensors are
+// contiguous, but for the rows [tokens, heads, head_size] (query; key and value of the
+// stores), which may be views whose tokens lie apart, each token's heads dense (vLLM's views
+// of its fused qkv projection: token_stride).
 //
 //   paged_decode_split(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache,
 //       Tensor block_tables, Tensor seq_lens, Tensor? alibi_slopes, float scale,
@@ -119,6 +122,34 @@ void check_cpu_contiguous(std::initializer_list<Named> tensors) {
   }
 }
 
+// Rows [tokens, heads, head_size] on the CPU whose tokens may lie apart (vLLM's query, key and
+// value are views of the fused qkv projection), each token's heads dense: the token stride in
+// elements, or ValueError naming the tensor and the rule.
+int64_t token_stride(const at::Tensor& rows, const char* name) {
+  TORCH_CHECK_VALUE(rows.device().is_cpu(), name, " must be a CPU tensor, got ", rows.device());
+  const int64_t heads = rows.size(1), size = rows.size(2);
+  if (rows.numel() == 0 || rows.is_contiguous()) return heads * size;  // strides of no matter
+  const bool dense = (size <= 1 || rows.stride(2) == 1) && (heads <= 1 || rows.stride(1) == size);
+  const int64_t stride = rows.size(0) <= 1 ? heads * size : rows.stride(0);
+  TORCH_CHECK_VALUE(dense && stride >= heads * size, name,
+                    " must be contiguous, or a view whose tokens lie at least heads * head_size=",
+                    heads * size, " elements apart, each token's [heads, head_size] dense; got "
+                    "strides ", rows.strides());
+  return stride;
+}
+
+// Whether out's bytes overlap the span of a query read through query_token_stride (the gaps
+// between its tokens included).
+bool overlaps_query(const at::Tensor& out, const at::Tensor& query, int64_t stride) {
+  if (query.numel() == 0 || out.numel() == 0) return false;
+  const auto begin_q = reinterpret_cast<std::uintptr_t>(query.data_ptr());
+  const auto end_q = begin_q + static_cast<std::uintptr_t>(
+      ((query.size(0) - 1) * stride + query.size(1) * query.size(2)) * query.element_size());
+  const auto begin_o = reinterpret_cast<std::uintptr_t>(out.data_ptr());
+  const auto end_o = begin_o + static_cast<std::uintptr_t>(out.nbytes());
+  return begin_q < end_o && begin_o < end_q;
+}
+
 // An optional float32 [num_heads] argument (ALiBi slopes, attention sinks): its data, nullptr
 // when absent, or ValueError naming it.
 const float* per_head(const std::optional<at::Tensor>& t, int64_t num_heads, const char* name) {
@@ -192,9 +223,11 @@ void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tenso
   TORCH_CHECK_VALUE(value_cache.dim() == 4,
                     "value_cache must be [num_blocks, num_kv_heads, head_size, block_size], got ",
                     value_cache.sizes());
-  check_cpu_contiguous({{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"},
-                        {&value_cache, "value_cache"}, {&block_tables, "block_tables"},
-                        {&seq_lens, "seq_lens"}});
+  check_cpu_contiguous({{&out, "out"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                        {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"}});
+  const int64_t query_stride = token_stride(query, "query");
+  TORCH_CHECK_VALUE(!overlaps_query(out, query, query_stride),
+                    "out must not share memory with query (the kernel reads it while writing out)");
   DecodeArgs a;
   a.layout = CacheLayout::kSplit;
   a.num_seqs = query.size(0);
@@ -222,6 +255,7 @@ void paged_decode_split(at::Tensor out, const at::Tensor& query, const at::Tenso
   a.query_type = query_dtype(query);
   a.cache_type = cache_dtype(key_cache, kv_cache_dtype);
   a.query = query.data_ptr();
+  a.query_stride = query_stride;
   a.out = out.data_ptr();
   a.key_cache = key_cache.data_ptr();
   a.value_cache = value_cache.data_ptr();
@@ -257,12 +291,14 @@ void ragged_paged_attention_op(at::Tensor out, const at::Tensor& query,
                     value_cache.sizes(), " must match key_cache ", key_cache.sizes());
   TORCH_CHECK_VALUE(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
                     value_cache.scalar_type(), " must match key_cache ", key_cache.scalar_type());
-  check_cpu_contiguous({{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"},
-                        {&value_cache, "value_cache"}, {&query_start_loc, "query_start_loc"},
-                        {&seq_lens, "seq_lens"}, {&block_tables, "block_tables"},
-                        {&num_seqs, "num_seqs"}});
+  check_cpu_contiguous({{&out, "out"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                        {&query_start_loc, "query_start_loc"}, {&seq_lens, "seq_lens"},
+                        {&block_tables, "block_tables"}, {&num_seqs, "num_seqs"}});
+  const int64_t query_stride = token_stride(query, "query");
+  TORCH_CHECK_VALUE(!overlaps_query(out, query, query_stride),
+                    "out must not share memory with query (the kernel reads it while writing out)");
   for (const auto& [t, name] : std::initializer_list<Named>{
-           {&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"}}) {
+           {&key_cache, "key_cache"}, {&value_cache, "value_cache"}}) {
     TORCH_CHECK_VALUE(!shares_memory(out, *t), "out must not share memory with ", name,
                       " (the kernel reads it while writing out)");
   }
@@ -300,6 +336,7 @@ void ragged_paged_attention_op(at::Tensor out, const at::Tensor& query,
   TORCH_CHECK_VALUE(a.cache_type != DType::kOther, "key_cache dtype ", key_cache.scalar_type(),
                     " must be float32, bfloat16, float16 or float8 (e4m3fn, e5m2)");
   a.query = query.data_ptr();
+  a.query_stride = query_stride;
   a.out = out.data_ptr();
   a.key_cache = key_cache.data_ptr();
   a.value_cache = value_cache.data_ptr();
@@ -393,6 +430,8 @@ void run_store(StoreArgs& a, const at::Tensor& key, const at::Tensor& value,
   a.slots = slot_mapping.data_ptr<int64_t>();
   a.key = key.data_ptr();
   a.value = value.data_ptr();
+  a.key_stride = token_stride(key, "key");
+  a.value_stride = token_stride(value, "value");
   a.key_cache = key_cache.data_ptr();
   a.value_cache = value_cache.data_ptr();
   const std::string error = store_rows(a, torch_workers());
@@ -406,8 +445,10 @@ void store_split(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
                     "key_cache must be [num_blocks, num_kv_heads, head_size / x, block_size, x] "
                     "and value_cache [num_blocks, num_kv_heads, head_size, block_size], got ",
                     key_cache.sizes(), " and ", value_cache.sizes());
-  check_cpu_contiguous({{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"},
-                        {&value_cache, "value_cache"}, {&slot_mapping, "slot_mapping"}});
+  check_cpu_contiguous({{&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                        {&slot_mapping, "slot_mapping"}});
+  token_stride(key, "key");  // the rows' layouts, checked before any write
+  token_stride(value, "value");
   TORCH_CHECK_VALUE(!shares_memory(key_cache, value_cache),
                     "key_cache and value_cache must not share memory (each row would be "
                     "written over by the other cache's)");
@@ -442,7 +483,9 @@ void store_token_major(const at::Tensor& key, const at::Tensor& value, at::Tenso
                     "key_cache and value_cache must be [num_blocks, block_size, num_kv_heads=",
                     key.size(1), ", head_size=", key.size(2), "], got ", key_cache.sizes(),
                     " and ", value_cache.sizes());
-  check_cpu_contiguous({{&key, "key"}, {&value, "value"}, {&slot_mapping, "slot_mapping"}});
+  check_cpu_contiguous({{&slot_mapping, "slot_mapping"}});
+  token_stride(key, "key");  // the rows' layouts, checked before any write
+  token_stride(value, "value");
   const int64_t BS = key_cache.size(1), Hkv = key.size(1), D = key.size(2);
   const int64_t block_elems = BS * Hkv * D, num_blocks = key_cache.size(0);
   for (const auto& [t, name] : std::initializer_list<Named>{{&key_cache, "key_cache"},
