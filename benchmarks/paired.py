@@ -1,7 +1,8 @@
 """Paired A/B of one workload between two source trees, or two settings of one tree.
 
-    python -m benchmarks.paired WORKLOAD TREE_A TREE_B [--seconds 30] [--peer jax-cpu]
-        [--env-a NAME=VALUE] [--env-b NAME=VALUE] [--cache-resident] [--json PATH]
+    python -m benchmarks.paired WORKLOAD TREE_A TREE_B [--seconds 30] [--pairs 2]
+        [--peer jax-cpu] [--env-a NAME=VALUE] [--env-b NAME=VALUE] [--cache-resident]
+        [--json PATH]
 
 Each side gets a warm worker process that imports `benchmarks` (and so the kernels, built from
 that tree's sources) from its own tree, with its own extra environment. The two take turns
@@ -10,8 +11,13 @@ the machine's drift falls on both alike: on the 2-core VMs this project is measu
 same step drifted 4-7 ms between rounds of whole processes, while neighbouring slices
 differ by a few percent. Each slice's median over its calls is divided by the other side's
 neighbouring slice; the answer is the median of those paired ratios, A's time over B's (above
-1: B is faster), with its quartiles. It is a development tool for one change's effect on this
-machine; `jax-attn bench` makes the records against the peers.
+1: B is faster), with its quartiles. The order the two workers start in tells: two workers of
+one tree and one setting (A/A) on decode-f32-bs128, four pairs, gave 1.041 and 1.027 with A's
+worker started first, 0.984 and 0.977 with B's (the later one ~3% faster; 2-core Zen 5 VM,
+2026-12-03). So the time is shared among `--pairs` pairs of fresh workers (default 2), started
+A first, then B first, and so on; the slices of all pairs are pooled (that A/A: 0.998), and each
+pair's own median is kept and printed. It is a development tool for one change's effect
+on this machine; `jax-attn bench` makes the records against the peers.
 
 WORKLOAD is a name from the bench's suite (`decode-f32-bs128`, `prefill-8x512-bs16`, ...).
 `--cache-resident` points every block table at the first sequence's blocks: the same math
@@ -93,17 +99,19 @@ def _slice(worker: subprocess.Popen, calls: int) -> float:
     return statistics.median(json.loads(worker.stdout.readline()))
 
 
-def compare(args) -> dict:
-    """Runs the alternation; the result as a dict (also printed)."""
-    for tree in (args.tree_a, args.tree_b):
-        if not (Path(tree) / "benchmarks" / "workloads.py").is_file():
-            raise SystemExit(f"paired: {tree} is not a jax-attn tree (no benchmarks/workloads.py)")
-    workers = [_start(args.tree_a, args.workload, args.peer, args, args.env_a)]
+def _pair(args, seconds: float, b_first: bool) -> tuple[list[float], list[float], int]:
+    """One pair of fresh workers, B's started first when `b_first`, alternating slices for
+    `seconds` (at least 4 each): A's and B's slice medians, and the calls per slice."""
+    sides = ((args.tree_a, args.workload, args.peer, args.env_a),
+             (args.tree_b, args.workload_b, args.peer_b, args.env_b))  # fmt: skip
+    workers: list[subprocess.Popen | None] = [None, None]
     try:
-        workers.append(_start(args.tree_b, args.workload_b, args.peer_b, args, args.env_b))
+        for side in (1, 0) if b_first else (0, 1):
+            tree, workload, peer, env = sides[side]
+            workers[side] = _start(tree, workload, peer, args, env)
         calls = max(1, round(args.slice / _slice(workers[0], 3)))
         medians: tuple[list[float], list[float]] = ([], [])
-        end = time.monotonic() + args.seconds
+        end = time.monotonic() + seconds
         turn = 0
         while time.monotonic() < end or len(medians[1]) < 4:
             for side in (0, 1) if turn % 2 == 0 else (1, 0):  # each side first in turn
@@ -111,8 +119,28 @@ def compare(args) -> dict:
             turn += 1
     finally:
         for worker in workers:
-            worker.stdin.close()
-            worker.wait()
+            if worker is not None:
+                worker.stdin.close()
+                worker.wait()
+    return medians[0], medians[1], calls
+
+
+def compare(args) -> dict:
+    """Runs the alternation, `--pairs` pairs of fresh workers in turn (the first with A's worker
+    started first, the next with B's, ...); the result as a dict (also printed)."""
+    for tree in (args.tree_a, args.tree_b):
+        if not (Path(tree) / "benchmarks" / "workloads.py").is_file():
+            raise SystemExit(f"paired: {tree} is not a jax-attn tree (no benchmarks/workloads.py)")
+    medians: tuple[list[float], list[float]] = ([], [])
+    pairs = []
+    for i in range(args.pairs):
+        a, b, calls_i = _pair(args, args.seconds / args.pairs, b_first=i % 2 == 1)
+        medians[0].extend(a)
+        medians[1].extend(b)
+        pair_ratios = [x / y for x, y in zip(a, b, strict=True)]
+        pairs.append({"b_started_first": i % 2 == 1, "a_over_b": statistics.median(pair_ratios),
+                      "slices": len(pair_ratios), "calls_per_slice": calls_i})  # fmt: skip
+    calls = pairs[0]["calls_per_slice"]
     ratios = [a / b for a, b in zip(*medians, strict=True)]
     q1, q2, q3 = statistics.quantiles(ratios, n=4)
     result = {
@@ -136,6 +164,7 @@ def compare(args) -> dict:
         "quartiles": [q1, q3],
         "slices": len(ratios),
         "calls_per_slice": calls,
+        "pairs": pairs,
         "slice_medians_s": [list(m) for m in medians],
     }
     workloads = args.workload + (
@@ -146,6 +175,15 @@ def compare(args) -> dict:
         f"{workloads} ({peers}{', cache-resident' if args.cache_resident else ''}): "
         f"A {result['a']['median_ms']:.3f} ms, B {result['b']['median_ms']:.3f} ms; A/B paired "
         f"median {q2:.3f} [quartiles {q1:.3f}, {q3:.3f}], {len(ratios)} slices of {calls} calls"
+        + (
+            "; per pair of workers: "
+            + ", ".join(
+                f"{p['a_over_b']:.3f} ({'B' if p['b_started_first'] else 'A'} started first)"
+                for p in pairs
+            )
+            if len(pairs) > 1
+            else ""
+        )
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -163,6 +201,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--seconds", type=float, default=30.0, help="alternation time (at least 4 pairs)"
     )
     ap.add_argument("--slice", type=float, default=0.3, help="seconds of calls per slice")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=2,
+        help="pairs of fresh workers, --seconds shared among them (each its own memory)",
+    )
     ap.add_argument("--peer", default="jax-cpu")
     ap.add_argument("--peer-b", help="B's peer (default: --peer), e.g. TORCH_SDPA against jax-cpu")
     ap.add_argument(
@@ -178,8 +222,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.workload_b = args.workload_b or args.workload
     args.peer_b = args.peer_b or args.peer
     args.tree_a, args.tree_b = (str(Path(t).resolve()) for t in (args.tree_a, args.tree_b))
-    if args.seconds <= 0 or args.slice <= 0:
-        ap.error("--seconds and --slice must be positive")
+    if args.seconds <= 0 or args.slice <= 0 or args.pairs < 1:
+        ap.error("--seconds and --slice must be positive, --pairs at least 1")
     return args
 
 

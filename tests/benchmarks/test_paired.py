@@ -40,6 +40,25 @@ def test_both_sides_run_and_their_slices_are_paired(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
 
 
+def test_pairs_of_fresh_workers_take_turns_starting_first():
+    """--pairs 3: three pairs of workers, B's started first in the second; every pair's slices
+    are pooled into the result and each pair's own median is kept."""
+    args = ["decode-f32-bs16", ROOT, "--quick", "--seconds", "0.3", "--slice", "0.01"]
+    result = paired.compare(paired.parse([*args, "--pairs", "3"]))
+    pairs = result["pairs"]
+    assert [p["b_started_first"] for p in pairs] == [False, True, False]
+    assert all(p["slices"] >= 4 for p in pairs)
+    assert sum(p["slices"] for p in pairs) == result["slices"]
+    a, b = result["slice_medians_s"]
+    start = 0
+    for p in pairs:  # each pair's median is over its own run of pooled slices
+        ratios = [x / y for x, y in zip(a[start : start + p["slices"]], b[start:], strict=False)]
+        assert p["a_over_b"] == pytest.approx(statistics.median(ratios))
+        start += p["slices"]
+    with pytest.raises(SystemExit):
+        paired.parse([*args, "--pairs", "0"])
+
+
 def test_side_b_runs_its_own_workload():
     """--workload-b: B prepares and times another workload of the suite (a name the suite
     lacks stops B's worker, so B really looks it up)."""
