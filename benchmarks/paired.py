@@ -198,7 +198,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("tree_a")
     ap.add_argument("tree_b", nargs="?", help="default: tree_a (two settings of one tree)")
     ap.add_argument(
-        "--seconds", type=float, default=30.0, help="alternation time (at least 4 pairs)"
+        "--seconds",
+        type=float,
+        default=30.0,
+        help="alternation time, shared among the --pairs (each at least 4 slices a side)",
     )
     ap.add_argument("--slice", type=float, default=0.3, help="seconds of calls per slice")
     ap.add_argument(
