@@ -27,8 +27,11 @@ and value block b. Nothing is converted or copied, and vLLM's own block-level wo
 block, prefix caching's reuse) still sees whole pages.
 
 Encoder attention (ENCODER_ONLY, ENCODER) has no cache: the step's keys and values themselves
-serve as a cache of one-token blocks, `key.view(T, 1, Hkv, D)`, sequence s owning blocks
-`query_start_loc[s] ...`.
+serve as a cache of one-token blocks, sequence s owning tokens `query_start_loc[s] ...`. vLLM
+hands them over as the k and v slices of its fused qkv projection, rows `s = (Hq + 2 Hkv) * D`
+elements apart; those are read where they lie, as dense caches of `Hkv * D`-element blocks over
+that buffer in which token t is block `t * s / (Hkv * D)` (`_encoder_caches`). Other layouts are
+copied first.
 
 Huge pages. The first time a layer's cache reaches `do_kv_cache_update`, its all-zero 2 MiB chunks
 (at engine start, all of it) are moved onto transparent huge pages (`torch_backends.huge_pages`;
@@ -228,6 +231,34 @@ def _encoder_metadata(
     )
 
 
+def _encoder_caches(
+    key: Float[Tensor, "num_tokens num_kv_heads head_size"],
+    value: Float[Tensor, "num_tokens num_kv_heads head_size"],
+    num_tokens: int,
+) -> tuple[Tensor, Tensor, int]:
+    """The first `num_tokens` keys and values as caches of one-token blocks `[NB, 1, Hkv, D]`,
+    and `step`, the block of token t being `t * step`. Where key and value rows lie `s` elements
+    apart, each token's heads dense and `s` a multiple of a token's `Hkv * D` elements (vLLM's k
+    and v slices of its fused qkv projection, `s = (Hq + 2 Hkv) * D`), the caches are views of
+    that memory with blocks `Hkv * D` elements apart, `step = s / (Hkv * D)`, and nothing is
+    copied; other layouts are copied into dense caches (step 1)."""
+    _, num_kv_heads, head_size = key.shape
+    row = num_kv_heads * head_size
+    stride = key.stride(0)
+    if (
+        num_tokens > 0
+        and key.stride() == value.stride() == (stride, head_size, 1)
+        and stride % row == 0
+        and (num_tokens - 1) * (stride // row) < 2**31  # int32 block ids
+    ):
+        step = stride // row
+        shape = ((num_tokens - 1) * step + 1, 1, num_kv_heads, head_size)
+        strides = (row, row, head_size, 1)
+        return key.as_strided(shape, strides), value.as_strided(shape, strides), step
+    rows = slice(0, num_tokens)
+    return key[rows].contiguous().unsqueeze(1), value[rows].contiguous().unsqueeze(1), 1
+
+
 def _refuse(feature: str) -> NotImplementedError:
     return NotImplementedError(
         f"jax-attn's vLLM plugin (JAX_ATTN_VLLM=1): {feature} is not supported; unset "
@@ -359,10 +390,12 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
         n = attn_metadata.num_actual_tokens
         out = output[:n].view(n, self.num_heads, self.head_size)
         kv_cache_dtype = self.kv_cache_dtype
+        block_table = attn_metadata.half_block_table
         if self.attn_type in ENCODER_TYPES:
-            # The step's keys as one-token blocks [T, 1, Hkv, D] (_encoder_metadata).
-            key_cache = key[:n].contiguous().unsqueeze(1)
-            value_cache = value[:n].contiguous().unsqueeze(1)
+            # The step's keys as one-token blocks (_encoder_metadata), token t block t * step.
+            key_cache, value_cache, step = _encoder_caches(key, value, n)
+            if step != 1:
+                block_table = block_table * step
             kv_cache_dtype = "auto"  # no cache: the rows are read as they are
         else:
             pages = self._pages(kv_cache)
@@ -376,7 +409,7 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
             value_cache,
             attn_metadata.query_start_loc,
             attn_metadata.seq_lens,
-            attn_metadata.half_block_table,
+            block_table,
             attn_metadata.num_seqs,
             scale=self.scale,
             causal=attn_metadata.causal,

@@ -12,6 +12,13 @@ environment would, and runs three engines in turn (in-process engine core, one t
     llama-bf16  round one of llama-f32 in bfloat16
     sinks-f32   round one on a gpt-oss (attention sinks, a 16-token window in every other
                 layer, 4 experts)
+    bert-f32    an encoder-only embedding model (BERT, vLLM's pooling runner): prompts of 1 to
+                150 tokens in one step, attended non-causally, the keys read from the step's
+                own fused qkv projection
+
+float32 embeddings (normalized, pooled as vLLM pools BERT's; every key of a prompt reaches
+them): within 1e-5 of vLLM's own in every element, where a causal mask in place of the
+encoder's moves them by ~0.2.
 
 float32: greedy tokens identical and logprobs within 1e-4 (a near tie, runner-up within 1e-4
 in vLLM's own run, may end the comparison there), generated and teacher-forced (each round-one
@@ -63,6 +70,7 @@ PLUGIN_IMPL = "torch_backends.vllm_v1.NativeCPUAttentionImpl"
 VLLM_IMPL = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"
 VOCAB, WINDOW, MAX_TOKENS = 512, 24, 12
 F32_LOGPROB_TOL = 1e-4
+F32_EMBEDDING_TOL = 1e-5
 BF16_RMS_RATIO, BF16_MAX_RATIO, BF16_GENERATED_RATIO = 1.25, 2.0, 2.5
 
 
@@ -104,6 +112,27 @@ def _save_sinks_model(path: Path, seed: int) -> str:
     return str(path)
 
 
+def _save_bert(path: Path, seed: int) -> str:
+    """A random-weight 2-layer BERT (Hq = Hkv 4, D 32) with a word-level tokenizer of its own
+    vocabulary (vLLM's pooling runner loads one), saved as a user's checkpoint would be."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=512, initializer_range=0.2,
+        architectures=["BertModel"],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    BertModel(config).float().save_pretrained(path)
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = special + [f"w{i}" for i in range(VOCAB - len(special))]
+    (path / "vocab.txt").write_text("\n".join(words) + "\n")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "BertTokenizer", "model_max_length": 512})
+    )
+    return str(path)
+
+
 def _spec(models: dict, rng: np.random.Generator) -> dict:
     def prompt(n):
         return rng.integers(0, VOCAB, n).tolist()
@@ -128,6 +157,8 @@ def _spec(models: dict, rng: np.random.Generator) -> dict:
             dict(name="sinks-f32", model=models["sinks"], dtype="float32",
                  engine=engine | dict(enable_prefix_caching=False),
                  rounds=[round_one], max_tokens=MAX_TOKENS),
+            dict(name="bert-f32", model=models["bert"], dtype="float32", embed=True,
+                 engine=dict(max_model_len=512), rounds=[[prompt(1), *round_one]]),
         ]
     }  # fmt: skip
 
@@ -159,6 +190,7 @@ def engines(tmp_path_factory, run_seed):
         "llama": _save_model(root / "llama", run_seed),
         "window": _save_model(root / "window", run_seed + 1, sliding_window=WINDOW),
         "sinks": _save_sinks_model(root / "sinks", run_seed + 2),
+        "bert": _save_bert(root / "bert", run_seed + 3),
     }
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(_spec(models, np.random.default_rng(run_seed))))
@@ -265,3 +297,16 @@ def test_attention_sinks_f32(engines):
     plugin, own = engines
     assert plugin["sinks-f32"]["impls"] == [[PLUGIN_IMPL, 16], [PLUGIN_IMPL, None]]
     _compare(plugin["sinks-f32"]["rounds"][0], own["sinks-f32"]["rounds"][0], F32_LOGPROB_TOL)
+
+
+def test_encoder_only_embeddings_f32(engines):
+    plugin, own = engines
+    assert plugin["bert-f32"]["impls"] == [[PLUGIN_IMPL, None]]
+    mine, theirs = (
+        np.array([r["embedding"] for r in run["bert-f32"]["rounds"][0]]) for run in (plugin, own)
+    )
+    assert mine.shape == theirs.shape == (4, 128)
+    assert np.all(np.isfinite(mine))
+    assert np.ptp(theirs, axis=0).max() > 0.01  # the four prompts' embeddings are not alike
+    worst = float(np.max(np.abs(mine - theirs)))
+    assert worst <= F32_EMBEDDING_TOL, f"f32 embeddings differ by {worst:.2e}"

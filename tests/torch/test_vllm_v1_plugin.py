@@ -219,8 +219,12 @@ def test_step_matches_the_oracle(case, seed):
     assert (output[sum(q_lens) :] == 7.0).all()  # padding rows are left alone
 
 
+@pytest.mark.parametrize("layout", ["separate", "fused-qkv"])
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER])
-def test_encoder_attention_reads_the_step_itself(attn_type, seed):
+def test_encoder_attention_reads_the_step_itself(attn_type, layout, seed):
+    """The step's keys and values as its cache; as vLLM hands them over (the k and v slices of
+    one fused qkv projection, rows (Hq + 2 Hkv) * D apart) they are read where they lie, with
+    the bits of dense copies. The two rows past the step's tokens are NaN: never read."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, head_size, q_lens = 4, 2, 32, [5, 1, 12]
     impl = vllm_v1.NativeCPUAttentionImpl(
@@ -228,9 +232,20 @@ def test_encoder_attention_reads_the_step_itself(attn_type, seed):
     )
     layer = types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
     T = sum(q_lens)
-    query = torch.randn(T + 2, num_heads, head_size, generator=gen)
-    key = torch.randn(T + 2, num_kv_heads, head_size, generator=gen)
-    value = torch.randn(T + 2, num_kv_heads, head_size, generator=gen)
+    widths = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
+    if layout == "fused-qkv":
+        parts = torch.randn(T + 2, sum(widths), generator=gen).split(widths, dim=1)
+    else:
+        parts = [torch.randn(T + 2, w, generator=gen) for w in widths]
+    query, key, value = (x.view(T + 2, -1, head_size) for x in parts)
+    key[T:] = value[T:] = float("nan")
+    key_cache, value_cache, step = vllm_v1._encoder_caches(key, value, T)
+    if layout == "fused-qkv":  # views of the projection: nothing copied
+        assert step == num_heads // num_kv_heads + 2
+        assert key_cache.data_ptr() == key.data_ptr()
+        assert value_cache.data_ptr() == value.data_ptr()
+    assert torch.equal(key_cache[::step, 0], key[:T])
+    assert torch.equal(value_cache[::step, 0], value[:T])
     common = _common(q_lens, q_lens, torch.zeros(3, 1, dtype=torch.int32),
                      torch.full((T,), -1, dtype=torch.int64), 2, causal=False)  # fmt: skip
     builder = _builder(16, num_kv_heads, head_size, torch.float32, EncoderOnlyAttentionSpec)
@@ -242,6 +257,10 @@ def test_encoder_attention_reads_the_step_itself(attn_type, seed):
     expected = reference_attention(query[:T], key[:T], value[:T], q_lens, q_lens, causal=False,
                                    scale=0.2)  # fmt: skip
     assert_close(output[:T], expected, torch.float32)
+    dense = torch.zeros_like(query)
+    impl.forward(layer, query.contiguous(), key.contiguous(), value.contiguous(), empty, metadata,
+                 dense)  # fmt: skip
+    assert torch.equal(output, dense)
 
 
 # ---------------------------------------------------------------------------------------------

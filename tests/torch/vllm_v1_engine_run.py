@@ -11,6 +11,10 @@ window), per request the greedy tokens, their logprobs, the runner-up's logprobs
 tokens served from the prefix cache; and, teacher-forced, the logprob of every token of each
 `scored` sequence after the first given the ones before it (one `generate` call with
 `prompt_logprobs`, after the rounds).
+
+A run with `"embed": true` is an encoder-only embedding model (vLLM's pooling runner, its own
+tokenizer saved beside it): each round is one `embed` call, and OUT has per request its
+embedding instead of tokens.
 """
 
 import gc
@@ -31,9 +35,27 @@ def _impls(model):
     )
 
 
+def _embed(run: dict) -> dict:
+    from vllm import LLM
+
+    llm = LLM(model=run["model"], dtype=run["dtype"], runner="pooling", seed=0, enforce_eager=True,
+              **run["engine"])  # fmt: skip
+    result = {"impls": llm.apply_model(_impls)[0]}
+    result["rounds"] = [
+        [{"embedding": list(out.outputs.embedding)} for out in
+         llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
+        for prompts in run["rounds"]
+    ]  # fmt: skip
+    del llm
+    gc.collect()
+    return result
+
+
 def _run(run: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    if run.get("embed"):
+        return _embed(run)
     llm = LLM(model=run["model"], dtype=run["dtype"], skip_tokenizer_init=True, seed=0,
               enforce_eager=True, **run["engine"])  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], logprobs=2)
