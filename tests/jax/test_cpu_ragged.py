@@ -46,6 +46,13 @@ BATCHES = {
     "interleaved": ([1, 2] * 8, [5, 17, 0, 100, 31, 64, 2, 9, 200, 15, 40, 77, 3, 30, 8, 1]),
     # An output over 8 MiB at Hq 8, D 256 float32 (huge pages asked for), then 4 decodes.
     "large": ([600, 420, 3, 1, 1, 1, 1], [0, 0, 9, 40, 7, 300, 2]),
+    # Short decode runs with many keys (decode kernel: 512 keys or more in a run) between a
+    # prefill and a chunk, a short one (small tiles), then a run of 10 (staged): a lone decode
+    # over 900 keys, a pair over 600 in all, one over 60 keys.
+    "lone": (
+        [1, 40, 1, 1, 5, 1, 3] + [1] * 10,
+        [899, 0, 250, 350, 60, 59, 7, 700, 650, 900, 20, 1000, 3, 750, 800, 600, 710],
+    ),
     # Prefill tiles and a run of 10 long decodes: the decodes are staged in groups of about
     # 4 MiB of K/V (2-3 sequences each at Hkv 4, D 128, float32) behind the prefill tasks.
     "staged": (
@@ -90,6 +97,17 @@ CASES = [
     Case(batch="long", head_size=128, num_heads=32, num_kv_heads=8),
     Case(batch="large", head_size=256, num_heads=8, num_kv_heads=2),
     Case(batch="staged", head_size=128, num_heads=16, num_kv_heads=4),
+    Case(batch="lone", head_size=128, num_heads=16, num_kv_heads=4, block_size=32),
+    Case(
+        batch="lone",
+        head_size=128,
+        num_heads=8,
+        num_kv_heads=2,
+        dtype="bfloat16",
+        cache_dtype="float8_e4m3fn",
+        sliding_window=700,
+        alibi=True,
+    ),
     Case(
         batch="staged",
         head_size=128,
@@ -203,6 +221,28 @@ def test_threads_agree(rng, monkeypatch):
     assert_close(outs[0][: len(expected)], expected, "float32")
     for out in outs[1:]:
         np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_lone_decodes_run_on_the_decode_kernel(dtype, rng):
+    """A decode run of fewer than 4 sequences but 512 keys or more goes to the decode kernel
+    (split over the workers, every kv head of a token at once) rather than the small tiles: each
+    such row has the bits `cpu.paged_decode` gives its run alone; a lone decode over 60 keys
+    stays a small tile (here only within tolerance)."""
+    case = Case(batch="lone", head_size=128, num_heads=16, num_kv_heads=4, dtype=dtype)
+    md, query, kc, vc, kwargs, expected = _run(case, rng)
+    out = np.asarray(_call(query, kc, vc, md, **kwargs))
+    assert_close(out[: len(expected)], expected, dtype)
+    qsl, lens = np.asarray(md.query_start_loc), np.asarray(md.seq_lens)
+    kwargs.setdefault("scale", case.head_size**-0.5)
+    kwargs.pop("causal", None)  # a decode sees its keys either way
+    for first, last in [(0, 1), (2, 4)]:  # the lone decode at 900 keys, the pair (600)
+        rows = qsl[first:last]
+        alone = cpu.paged_decode(
+            query[rows], kc, vc, md.block_tables[first:last], md.seq_lens[first:last], **kwargs
+        )
+        assert lens[first:last].sum() >= 512
+        np.testing.assert_array_equal(out[rows], np.asarray(alone))
 
 
 def test_num_seqs_zero_gives_zeros(rng):

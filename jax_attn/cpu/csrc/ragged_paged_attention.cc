@@ -35,14 +35,15 @@
 // qk_block_bf16, pv_block_bf16 and their packing: AVX512_BF16, JAX_ATTN_BF16_DOT) and
 // ragged_amx.h (the AMX tile path run_task_amx: JAX_ATTN_AMX, over amx_tiles.h's products).
 //
-// Decodes: a run of kMinDecodeRun or more consecutive sequences of one query token goes to the
-// decode kernel (paged_decode.cc, after the tiles here): memory-bound work, which that kernel's
-// prefetching streams about 1.3x faster than the small tiles here (28 decodes at 1024 keys,
-// float32: 7.8 vs 10.2 ms on the 2-core Zen 5 VM; NOTES.md). Same semantics: a decode is the
-// sequence's last position, so causal or not it sees keys [window start, seq_len). In a step
-// that also has prefill tiles, the decode run is staged behind them (run_staged): the prefill
-// math requests the decodes' blocks into L2 while it runs, and the decodes follow group by
-// group.
+// Decodes: a run of consecutive sequences of one query token goes to the decode kernel
+// (paged_decode.cc, after the tiles here) when it has kMinDecodeRun sequences or more, or
+// kMinDecodeRunKeys keys or more in all: memory-bound work, which that kernel streams faster
+// than the small tiles here, every kv head of a token at once, and a long sequence split over
+// the workers (28 decodes at 1024 keys, float32: 7.8 vs 10.2 ms; one decode at 16384 keys, bf16:
+// 1.5 vs 6.5 ms; 2-core Zen 5 VM, NOTES.md). Same semantics: a decode is the sequence's last
+// position, so causal or not it sees keys [window start, seq_len). In a step that also has
+// prefill tiles, its largest decode run is staged behind them (run_staged): the prefill math
+// requests the decodes' blocks into L2 while it runs, and the decodes follow group by group.
 //
 // Threads: tasks (runs of up to kTilesPerTask tiles of one sequence and kv head, which share
 // their keys in L2) go longest first over the caller's `Workers` (XLA's intra-op pool for the
@@ -93,9 +94,13 @@ constexpr int kTilesPerTask = 8;  // tiles of one (sequence, kv head) per thread
 // item takes up to kMaxHeadsPerItem kv heads, so each key's rows are read as one run.
 constexpr int kSmallRows = 16;
 constexpr int kMaxHeadsPerItem = 16;
-// Runs of at least this many consecutive decode sequences (one query token each, the step's
-// last token: vLLM puts a step's decodes after its prefills) go to the decode kernel.
+// Runs of consecutive decode sequences (one query token each, the step's last token: vLLM puts
+// a step's decodes together) go to the decode kernel when they have at least this many
+// sequences, or this many visible keys in all. Shorter runs stay small tiles here, where they
+// cost no call of their own (one decode at 256 keys: level; at 384: bf16 98 vs 71 us, float32
+// 141 vs 85 us through the decode kernel).
 constexpr int64_t kMinDecodeRun = 4;
+constexpr int64_t kMinDecodeRunKeys = 512;
 // A task's keys and values up to this size stay in the core's L2 for its later items.
 constexpr int64_t kKeysInL2Bytes = 512 * 1024;
 // A float32-path task's copied keys and values (PackedRows) up to this size.
@@ -1302,9 +1307,13 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
   std::vector<std::pair<int64_t, int64_t>> decode_runs;
   std::vector<char> in_run(static_cast<size_t>(num_seqs), 0);
   for (int64_t s = 0; s < num_seqs;) {
-    int64_t e = s;
-    while (e < num_seqs && qsl[e + 1] - qsl[e] == 1) ++e;
-    if (e - s >= kMinDecodeRun) {
+    int64_t e = s, keys = 0;
+    while (e < num_seqs && qsl[e + 1] - qsl[e] == 1) {
+      const KeyRange r = visible_keys(lens[e] - 1, lens[e], p.window);
+      keys += std::max<int64_t>(0, r.end - r.begin);
+      ++e;
+    }
+    if (e - s >= kMinDecodeRun || keys >= kMinDecodeRunKeys) {
       decode_runs.emplace_back(s, e);
       std::fill(in_run.begin() + s, in_run.begin() + e, 1);
     }
@@ -1378,17 +1387,22 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
     d.logits_soft_cap = a.logits_soft_cap;
     return d;
   };
-  // A step with prefill tiles and one decode run of several sequences per worker stages the
-  // decodes (run_staged): one item per sequence, in groups of about kStageBytes.
+  // A step with prefill tiles and a decode run of several sequences per worker stages its
+  // largest such run (run_staged): one item per sequence, in groups of about kStageBytes; the
+  // other runs follow it.
   std::unique_ptr<Staging> staging;
-  int64_t decode_seqs = 0;
-  for (const auto& [s0, s1] : decode_runs) {
-    for (int64_t s = s0; s < s1; ++s) decode_seqs += lens[s] > 0 ? 1 : 0;
+  int64_t staged_run = -1, staged_seqs = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(decode_runs.size()); ++i) {
+    int64_t seqs = 0;
+    for (int64_t s = decode_runs[i].first; s < decode_runs[i].second; ++s) {
+      seqs += lens[s] > 0 ? 1 : 0;
+    }
+    if (seqs > staged_seqs) staged_run = i, staged_seqs = seqs;
   }
-  if (decode_runs.size() == 1 && !tasks.empty() &&
-      decode_seqs >= kStageMinSeqsPerWorker * num_workers) {
+  if (staged_run >= 0 && !tasks.empty() &&
+      staged_seqs >= kStageMinSeqsPerWorker * num_workers) {
     staging = std::make_unique<Staging>();
-    const auto [s0, s1] = decode_runs[0];
+    const auto [s0, s1] = decode_runs[staged_run];
     staging->args = decode_args(s0, s1);
     staging->args.split_tokens = MB * BS + 1;  // one item per non-empty sequence
     const int64_t block_bytes =
@@ -1437,8 +1451,9 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
   if (!error.empty()) return error;
 
   // The decode runs (the staged one already ran).
-  for (const auto& [s0, s1] : decode_runs) {
-    if (staging) break;
+  for (int64_t i = 0; i < static_cast<int64_t>(decode_runs.size()); ++i) {
+    if (staging && i == staged_run) continue;
+    const auto [s0, s1] = decode_runs[i];
     const DecodeArgs d = decode_args(s0, s1);
     if (std::string e = paged_decode(d, workers); !e.empty()) return e;
   }
