@@ -156,7 +156,13 @@ class NativeCPUAttentionMetadata:
 
 class NativeCPUAttentionMetadataBuilder(AttentionMetadataBuilder[NativeCPUAttentionMetadata]):
     """Builds `NativeCPUAttentionMetadata` from vLLM's `CommonAttentionMetadata`, once a step per
-    cache group. The batch needs no reordering: the ragged kernel takes any order."""
+    cache group. The ragged kernel takes the batch in any order, and sends each run of
+    consecutive decodes to its decode kernel as one call (a mixed step's largest run staged
+    behind the prefill tiles), so the builder asks vLLM to put a step's decodes first
+    (`reorder_batch_threshold = 1`, vLLM's own mechanism): a request admitted into a hole of
+    the persistent batch would otherwise split the decodes into two runs."""
+
+    reorder_batch_threshold: int | None = 1
 
     def __init__(
         self,

@@ -219,6 +219,12 @@ def test_step_matches_the_oracle(case, seed):
     assert (output[sum(q_lens) :] == 7.0).all()  # padding rows are left alone
 
 
+def test_builder_asks_for_a_steps_decodes_first():
+    """vLLM reorders the persistent batch so that requests of at most this many new tokens come
+    first: a step's decodes then reach the ragged kernel as one run (one decode-kernel call)."""
+    assert _builder(16, 2, 32, torch.float32).reorder_batch_threshold == 1
+
+
 @pytest.mark.parametrize("layout", ["separate", "fused-qkv"])
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER])
 def test_encoder_attention_reads_the_step_itself(attn_type, layout, seed):
