@@ -15,7 +15,21 @@ import subprocess
 import sys
 import time
 
-SPIN = "while True:\n    pass\n"
+# The spinner: ends with the bench (Linux's PR_SET_PDEATHSIG: SIGKILL when its parent dies), so
+# a bench killed while the spinners run (a SIGTERM skips `close`) leaves none spinning. Its
+# argument is the bench's pid: a parent gone before the prctl is seen by the check after it.
+SPIN = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):  # not Linux
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)
+print("spinning", flush=True)
+while True:
+    pass
+"""
 
 
 class Spinners:
@@ -26,9 +40,18 @@ class Spinners:
             raise ValueError(f"--busy needs at least 1 process, got {count}")
         self.count = count
         self._procs = [
-            subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.DEVNULL)
+            subprocess.Popen(
+                [sys.executable, "-c", SPIN, str(os.getpid())],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             for _ in range(count)
         ]
+        for p in self._procs:  # each past its prctl before it is stopped
+            if p.stdout.readline().strip() != "spinning":
+                self.close()
+                raise RuntimeError(f"a busy process (pid {p.pid}) did not start spinning")
         self._stop()
 
     def _signal(self, sig: int) -> None:
@@ -62,6 +85,7 @@ class Spinners:
             if p.poll() is None:
                 p.kill()  # SIGKILL ends a stopped process too
                 p.wait()
+            p.stdout.close()
         self._procs = []
 
     def __enter__(self) -> "Spinners":

@@ -55,6 +55,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "against the fair share of the cores (benchmarks/busy.py)",
     )
     bench.add_argument(
+        "--no-guard",
+        action="store_true",
+        help="time every sample as it comes: no FMA probe readings around each one, none "
+        "taken again when a reading shows the machine short of its cores (benchmarks/guard.py)",
+    )
+    bench.add_argument(
         "--check",
         nargs="?",
         const=CHECK_RUN,

@@ -46,6 +46,35 @@ def _peak_line(label: str, peak: dict, dtype: str) -> str:
     )
 
 
+def guard_line(record: dict) -> str | None:
+    """What the machine guard (benchmarks/guard.py) did in the run, as one line; None for a
+    record from before it."""
+    guard = record.get("guard")
+    if not guard:
+        return None
+    if guard.get("status") != "on":
+        return f"Machine guard off: {guard.get('note', '')}; every sample stands as it came."
+    samples = [
+        row for result in record.get("workloads", {}).values()
+        for row in result["backends"].values() if "retaken" in row
+    ]  # fmt: skip
+    side = [
+        pair for group in ("twins", "floor_pairs") for pair in record.get(group, {}).values()
+        if "retaken" in pair
+    ]  # fmt: skip
+    retaken = sum(len(row["retaken"]) for row in samples)
+    retaken += sum(len(v) for pair in side for v in pair["retaken"].values())
+    low_kept = sum(row["low_kept"] for row in samples)
+    low_kept += sum(sum(pair["low_kept"].values()) for pair in side)
+    return (
+        f"Machine guard: {guard['readings']} FMA probe readings around the samples, "
+        f"{guard['low_readings']} below {guard['least_gflop_s']:.0f} GFLOP/s "
+        f"({guard['least_fraction']:.0%} of the FMA peak: the machine short of its cores); "
+        f"{retaken} samples beside a low reading taken again (kept in the record as `retaken`), "
+        f"{low_kept} standing with one after {guard['attempts']} takes."
+    )
+
+
 def compute_lines(record: dict) -> list[str]:
     """The FMA peak measured in the run (and the AMX peak, or why it was not), and the GFLOP/s
     of each peer on every workload with prefill tokens (the compute-bound steps) as a fraction
@@ -149,6 +178,8 @@ def markdown(record: dict) -> str:
     compute = compute_lines(record)
     if compute:
         lines += ["", *compute]
+    if guard := guard_line(record):
+        lines += ["", guard]
     unavailable = record.get("unavailable", {})
     if unavailable:
         lines.append("")

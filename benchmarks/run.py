@@ -14,7 +14,9 @@ Method (details and the latest table in `benchmarks/README.md`):
    against the JAX xla path; then time `reps` rounds, each round calling every peer in a
    rotated order (spreading machine noise across peers): untimed calls of the peer for at
    least `SETTLE_S` (at least one), then one timed call. Report medians and IQRs (the first
-   untimed call's times are kept in the record as `after_other_s`).
+   untimed call's times are kept in the record as `after_other_s`). A sample beside a low
+   reading of the FMA probe, taken before and after it, is taken again (`benchmarks/guard.py`:
+   the machine short of its cores; the set-aside samples are kept as `retaken`).
 3. The FMA peak: a tight loop of vector FMAs on the native kernels' workers
    (`jax_attn.cpu.fma_peak`), on one thread (the peak is that times the workers) and on all
    together; each peer's GFLOP/s is also reported as a fraction of the peak. The probe runs
@@ -53,6 +55,7 @@ import numpy as np
 from benchmarks import backends, report, vllm085
 from benchmarks.backends import BASELINE, PEERS, Prepared, Skip
 from benchmarks.busy import Spinners, fair_share
+from benchmarks.guard import Guard, fma_guard
 from benchmarks.sentinels import CHECK_RUN, DEFAULT_JSON
 from benchmarks.workloads import Spec, canonical_name, make_data, named_workloads, select
 
@@ -334,6 +337,7 @@ def run_workload(
     progress,
     settle_s: float = SETTLE_S,
     busy: Spinners | None = None,
+    guard: Guard | None = None,
 ) -> dict:
     task = progress.add_task(f"{spec.name}: preparing", total=len(peers) + 2 + reps)
     data = make_data(spec, rng)
@@ -381,6 +385,8 @@ def run_workload(
     # each call's time as measured there; a peer that fails mid-rounds leaves the rotation and
     # is reported as an error, and the others go on. With `busy` (`--busy`), each peer's quiet
     # call is followed by BUSY_CALLS calls beside the running spinners, after settling there too.
+    # With `guard`, a quiet sample (its settling and its timed call) with a low FMA probe
+    # reading beside it is taken again (benchmarks/guard.py); the set-aside ones are kept.
     timers = {name: p.timed or _timer(p.call) for name, p in prepared.items()}
     timers["copy"] = _timer(copier)
     for floor in readers:
@@ -390,14 +396,21 @@ def run_workload(
     times = {name: [] for name in names}
     after_other = {name: [] for name in names}
     busy_times = {name: [] for name in prepared}
+    retaken: dict[str, list[dict]] = {name: [] for name in names}
+    low_kept = dict.fromkeys(names, 0)
+    if guard is not None:
+        guard.reset()
     started = time.perf_counter()
     for r in range(reps):
         progress.update(task, description=f"{spec.name}: round {r + 1}/{reps}")
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             try:
-                after_other[name].append(_settle(timers[name], settle_s))
-                times[name].append(timers[name]())
+                first, timed = _guarded(
+                    guard, timers[name], settle_s, retaken[name], low_kept, name
+                )
+                after_other[name].append(first)
+                times[name].append(timed)
                 if busy is not None and name in busy_times:
                     with busy.running():
                         _settle(timers[name], settle_s)
@@ -433,6 +446,8 @@ def run_workload(
         row.update(
             times_s=[round(t, 6) for t in ts],
             after_other_s=[round(t, 6) for t in after_other[name]],
+            retaken=retaken[name],
+            low_kept=low_kept[name],
             bytes=spec.bytes_moved,
             gb_s=spec.bytes_moved / row["median_s"] / 1e9,
             gflop_s=spec.flops / row["median_s"] / 1e9,
@@ -460,6 +475,31 @@ def run_workload(
     )
 
 
+def _guarded(
+    guard: Guard | None,
+    timed: Callable[[], float],
+    settle_s: float,
+    retaken: list[dict],
+    low_kept: dict[str, int],
+    name: str,
+) -> tuple[float, float]:
+    """One sample of `timed`: `settle_s` of untimed calls, then one timed call; (the first
+    settling call's time, the timed call's). With `guard`, taken again while a probe reading
+    beside it is low: the set-aside samples go to `retaken`, and a sample that stands with a
+    low reading (attempts spent) counts in `low_kept[name]`."""
+
+    def measure() -> tuple[float, float]:
+        first = _settle(timed, settle_s)
+        return first, timed()
+
+    if guard is None:
+        return measure()
+    taken = guard.take(measure, seconds=lambda result: result[1])
+    retaken += taken.retaken
+    low_kept[name] += taken.low
+    return taken.result
+
+
 def twin_pairs(names) -> list[tuple[str, str]]:
     """The (float32 workload, its bfloat16 twin) pairs of `names` whose jax-cpu times a target
     compares (check_targets): run_twins times them side by side."""
@@ -474,21 +514,29 @@ def _alternate(
     budget_s: float | None,
     settle_s: float,
     advance: Callable[[], object],
-) -> dict[str, list[float]]:
+    guard: Guard | None = None,
+) -> tuple[dict[str, list[float]], dict]:
     """`reps` rounds of one timed call of each timer (after `settle_s` of its own untimed
     calls), the order reversed every other round; stops early past `budget_s` once MIN_REPS
-    rounds are done. Each timer's times, rounded as a record keeps them."""
+    rounds are done. Each timer's times, rounded as a record keeps them, and what `guard` set
+    aside (`retaken`, `low_kept`, by timer)."""
     names = list(timers)
     times: dict[str, list[float]] = {name: [] for name in names}
+    retaken: dict[str, list[dict]] = {name: [] for name in names}
+    low_kept = dict.fromkeys(names, 0)
+    if guard is not None:
+        guard.reset()
     started = time.perf_counter()
     for r in range(reps):
         for name in names if r % 2 == 0 else names[::-1]:
-            _settle(timers[name], settle_s)
-            times[name].append(timers[name]())
+            times[name].append(
+                _guarded(guard, timers[name], settle_s, retaken[name], low_kept, name)[1]
+            )
         advance()
         if budget_s is not None and r + 1 >= MIN_REPS and time.perf_counter() - started > budget_s:
             break
-    return {name: [round(t, 6) for t in ts] for name, ts in times.items()}
+    rounded = {name: [round(t, 6) for t in ts] for name, ts in times.items()}
+    return rounded, dict(retaken=retaken, low_kept=low_kept)
 
 
 def _median_quartiles(values: list[float]) -> tuple[float, list[float]]:
@@ -497,7 +545,13 @@ def _median_quartiles(values: list[float]) -> tuple[float, list[float]]:
 
 
 def run_twins(
-    specs: dict, peers: list, reps: int, budget_s: float | None, settle_s: float, progress
+    specs: dict,
+    peers: list,
+    reps: int,
+    budget_s: float | None,
+    settle_s: float,
+    progress,
+    guard: Guard | None = None,
 ) -> dict:
     """jax-cpu on each twin_pairs pair side by side: each round one timed call of either
     workload (after `settle_s` of its own calls), the order alternated, so that the machine's
@@ -516,8 +570,8 @@ def run_twins(
                 prepared[name] = cpu.prepare(make_data(specs[name], np.random.default_rng(1)))
                 prepared[name].call()
             timers = {name: _timer(p.call) for name, p in prepared.items()}
-            times = _alternate(
-                timers, reps, budget_s, settle_s, functools.partial(progress.advance, task)
+            times, guarded = _alternate(
+                timers, reps, budget_s, settle_s, functools.partial(progress.advance, task), guard
             )
         except Exception as e:  # reported; the targets fall back to the workloads' own rounds
             twins[key] = dict(status="error", note=f"{type(e).__name__}: {e}")
@@ -539,6 +593,7 @@ def run_twins(
             quartiles=quartiles,
             rounds=len(times[a]),
             times_s=times,
+            **guarded,
         )
     return twins
 
@@ -550,7 +605,13 @@ def floor_decodes(names) -> list[str]:
 
 
 def run_floor_pairs(
-    specs: dict, peers: list, reps: int, budget_s: float | None, settle_s: float, progress
+    specs: dict,
+    peers: list,
+    reps: int,
+    budget_s: float | None,
+    settle_s: float,
+    progress,
+    guard: Guard | None = None,
 ) -> dict:
     """jax-cpu on each floor_decodes workload side by side with the read floor of the same
     cache (`_read_floors`' "read"), one timed call of either per round, the order alternated.
@@ -575,8 +636,8 @@ def run_floor_pairs(
             prepared = cpu.prepare(data)
             prepared.call()
             timers = {"kernel": _timer(prepared.call), "read": _timer(reader)}
-            times = _alternate(
-                timers, reps, budget_s, settle_s, functools.partial(progress.advance, task)
+            times, guarded = _alternate(
+                timers, reps, budget_s, settle_s, functools.partial(progress.advance, task), guard
             )
         except Exception as e:  # reported; the targets fall back to the workload's own rounds
             pairs[name] = dict(status="error", note=f"{type(e).__name__}: {e}")
@@ -600,6 +661,7 @@ def run_floor_pairs(
             times_s=times,
             read_kind=reader.kind,
             read_bytes=reader.bytes,
+            **guarded,
         )
     return pairs
 
@@ -1399,6 +1461,8 @@ def render(console, record: dict) -> None:
     )
     for line in report.compute_lines(record):
         console.print(line)
+    if guard := report.guard_line(record):
+        console.print(guard)
     print_unavailable_and_targets(console, record, ".2f")
 
 
@@ -1468,11 +1532,20 @@ def _run(
         record["fma_peak"] = measure_fma_peak(quick)
         progress.update(task, description="AMX peak")
         record["amx_peak"] = measure_amx_peak(quick)
+        guard = None
+        if getattr(args, "no_guard", False):
+            record["guard"] = dict(status="off", note="--no-guard")
+        else:
+            guard, why = fma_guard(record["fma_peak"])
+            if guard is None:
+                record["guard"] = dict(status="off", note=why)
         for spec in specs.values():
             reps = reps_arg or spec.reps
             budget = None if reps_arg or quick else WORKLOAD_BUDGET_S
             settle = 0.0 if quick else SETTLE_S  # --quick: one untimed call per timed one
-            result = run_workload(spec, peers, copier, reps, budget, rng, progress, settle, busy)
+            result = run_workload(
+                spec, peers, copier, reps, budget, rng, progress, settle, busy, guard
+            )
             mark_unavailable(result, unavailable)
             add_fma_fractions(result, record["fma_peak"])
             add_amx_fractions(result, record["amx_peak"])
@@ -1486,6 +1559,7 @@ def _run(
             None if quick else WORKLOAD_BUDGET_S,
             0.0 if quick else SETTLE_S,
             progress,
+            guard,
         )
         record["floor_pairs"] = run_floor_pairs(
             specs,
@@ -1494,7 +1568,10 @@ def _run(
             None if quick else WORKLOAD_BUDGET_S,
             0.0 if quick else SETTLE_S,
             progress,
+            guard,
         )
+        if guard is not None:
+            record["guard"] = guard.record()
         progress.update(task, description="FMA peak again")
         time.sleep(SETTLE_AFTER_S)  # torch's OpenMP workers stop spinning
         record["fma_peak_after"] = measure_fma_peak(quick)

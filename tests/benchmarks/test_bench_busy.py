@@ -5,6 +5,9 @@ only on a run that had them. Speed is never asserted."""
 import argparse
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -41,6 +44,30 @@ def test_spinners_spin_only_inside_running_and_end_with_close():
         assert [_state(pid) for pid in pids] == ["T", "T"]
         assert all(_cpu_ticks(p) > b for p, b in zip(pids, before, strict=True))
     assert not any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in pids)
+
+
+_KILLED_WHILE_SPINNING = """
+import os, signal, sys
+from benchmarks.busy import Spinners
+busy = Spinners(1)
+print(busy._procs[0].pid, flush=True)
+with busy.running():
+    os.kill(os.getpid(), signal.SIGKILL)  # as a bench killed mid-call: no finally, no close
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_spinner_ends_with_a_bench_killed_while_it_spins():
+    bench = subprocess.run(
+        [sys.executable, "-c", _KILLED_WHILE_SPINNING], capture_output=True, text=True,
+        timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )  # fmt: skip
+    assert bench.returncode == -signal.SIGKILL, bench.stderr
+    pid = int(bench.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", "the spinner outlived it"
 
 
 def test_spinners_refuse_a_count_below_one():
