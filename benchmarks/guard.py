@@ -17,11 +17,14 @@ with a reading below `least_gflop_s` before or after it is kept aside and taken 
 `attempts` times in all; the last attempt stands either way. Before a take whose last reading
 was low, the guard reads again until a reading is not (for `wait_s` at most): the machine's
 short spells end within seconds. The reading before a sample is the one after the sample
-before it, when there was one since `reset`. The record keeps each set-aside sample
-(`retaken`), the samples that stood with a low reading (`low_kept`), and the guard's readings
-and threshold; the rule is the same for every peer, floor and workload.
+before it, when there was one since `reset`. A machine that stays short (other work on its
+cores: more than half of the last `window` readings low) is no spell to wait out: there each
+sample stands as it comes (counted in `low_kept`), until the readings recover. The record keeps
+each set-aside sample (`retaken`), the samples that stood with a low reading (`low_kept`), and
+the guard's readings and threshold; the rule is the same for every peer, floor and workload.
 """
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -36,6 +39,7 @@ PAUSE_S = 0.01  # before each probe (torch's OpenMP workers spin ~2-5 ms after a
 LEAST_FRACTION = 0.7
 ATTEMPTS = 3  # takes of one sample at most
 WAIT_S = 3.0  # before a take, readings while the last one is low, for this long at most
+WINDOW = 40  # readings that say whether the machine stays short (more than half of them low)
 
 
 @dataclasses.dataclass
@@ -57,9 +61,11 @@ class Guard:
     wait_s: float = WAIT_S
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.perf_counter
+    window: int = WINDOW
     readings: int = 0
     low_readings: int = 0
     _last: float | None = None
+    _recent: collections.deque = dataclasses.field(default_factory=collections.deque)
 
     def reset(self) -> None:
         """Forget the last reading: the next sample gets a probe of its own before it (after
@@ -69,20 +75,30 @@ class Guard:
     def reading(self) -> float:
         self.sleep(self.pause_s)
         value = float(self.probe())
+        low = value < self.least_gflop_s
         self.readings += 1
-        self.low_readings += value < self.least_gflop_s
+        self.low_readings += low
         self._last = value
+        self._recent.append(low)
+        if len(self._recent) > self.window:
+            self._recent.popleft()
         return value
 
+    def stays_short(self) -> bool:
+        """More than half of the last `window` readings (a full window) were low: the cores
+        are taken by other work, not in a passing spell."""
+        return len(self._recent) == self.window and 2 * sum(self._recent) > self.window
+
     def _ready(self) -> float:
-        """The reading before a take: the last one if there is one and it is not low, else
-        new readings until one is not low or `wait_s` has passed; the last of them."""
+        """The reading before a take: the last one if there is one and it is not low (or the
+        machine stays short), else new readings until one is not low, `wait_s` has passed or
+        the machine stays short; the last of them."""
         value = self._last
-        if value is not None and value >= self.least_gflop_s:
+        if value is not None and (value >= self.least_gflop_s or self.stays_short()):
             return value
         deadline = self.clock() + self.wait_s
         value = self.reading()
-        while value < self.least_gflop_s and self.clock() < deadline:
+        while value < self.least_gflop_s and self.clock() < deadline and not self.stays_short():
             value = self.reading()
         return value
 
@@ -98,7 +114,7 @@ class Guard:
             result = measure()
             after = self.reading()
             low = min(before, after) < self.least_gflop_s
-            if not low or attempt == self.attempts - 1:
+            if not low or attempt == self.attempts - 1 or self.stays_short():
                 return Taken(result, retaken, low)
             retaken.append(
                 dict(s=round(seconds(result), 6), before=round(before, 1), after=round(after, 1))
@@ -113,6 +129,7 @@ class Guard:
             probe_s=PROBE_S,
             pause_s=self.pause_s,
             wait_s=self.wait_s,
+            window=self.window,
             attempts=self.attempts,
             readings=self.readings,
             low_readings=self.low_readings,

@@ -1533,8 +1533,9 @@ def _run(
         progress.update(task, description="AMX peak")
         record["amx_peak"] = measure_amx_peak(quick)
         guard = None
-        if getattr(args, "no_guard", False):
-            record["guard"] = dict(status="off", note="--no-guard")
+        if getattr(args, "no_guard", False) or quick:
+            note = "--quick (its sizes are for trying the bench, not for figures)"
+            record["guard"] = dict(status="off", note="--no-guard" if not quick else note)
         else:
             guard, why = fma_guard(record["fma_peak"])
             if guard is None:

@@ -184,3 +184,22 @@ def test_the_fma_guard_reads_the_native_probe_or_says_why_not():
     guard, why = fma_guard(dict(status="ok", gflop_s=50.0))
     assert why == "" and guard.least_gflop_s == LEAST_FRACTION * 50.0
     assert guard.reading() > 0 and guard.readings == 1
+
+
+def test_a_machine_that_stays_short_is_not_waited_for():
+    # Every reading low: once a full window of them is in, a take neither waits nor repeats.
+    guard, used = _guard([50] * 1000, attempts=3, wait_s=1e9)
+    guard.window = 4
+    measure, calls = _counter([0.1] * 100)
+    for _ in range(3):
+        guard.take(measure, seconds=lambda t: t)
+    assert guard.stays_short()
+    before = (len(used), len(calls))
+    taken = guard.take(measure, seconds=lambda t: t)
+    assert taken.low and taken.retaken == []
+    assert (len(used), len(calls)) == (before[0] + 1, before[1] + 1)  # the after reading only
+    # The readings recover: the window empties of low ones, and retakes come back.
+    guard.probe = lambda: 200.0
+    for _ in range(4):
+        guard.reading()
+    assert not guard.stays_short()
