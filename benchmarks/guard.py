@@ -65,7 +65,10 @@ class Guard:
     readings: int = 0
     low_readings: int = 0
     _last: float | None = None
-    _recent: collections.deque = dataclasses.field(default_factory=collections.deque)
+    _recent: collections.deque = dataclasses.field(init=False)  # low or not, the last `window`
+
+    def __post_init__(self) -> None:
+        self._recent = collections.deque(maxlen=self.window)
 
     def reset(self) -> None:
         """Forget the last reading: the next sample gets a probe of its own before it (after
@@ -80,8 +83,6 @@ class Guard:
         self.low_readings += low
         self._last = value
         self._recent.append(low)
-        if len(self._recent) > self.window:
-            self._recent.popleft()
         return value
 
     def stays_short(self) -> bool:

@@ -55,7 +55,7 @@ import numpy as np
 from benchmarks import backends, report, vllm085
 from benchmarks.backends import BASELINE, PEERS, Prepared, Skip
 from benchmarks.busy import Spinners, fair_share
-from benchmarks.guard import Guard, fma_guard
+from benchmarks.guard import Guard, Taken, fma_guard
 from benchmarks.sentinels import CHECK_RUN, DEFAULT_JSON
 from benchmarks.workloads import Spec, canonical_name, make_data, named_workloads, select
 
@@ -406,9 +406,10 @@ def run_workload(
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             try:
-                first, timed = _guarded(
-                    guard, timers[name], settle_s, retaken[name], low_kept, name
-                )
+                taken = _guarded(guard, timers[name], settle_s)
+                retaken[name] += taken.retaken
+                low_kept[name] += taken.low
+                first, timed = taken.result
                 after_other[name].append(first)
                 times[name].append(timed)
                 if busy is not None and name in busy_times:
@@ -475,29 +476,18 @@ def run_workload(
     )
 
 
-def _guarded(
-    guard: Guard | None,
-    timed: Callable[[], float],
-    settle_s: float,
-    retaken: list[dict],
-    low_kept: dict[str, int],
-    name: str,
-) -> tuple[float, float]:
-    """One sample of `timed`: `settle_s` of untimed calls, then one timed call; (the first
-    settling call's time, the timed call's). With `guard`, taken again while a probe reading
-    beside it is low: the set-aside samples go to `retaken`, and a sample that stands with a
-    low reading (attempts spent) counts in `low_kept[name]`."""
+def _guarded(guard: Guard | None, timed: Callable[[], float], settle_s: float) -> Taken:
+    """One sample of `timed`: `settle_s` of untimed calls, then one timed call; its result is
+    (the first settling call's time, the timed call's). With `guard`, taken again while a probe
+    reading beside it is low (the set-aside samples in `retaken`)."""
 
     def measure() -> tuple[float, float]:
         first = _settle(timed, settle_s)
         return first, timed()
 
     if guard is None:
-        return measure()
-    taken = guard.take(measure, seconds=lambda result: result[1])
-    retaken += taken.retaken
-    low_kept[name] += taken.low
-    return taken.result
+        return Taken(measure(), [], False)
+    return guard.take(measure, seconds=lambda result: result[1])
 
 
 def twin_pairs(names) -> list[tuple[str, str]]:
@@ -529,9 +519,10 @@ def _alternate(
     started = time.perf_counter()
     for r in range(reps):
         for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(
-                _guarded(guard, timers[name], settle_s, retaken[name], low_kept, name)[1]
-            )
+            taken = _guarded(guard, timers[name], settle_s)
+            retaken[name] += taken.retaken
+            low_kept[name] += taken.low
+            times[name].append(taken.result[1])
         advance()
         if budget_s is not None and r + 1 >= MIN_REPS and time.perf_counter() - started > budget_s:
             break
@@ -1532,14 +1523,14 @@ def _run(
         record["fma_peak"] = measure_fma_peak(quick)
         progress.update(task, description="AMX peak")
         record["amx_peak"] = measure_amx_peak(quick)
-        guard = None
-        if getattr(args, "no_guard", False) or quick:
-            note = "--quick (its sizes are for trying the bench, not for figures)"
-            record["guard"] = dict(status="off", note="--no-guard" if not quick else note)
+        if quick:
+            guard, why = None, "--quick (its sizes are for trying the bench, not for figures)"
+        elif getattr(args, "no_guard", False):
+            guard, why = None, "--no-guard"
         else:
             guard, why = fma_guard(record["fma_peak"])
-            if guard is None:
-                record["guard"] = dict(status="off", note=why)
+        if guard is None:
+            record["guard"] = dict(status="off", note=why)
         for spec in specs.values():
             reps = reps_arg or spec.reps
             budget = None if reps_arg or quick else WORKLOAD_BUDGET_S

@@ -26,3 +26,25 @@ def _vllm_available(request):
         if REQUIRE:
             pytest.fail(f"JAX_ATTN_REQUIRE_VLLM=1 but vllm-cpu-attn is {problem}", pytrace=False)
         pytest.skip(f"vllm-cpu-attn: {problem}")
+
+
+class _NullProgress:
+    """The calls the bench's loops make on a `rich.progress.Progress`, doing nothing."""
+
+    def add_task(self, *a, **k):
+        return 0
+
+    def update(self, *a, **k):
+        pass
+
+    def advance(self, *a, **k):
+        pass
+
+    def remove_task(self, *a, **k):
+        pass
+
+
+@pytest.fixture
+def progress():
+    """A progress display for calling run_workload and its kin directly: shows nothing."""
+    return _NullProgress()

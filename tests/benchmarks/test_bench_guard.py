@@ -13,7 +13,7 @@ from benchmarks.prepared import Prepared
 from benchmarks.workloads import named_workloads
 
 
-def _guard(readings, attempts=3, wait_s=10.0):
+def _guard(readings, attempts=3, wait_s=10.0, window=40):
     """A Guard whose probe returns `readings` in turn (a low one is below 100), on a clock that
     moves 1 s per look."""
     readings = list(readings)
@@ -29,7 +29,7 @@ def _guard(readings, attempts=3, wait_s=10.0):
         return now[0]
 
     guard = Guard(probe, least_gflop_s=100.0, attempts=attempts, wait_s=wait_s,
-                  sleep=lambda s: None, clock=clock)  # fmt: skip
+                  window=window, sleep=lambda s: None, clock=clock)  # fmt: skip
     return guard, used
 
 
@@ -91,18 +91,7 @@ def test_attempts_below_one_are_refused():
         guard.take(lambda: 0.1, seconds=lambda t: t)
 
 
-class _Progress:
-    def add_task(self, *a, **k):
-        return 0
-
-    def update(self, *a, **k):
-        pass
-
-    def advance(self, *a, **k):
-        pass
-
-
-def test_run_workload_takes_again_the_samples_a_low_reading_brackets():
+def test_run_workload_takes_again_the_samples_a_low_reading_brackets(progress):
     spec = named_workloads(quick=True)["decode-f32-bs16"]
     shape = (spec.num_tokens, spec.num_heads * spec.head_size)
     calls = []
@@ -128,7 +117,7 @@ def test_run_workload_takes_again_the_samples_a_low_reading_brackets():
     try:
         result = run.run_workload(
             spec, [peer("a", False), peer("b", True)], copier, reps=3, budget_s=None,
-            rng=np.random.default_rng(0), progress=_Progress(), settle_s=0.0, guard=guard,
+            rng=np.random.default_rng(0), progress=progress, settle_s=0.0, guard=guard,
         )  # fmt: skip
     finally:
         copier.close()
@@ -188,8 +177,7 @@ def test_the_fma_guard_reads_the_native_probe_or_says_why_not():
 
 def test_a_machine_that_stays_short_is_not_waited_for():
     # Every reading low: once a full window of them is in, a take neither waits nor repeats.
-    guard, used = _guard([50] * 1000, attempts=3, wait_s=1e9)
-    guard.window = 4
+    guard, used = _guard([50] * 1000, attempts=3, wait_s=1e9, window=4)
     measure, calls = _counter([0.1] * 100)
     for _ in range(3):
         guard.take(measure, seconds=lambda t: t)

@@ -107,19 +107,8 @@ def test_cpu_only_flags_are_refused_with_other_suites(flag, capsys):
 # --rounds: every round kept
 
 
-class _Progress:
-    def add_task(self, *a, **k):
-        return 0
-
-    def update(self, *a, **k):
-        pass
-
-    def advance(self, *a, **k):
-        pass
-
-
 @pytest.mark.parametrize("rounds", [1, 6])
-def test_every_round_is_kept_for_every_peer(rounds):
+def test_every_round_is_kept_for_every_peer(rounds, progress):
     spec = named_workloads(quick=True)["decode-f32-bs16"]
     shape = (spec.num_tokens, spec.num_heads * spec.head_size)
     calls = []
@@ -135,7 +124,7 @@ def test_every_round_is_kept_for_every_peer(rounds):
     try:
         result = run.run_workload(
             spec, [peer("a"), peer("b"), peer("c")], copier, reps=rounds, budget_s=None,
-            rng=np.random.default_rng(0), progress=_Progress(), settle_s=0.0,
+            rng=np.random.default_rng(0), progress=progress, settle_s=0.0,
         )  # fmt: skip
     finally:
         copier.close()

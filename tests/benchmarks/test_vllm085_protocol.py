@@ -74,7 +74,7 @@ def test_a_child_that_cannot_start_names_why():
         vllm085.Worker(refuse)
 
 
-def test_a_peer_crashing_mid_rounds_is_an_error_and_the_others_are_timed():
+def test_a_peer_crashing_mid_rounds_is_an_error_and_the_others_are_timed(progress):
     calls = []
 
     def crashing() -> float:
@@ -91,20 +91,10 @@ def test_a_peer_crashing_mid_rounds_is_an_error_and_the_others_are_timed():
                             timed=timed)  # fmt: skip
         return Peer(name, lambda: None, lambda data: prepared)
 
-    class Progress:
-        def add_task(self, *a, **k):
-            return 0
-
-        def update(self, *a, **k):
-            pass
-
-        def advance(self, *a, **k):
-            pass
-
     copier = run.Copier(1 << 20, 1)
     result = run.run_workload(
         spec, [peer("steady"), peer("crashing", crashing)], copier, reps=5, budget_s=None,
-        rng=np.random.default_rng(0), progress=Progress(), settle_s=0.0,
+        rng=np.random.default_rng(0), progress=progress, settle_s=0.0,
     )  # fmt: skip
     rows = result["backends"]
     assert rows["crashing"]["status"] == "error"
