@@ -154,6 +154,20 @@ def _break_tensor(gen, t: torch.Tensor, name: str, kinds: Counter) -> torch.Tens
     return _noncontiguous(t)
 
 
+def _token_rows_ok(rows: torch.Tensor) -> bool:
+    """torch_ops.cc's `token_stride` rule for rows [tokens, heads, head_size]: on the CPU, and
+    contiguous or with each token's heads dense and tokens at least heads * head_size apart (a
+    token-strided view whose rows are one element each, Hkv = D = 1, keeps it)."""
+    if rows.device.type != "cpu":
+        return False
+    if rows.numel() == 0 or rows.is_contiguous():
+        return True
+    _, heads, size = rows.shape
+    dense = (size <= 1 or rows.stride(2) == 1) and (heads <= 1 or rows.stride(1) == size)
+    stride = heads * size if rows.shape[0] <= 1 else rows.stride(0)
+    return dense and stride >= heads * size
+
+
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the bytes of two CPU tensors overlap (the views here are contiguous)."""
     if a.device.type != "cpu" or b.device.type != "cpu" or not a.numel() or not b.numel():
@@ -403,8 +417,9 @@ def _store_tm_rules(a: dict) -> list:
     t, hkv, d = key.shape
     if kc.dim() != 4 or kc.shape[2] != hkv or kc.shape[3] != d or vc.shape != kc.shape:
         return ["key_cache and value_cache must be"]
-    broken = []
-    if not _cpu_contiguous([(key, "key"), (value, "value"), (slots, "slot_mapping")], broken):
+    broken = [re.escape(name) for x, name in ((key, "key"), (value, "value"))
+              if not _token_rows_ok(x)]  # fmt: skip
+    if not _cpu_contiguous([(slots, "slot_mapping")], broken) or broken:
         return broken
     nb, bs = kc.shape[0], kc.shape[1]
     block = bs * hkv * d
