@@ -272,7 +272,7 @@ def cmd_fuzz(args) -> int:
             print(f"not run: {name}: {reason}")
     failures = 0
     for name in runnable:
-        report = fuzz.fuzz_backend(name, args.minutes * 60.0, seed=args.seed)
+        report = fuzz.fuzz_backend(name, args.minutes * 60.0, seed=args.seed, sizes=args.sizes)
         print(
             f"{name}: {report.examples} examples ran in {report.seconds / 60:.1f} min "
             f"(and {report.not_applicable} n/a, not counted), "
@@ -363,6 +363,13 @@ def main(argv=None) -> int:
     fuzz.add_argument("--minutes", type=float, default=5.0, help="per backend (default 5)")
     fuzz.add_argument("--backend", help="one backend name (default: every one that runs here)")
     fuzz.add_argument("--seed", type=int, default=0, help="first hypothesis seed (default 0)")
+    fuzz.add_argument(
+        "--sizes",
+        choices=["unit", "serving"],
+        default="unit",
+        help="example sizes: unit (short sequences, quick; the default) or serving (long "
+        "sequences, blocks to 256, head sizes to 256: the kernels' split and multi-step paths)",
+    )
     fuzz.add_argument(
         "--bad-metadata",
         action="store_true",

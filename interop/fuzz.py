@@ -11,6 +11,13 @@ or both). `check_example(backend, example)` runs one backend on it and returns t
 - `jax-attn fuzz --minutes N [--backend NAME]` runs batches of seeded examples until the time
   is up and prints any counterexample (shrunk by hypothesis) as a ready-to-paste pytest test.
 
+Two sizes of example (`SIZES`): "unit" (the default: sequences up to 70 tokens, blocks up to 32,
+so each example is quick and many run) and "serving" (`--sizes serving`): sequences that cross
+the kernels' inner boundaries (decodes over up to 2500 keys, split over the workers; prefills
+past the ragged kernel's 128-key steps and 32-token tiles; chunks over 1000-token prefixes),
+blocks 16-256, head sizes 64-256 (80, 96, 112, 120 too), up to 8 kv heads and 32 query heads.
+Interpret-mode backends (`SMALL`) keep their small sizes in both.
+
 Imports hypothesis, JAX and torch only when used.
 """
 
@@ -26,6 +33,7 @@ from torch_backends.attention_type import AttentionType
 # Backend families: what the drawn workloads may hold.
 JAX_PREFIX = "jax-"
 SMALL = ("jax-pallas",)  # interpret mode on CPU: small shapes only
+SIZES = ("unit", "serving")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +87,27 @@ def test_fuzz_counterexample_{name}_{example.seed}():
 # Strategies
 
 
-def examples(backend: str):
-    """The hypothesis strategy of examples `backend` can take."""
+def examples(backend: str, sizes: str = "unit"):
+    """The hypothesis strategy of examples `backend` can take, of `sizes` (one of `SIZES`)."""
     from hypothesis import strategies as st
 
+    if sizes not in SIZES:
+        raise ValueError(f"sizes={sizes!r} must be one of {SIZES}")
     jax_core = backend.startswith(JAX_PREFIX)
     small = backend in SMALL
+    serving = sizes == "serving" and not small
+
+    def lengths(draw, kind: str) -> tuple[int, int]:
+        """(q_len, context) of a decoder sequence of `kind`, serving-sized."""
+        if kind == "decode":
+            return 1, draw(st.integers(1, 300))
+        if kind == "long-decode":  # past the 512 keys one worker takes whole: split
+            return 1, draw(st.integers(513, 2500))
+        if kind == "prefill":
+            return draw(st.integers(1, 400)), 0
+        if kind == "chunked":
+            return draw(st.integers(2, 300)), draw(st.integers(1, 1000))
+        return 0, draw(st.integers(0, 1000))
 
     @st.composite
     def draw_example(draw):
@@ -94,8 +117,8 @@ def examples(backend: str):
                 + [AttentionType.ENCODER, AttentionType.ENCODER_ONLY, AttentionType.ENCODER_DECODER]
             )
         )
-        max_seqs = 3 if small else 5
-        max_len = 20 if small else 70
+        max_seqs = 3 if small else 6 if serving else 5
+        max_len = 20 if small else 600 if serving else 70
         kinds = ["decode", "prefill", "chunked"] + (["empty"] if jax_core else [])
         n = draw(st.integers(1, max_seqs))  # (make_workload needs one sequence)
         query_lens, context_lens = [], []
@@ -104,6 +127,8 @@ def examples(backend: str):
                 q = draw(st.integers(1, max_len // 2))
                 extra = 0 if attn_type is not AttentionType.ENCODER_DECODER else None
                 c = extra if extra is not None else draw(st.integers(1, max_len // 2))
+            elif serving:
+                q, c = lengths(draw, draw(st.sampled_from(["long-decode", *kinds])))
             else:
                 kind = draw(st.sampled_from(kinds))
                 if kind == "decode":
@@ -116,11 +141,20 @@ def examples(backend: str):
                     q, c = 0, draw(st.integers(0, max_len // 2))
             query_lens.append(q)
             context_lens.append(c)
-        num_kv_heads = draw(st.integers(1, 2 if small else 3))
-        group = draw(st.sampled_from([1, 2, 4] if small else [1, 2, 3, 4, 7]))
-        head_sizes = [16, 32] if small else [8, 16, 32, 64, 80, 128]
-        if not jax_core:
-            head_sizes = [32, 64, 80, 128]  # vLLM's supported sizes
+        if serving:
+            num_kv_heads = draw(st.sampled_from([1, 2, 3, 8]))
+            group = draw(st.sampled_from([g for g in (1, 2, 4, 5, 8) if g * num_kv_heads <= 32]))
+            head_sizes = (
+                [64, 80, 96, 112, 120, 128, 256] if jax_core else [64, 80, 96, 112, 128, 256]
+            )
+            block_sizes = [16, 32, 64, 128, 256] if jax_core else [16, 32, 64, 128]
+        else:
+            num_kv_heads = draw(st.integers(1, 2 if small else 3))
+            group = draw(st.sampled_from([1, 2, 4] if small else [1, 2, 3, 4, 7]))
+            head_sizes = [16, 32] if small else [8, 16, 32, 64, 80, 128]
+            if not jax_core:
+                head_sizes = [32, 64, 80, 128]  # vLLM's supported sizes
+            block_sizes = [1, 2, 4, 8, 16] if jax_core else [8, 16, 32]
         dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
         fp8 = attn_type is AttentionType.DECODER and draw(st.booleans())
         cache_dtype = draw(st.sampled_from(["float8_e4m3fn", "float8_e5m2"])) if fp8 else None
@@ -133,7 +167,7 @@ def examples(backend: str):
             num_heads=num_kv_heads * group,
             num_kv_heads=num_kv_heads,
             head_size=draw(st.sampled_from(head_sizes)),
-            block_size=draw(st.sampled_from([1, 2, 4, 8, 16] if jax_core else [8, 16, 32])),
+            block_size=draw(st.sampled_from(block_sizes)),
             dtype=dtype,
             cache_dtype=cache_dtype,
             alibi=draw(st.booleans()),
@@ -284,16 +318,18 @@ def _drop_compiled_programs() -> None:
         jax.clear_caches()
 
 
-def fuzz_backend(name: str, seconds: float, *, seed: int = 0, batch: int = 20) -> FuzzReport:
-    """Run seeded hypothesis batches of `batch` examples on one backend until `seconds` pass or
-    a counterexample is found (shrunk)."""
+def fuzz_backend(
+    name: str, seconds: float, *, seed: int = 0, batch: int = 20, sizes: str = "unit"
+) -> FuzzReport:
+    """Run seeded hypothesis batches of `batch` examples of `sizes` on one backend until
+    `seconds` pass or a counterexample is found (shrunk)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hypothesis_seed
 
     report = FuzzReport(name)
     start = time.monotonic()
     last: dict = {}
-    strategy = examples(name)
+    strategy = examples(name, sizes)
     run_seed = seed
     while time.monotonic() - start < seconds:
 

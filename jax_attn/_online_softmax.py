@@ -45,6 +45,8 @@ class Queries:
     pos: Int[Array, "num_tiles tile_q"]  # position of each query in its sequence
     valid: Bool[Array, "num_tiles tile_q"]  # a real query row
     slopes: Float[Array, "1 num_kv_heads group 1 1"] | None  # ALiBi
+    # Where each row's ALiBi distances are measured from (`alibi_origin`); None: `pos`.
+    alibi_from: Int[Array, "num_tiles tile_q"] | None = None
 
 
 def group_queries(
@@ -54,8 +56,10 @@ def group_queries(
     *,
     num_kv_heads: int,
     alibi_slopes: Float[Array, " num_heads"] | None,
+    alibi_from: Int[Array, "num_tiles tile_q"] | None = None,
 ) -> Queries:
-    """`q` is float32 with the softmax scale (and the key scale) already folded in."""
+    """`q` is float32 with the softmax scale (and the key scale) already folded in;
+    `alibi_from`: `alibi_origin`'s positions (None: the queries' own)."""
     num_tiles, tile_q, num_heads, head_size = q.shape
     group = num_heads // num_kv_heads
     # [N, Q, Hq, D] -> [N, Q, Hkv, G, D] -> [N, Hkv, G, Q, D]
@@ -63,7 +67,24 @@ def group_queries(
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1, 1)
-    return Queries(q=q, pos=q_pos, valid=q_valid, slopes=slopes)
+    return Queries(q=q, pos=q_pos, valid=q_valid, slopes=slopes, alibi_from=alibi_from)
+
+
+def alibi_origin(
+    q_pos: Int[Array, "num_tiles tile_q"], kv_len: Int[Array, " num_tiles"], *, causal: bool
+) -> Int[Array, "num_tiles tile_q"] | None:
+    """The position each row's ALiBi distances are measured from: the last key it can see.
+
+    The spec's bias `slope * (p_k - p_q)` and `slope * (p_k - origin)` differ by a per-row
+    constant, which the softmax cancels (`finish` moves the sinks by it). Measured from the
+    last visible key, the logits that carry the weight stay near the unbiased ones, where
+    float32 is fine; from `p_q`, a non-causal row's keys ahead carry biases of slope x distance
+    (~140 at 280 tokens), whose rounding (~1e-5) then shows in every probability (bidirectional
+    ALiBi, float32: 2.3e-5 from the float64 oracle against 1.3e-6 without ALiBi). Causal rows
+    see no key past `p_q`: None, their own positions."""
+    if causal:
+        return None
+    return jnp.broadcast_to((kv_len - 1)[:, None], q_pos.shape).astype(q_pos.dtype)
 
 
 def initial_state(queries: Queries, *inputs) -> State:
@@ -76,7 +97,7 @@ def initial_state(queries: Queries, *inputs) -> State:
         jnp.zeros(stats_shape, jnp.float32),
         jnp.zeros(queries.q.shape, jnp.float32),
     )
-    sources = (queries.q, queries.pos, queries.valid, queries.slopes, inputs)
+    sources = (queries.q, queries.pos, queries.valid, queries.slopes, queries.alibi_from, inputs)
     return tuple(vary_like(x, *sources) for x in state)
 
 
@@ -131,7 +152,9 @@ def update(
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     delta = queries.pos[:, :, None] - chunk.pos[:, None, :]  # [N, Q, K], how far back the key is
     if queries.slopes is not None:
-        s = s - queries.slopes * delta[:, None, None].astype(jnp.float32)
+        origin = queries.pos if queries.alibi_from is None else queries.alibi_from
+        distance = origin[:, :, None] - chunk.pos[:, None, :]
+        s = s - queries.slopes * distance[:, None, None].astype(jnp.float32)
     keep = queries.valid[:, :, None] & chunk.valid[:, None, :]  # [N, Q, K]
     if causal:
         keep &= delta >= 0
@@ -152,17 +175,24 @@ def update(
 
 
 def finish(
-    state: State, sinks: Float[Array, " num_heads"] | None = None
+    state: State,
+    sinks: Float[Array, " num_heads"] | None = None,
+    queries: Queries | None = None,
 ) -> Float[Array, "num_tiles tile_q num_heads head_size"]:
     """The normalized float32 output; rows whose keys are all masked, and invalid rows, are
     zeros. `sinks` (attention sinks, one logit per query head): a key with no value in every
-    row's softmax, so each row's normalizer gains exp(sink - m)."""
+    row's softmax, so each row's normalizer gains exp(sink - m). With sinks, pass the
+    `queries`: ALiBi measured from `alibi_from` left each row's logits short of the spec's by
+    slope * (alibi_from - pos), and the sink moves with them."""
     m, denom, acc = state
     num_tiles, num_kv_heads, group, tile_q, head_size = acc.shape
     # Rows that saw no key give zeros (their acc may hold NaN from a keyless tile's reads).
     seen = denom > 0
     if sinks is not None:
         sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
+        if queries is not None and queries.slopes is not None and queries.alibi_from is not None:
+            ahead = (queries.alibi_from - queries.pos).astype(jnp.float32)  # [N, Q]
+            sink = sink - queries.slopes[..., 0] * ahead[:, None, None, :]
         denom = denom + jnp.exp(sink - jnp.where(seen, m, 0.0))
     seen = seen[..., None]
     out = jnp.where(seen, acc / jnp.where(seen, denom[..., None], 1.0), 0.0)

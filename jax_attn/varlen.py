@@ -154,7 +154,12 @@ def _varlen_attention(
 
     q = query[jnp.minimum(tiles.token, num_tokens - 1)].astype(jnp.float32) * scale  # [N, Q, Hq, D]
     queries = online_softmax.group_queries(
-        q, q_pos, q_valid, num_kv_heads=num_kv_heads, alibi_slopes=alibi_slopes
+        q,
+        q_pos,
+        q_valid,
+        num_kv_heads=num_kv_heads,
+        alibi_slopes=alibi_slopes,
+        alibi_from=online_softmax.alibi_origin(q_pos, kv_len, causal=causal),
     )
     num_iters = iters.max()
 

@@ -249,6 +249,7 @@ def _paged_tiles(
             tiles.q_valid,
             num_kv_heads=num_kv_heads,
             alibi_slopes=alibi_slopes,
+            alibi_from=online_softmax.alibi_origin(tiles.q_pos, tiles.kv_len, causal=causal),
         )
 
         def step(it, state):
@@ -265,7 +266,7 @@ def _paged_tiles(
         state = online_softmax.initial_state(queries, tiles, flat_k, flat_v)
         # A while loop of as many steps as the tiles' longest need (not reverse-differentiable).
         state = jax.lax.fori_loop(0, tiles.iters.max(), step, state)
-        return online_softmax.finish(state, sinks)
+        return online_softmax.finish(state, sinks, queries)
 
     # logit = scale * q.(k * k_scale): fold both scales into the queries once.
     tiles = _TileSet(

@@ -157,7 +157,10 @@ def _ragged_kernel(
             valid = valid & (q_pos[:, None] - key_pos[None, :] < sliding_window)
         bias = None
         if slopes is not None:
-            rel = (key_pos[None, :] - q_pos[:, None]).astype(jnp.float32)
+            # Measured from the last key a row sees (the spec's bias up to a per-row constant,
+            # which the softmax cancels: jax_attn._online_softmax.alibi_origin).
+            origin = q_pos if causal else jnp.broadcast_to(kv_len - 1, q_pos.shape)
+            rel = (key_pos[None, :] - origin[:, None]).astype(jnp.float32)
             bias = slopes[:, None] * rel  # [rows, block_k]
         return softmax.step(
             state,

@@ -300,7 +300,10 @@ def _attend(q, row_pos, row_valid, slopes, pages, scratch, *, lo, hi, cfg):
         if cfg.logits_soft_cap is not None:
             logits = cfg.logits_soft_cap * jnp.tanh(logits / cfg.logits_soft_cap)
         if slopes is not None:
-            logits = logits + slopes * (key_pos - row_pos).astype(jnp.float32)[None]
+            # Measured from the last key a row sees (the spec's bias up to a per-row constant,
+            # which the softmax cancels: jax_attn._online_softmax.alibi_origin).
+            origin = row_pos if cfg.causal else hi - 1
+            logits = logits + slopes * (key_pos - origin).astype(jnp.float32)[None]
         # `where`, not an additive mask: a NaN key gives a NaN logit that must not survive.
         logits = jnp.where(valid[None], logits, MASK_VALUE)
         m_prev = m_ref[:, :rows]

@@ -25,6 +25,10 @@ BUDGET = {
     "JAX-via-torch": 3,
     "IPEX": 8,
 }
+# Serving-sized examples (`--sizes serving`: long decodes, multi-step prefills, blocks to 256,
+# head sizes to 256) for the native kernels, the JAX core's and the torch ops': a few seconds
+# each.
+SERVING_BUDGET = {"jax-cpu": 3, "TORCH_SDPA": 3}
 pytestmark = pytest.mark.xdist_group("fuzz")
 
 
@@ -35,22 +39,27 @@ def _available(name: str):
 
 
 @pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.ipex) if n == "IPEX" else n for n in BUDGET],
+    "name, sizes",
+    [
+        pytest.param(n, "unit", marks=pytest.mark.ipex) if n == "IPEX" else (n, "unit")
+        for n in BUDGET
+    ]
+    + [(n, "serving") for n in SERVING_BUDGET],
 )
-def test_fuzz_slice(name, record_property):
+def test_fuzz_slice(name, sizes, record_property):
     _available(name)
+    budget = (BUDGET if sizes == "unit" else SERVING_BUDGET)[name]
     counts = {"ran": 0, "n/a": 0}
     not_applicable: list[str] = []
 
     @settings(
-        max_examples=BUDGET[name],
+        max_examples=budget,
         derandomize=True,
         deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(fuzz.examples(name))
+    @given(fuzz.examples(name, sizes))
     def body(example):
         cell = fuzz.check_example(name, example)
         if fuzz.not_applicable(cell):
@@ -67,10 +76,51 @@ def test_fuzz_slice(name, record_property):
     for note in sorted(set(not_applicable)):
         print(f"  {note}")
     # Shrinking may rerun a failing example; a passing run ran each real example once.
-    assert counts["ran"] >= BUDGET[name], (
-        f"{name}: only {counts['ran']} of the {BUDGET[name]} examples really ran "
+    assert counts["ran"] >= budget, (
+        f"{name}: only {counts['ran']} of the {budget} examples really ran "
         f"({counts['n/a']} n/a): {sorted(set(not_applicable))[:5]}"
     )
+
+
+def _drawn(name: str, sizes: str, count: int = 60) -> list:
+    drawn = []
+
+    @settings(
+        max_examples=count,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(fuzz.examples(name, sizes))
+    def collect(example):
+        drawn.append(example.spec)
+
+    collect()
+    return drawn
+
+
+def _lengths(spec):
+    return zip(spec.query_lens, spec.context_lens, strict=True)
+
+
+def test_serving_sizes_cross_the_kernels_boundaries():
+    """`--sizes serving` draws what the unit sizes never reach: decodes over more keys than the
+    native kernel hands whole to one worker (512), prefills past a 128-key step, blocks of 128
+    and more, head sizes off the powers of two; the unit sizes stay under 71 keys."""
+    serving = _drawn("jax-cpu", "serving")
+    decoder = [s for s in serving if s.attn_type is fuzz.AttentionType.DECODER]
+    assert any(q == 1 and q + c > 512 for s in decoder for q, c in _lengths(s))
+    assert any(q > 128 for s in decoder for q in s.query_lens)
+    assert any(s.block_size >= 128 for s in serving)
+    assert {s.head_size for s in serving} & {80, 96, 112, 120}
+    assert max(q + c for s in serving for q, c in _lengths(s)) > 1000
+    unit = _drawn("jax-cpu", "unit")
+    assert max(q + c for s in unit for q, c in _lengths(s)) <= 70
+    # Interpret-mode backends keep their small sizes.
+    pallas = _drawn("jax-pallas", "serving", count=20)
+    assert max(q + c for s in pallas for q, c in _lengths(s)) <= 20
+    with pytest.raises(ValueError, match="sizes='huge' must be one of"):
+        fuzz.examples("jax-cpu", "huge")
 
 
 def test_counterexample_source_runs():
@@ -268,6 +318,29 @@ REGRESSIONS = {
             ),
         )
         for name in ("jax-xla", "jax-reference", "jax-cpu")
+    },
+    # Found by `--sizes serving`: a float32 encoder batch with bidirectional ALiBi, its rows
+    # measured from their own positions, so the keys ahead carried biases of ~140 whose
+    # rounding reached every probability: jax-xla (and JAX-via-torch) 2.3e-5 off, past
+    # float32's row. Measured from each row's last key (alibi_origin) 1.4e-6.
+    **{
+        f"{name}-float32-bidirectional-alibi": (
+            name,
+            1372448826,
+            dict(
+                query_lens=(242, 6, 244, 282, 234, 274),
+                context_lens=(0, 0, 0, 0, 0, 0),
+                num_heads=24,
+                num_kv_heads=3,
+                head_size=96,
+                block_size=32,
+                alibi=True,
+                sliding_window=40,
+                logits_soft_cap=30.0,
+                attn_type=fuzz.AttentionType.ENCODER,
+            ),
+        )
+        for name in ("jax-xla", "TORCH_SDPA")
     },
     # The cross-attention window case on the backends that always agreed with the oracle.
     **{

@@ -1,7 +1,8 @@
 // Part of the ragged kernel (ragged_paged_attention.cc), not a header of its own: included by
 // that file inside its namespaces after run_task. It uses the kernel's Problem, Item, Scratch,
-// key_span, keys_seen, step_masks, step_visible, output_factor, transpose_queries and
-// softmax_step, and amx_tiles.h's tile products; it includes nothing itself.
+// key_span, keys_seen, step_masks, step_visible, alibi_origin, alibi_shift, output_factor,
+// transpose_queries and softmax_step, and amx_tiles.h's tile products; it includes nothing
+// itself.
 //
 // The AMX path (AMX-TILE and AMX-BF16, beside AVX512_BF16), compiled only under
 // `#if JAX_ATTN_AMX && JAX_ATTN_BF16_DOT` (JAX_ATTN_AMX: amx_tiles.h, built with
@@ -126,17 +127,19 @@ inline bool amx_rescales(const float* alpha, int rt) {
 // large output is not read for ownership first (prefill-8x512: 33.5 MB of bf16 output).
 inline void amx_write_rows(const Problem& p, const Item& it, int64_t kvh, int64_t r0,
                            int64_t rows, const float* OT, const float* row_sum,
-                           const float* row_max) {
+                           const float* row_max, const float* q_pos, const float* slope) {
   const int64_t G = p.G, D = p.D, Dp = p.Dp, Hq = p.Hq;
   bf16_t* out = static_cast<bf16_t*>(p.out);
   const bool stream = p.stream_out && D % 32 == 0;
   const bool any_key = it.k_end > it.k_begin;
+  const float alibi_from = alibi_origin(p, it);
   for (int64_t b0 = 0; b0 < rows; b0 += 16) {
     __m512 f[16];
     for (int i = 0; i < 16; ++i) {
       const int64_t r = r0 + b0 + i;
       f[i] = _mm512_set1_ps(b0 + i < rows
-                                ? output_factor(p, row_sum[r], row_max[r], kvh * G + r % G)
+                                ? output_factor(p, row_sum[r], row_max[r], kvh * G + r % G,
+                                                alibi_shift(alibi_from, slope[r], q_pos[r]))
                                 : 0.0f);
     }
     for (int64_t d0 = 0; d0 < Dp; d0 += 32) {
@@ -197,6 +200,7 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
   const bf16_t* query = static_cast<const bf16_t*>(p.query);
   const int32_t* table = p.block_tables + it.seq * p.MB;
   const bool transform = p.cap > 0.0f || p.slopes != nullptr;
+  const float alibi_from = alibi_origin(p, it);
   const bool scaled = p.qk_scale > 0.0f;  // the softmax applies the scale (kScaled)
   const __m512 scale = _mm512_set1_ps(p.qk_scale);
   AmxPacked own;
@@ -260,8 +264,8 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
         const bool mask = step_masks(p, it, k0, seen);
         if (scaled) {
           softmax_step<true, true, true>(p, St, kAmxRows, rows, seen, k0, transform, mask,
-                                         q_pos + r0, slope + r0, nullptr, row_max + r0,
-                                         row_sum + r0, alpha + r0);
+                                         q_pos + r0, slope + r0, alibi_from, nullptr,
+                                         row_max + r0, row_sum + r0, alpha + r0);
         } else {  // qk_scale <= 0: scaled here (max(s * scale) is not max(s) * scale)
           for (int64_t n = 0; n < round_up(seen, 16); ++n) {
             for (int v = 0; v < rt; ++v) {
@@ -270,8 +274,8 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
             }
           }
           softmax_step<true, false, true>(p, St, kAmxRows, rows, seen, k0, transform, mask,
-                                          q_pos + r0, slope + r0, nullptr, row_max + r0,
-                                          row_sum + r0, alpha + r0);
+                                          q_pos + r0, slope + r0, alibi_from, nullptr,
+                                          row_max + r0, row_sum + r0, alpha + r0);
         }
         // Pairs past the block's last key, up to the end of its 32-key chunk, hold stale
         // logits: zeros (the chunk's values there are zeros or finite, never read as such).
@@ -292,7 +296,7 @@ void run_item_amx(const Problem& p, const Item& it, AmxPacked* task_packed) {
           });
         }
       }
-      amx_write_rows(p, it, kvh, r0, rows, OT, row_sum, row_max);
+      amx_write_rows(p, it, kvh, r0, rows, OT, row_sum, row_max, q_pos, slope);
     }
   }
   if (p.stream_out) _mm_sfence();  // the streamed rows land before the task reports

@@ -301,10 +301,12 @@ struct Problem {
 // What a finished row's p.v sum is multiplied by: v_scale / its softmax denominator, 0 for a
 // row that saw no visible key. The denominator is row_sum, plus the head's attention sink
 // (kernel_common.h) where there is one; logits here are base 2, so the sink's share is
-// 2^(sink * log2(e) - row_max).
-inline float output_factor(const Problem& p, float row_sum, float row_max, int64_t head) {
+// 2^(sink * log2(e) - shift - row_max), shift being what the row's logits here fall short of
+// the spec's (alibi_shift).
+inline float output_factor(const Problem& p, float row_sum, float row_max, int64_t head,
+                           float shift = 0.0f) {
   if (!(row_sum > 0.0f)) return 0.0f;
-  const float sink = p.sinks ? std::exp2(p.sinks[head] * kLog2e - row_max) : 0.0f;
+  const float sink = p.sinks ? std::exp2(p.sinks[head] * kLog2e - shift - row_max) : 0.0f;
   return p.v_scale / (row_sum + sink);
 }
 
@@ -317,6 +319,24 @@ struct Item {
   int64_t pos0;    // position of the first token in its sequence
   int64_t k_begin, k_end;  // keys the tile reads: [k_begin, k_end)
 };
+
+// The position an item's ALiBi distances are measured from, or -1 for each row's own. The
+// spec's bias slope * (p_k - p_q) and slope * (p_k - origin) differ by a per-row constant,
+// which the softmax cancels (the sink moves with it: alibi_shift). Causal rows see no key past
+// p_q: their own. A non-causal row sees to its sequence's end (k_end, the item's last key):
+// measured from there, the keys that carry the weight have logits near the unbiased ones,
+// while from p_q the keys ahead carry slope x distance (~140 at 280 tokens), whose float32
+// rounding shows in every probability (varlen's XLA path, 280-token bidirectional ALiBi:
+// 2.3e-5 from the float64 oracle, 1.4e-6 measured from the end).
+inline float alibi_origin(const Problem& p, const Item& it) {
+  return p.causal || p.slopes == nullptr ? -1.0f : static_cast<float>(it.k_end - 1);
+}
+
+// What a row's base-2 logits fall short of the spec's under alibi_origin: slope (base 2) x how
+// far the origin lies past the row.
+inline float alibi_shift(float origin, float slope, float q_pos) {
+  return origin < 0.0f ? 0.0f : slope * (origin - q_pos);
+}
 
 struct Task {  // items [first, first + num_items), run in order by one thread
   int64_t first, num_items, cost;
@@ -341,13 +361,14 @@ constexpr float kLazyMargin = 8.0f;
 template <bool kTransform, bool kMask, bool kPairs, bool kScaled = false, bool kLazy = false>
 JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t Mp, int64_t M,
                                int64_t nv, int64_t k0, const float* q_pos, const float* slope,
-                               const float* step_max, float* row_max, float* row_sum,
-                               float* alpha) {
+                               float alibi_from, const float* step_max, float* row_max,
+                               float* row_sum, float* alpha) {
   const V masked = Vec::set1(kMasked);
   const V window = Vec::set1(static_cast<float>(p.window));
   const V scale = Vec::set1(p.qk_scale);
   for (int64_t rv = 0; rv < M; rv += W) {
     const V pq = Vec::load(q_pos + rv);
+    const V pa = alibi_from < 0.0f ? pq : Vec::set1(alibi_from);  // alibi_origin
     const V sl = Vec::load(slope + rv);
     // The step's largest logit per row: kept by q.k (no mask, no transform), else found here.
     V chunk_max = step_max != nullptr ? Vec::load(step_max + rv) : masked;
@@ -358,7 +379,7 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
         const V pk = Vec::set1(static_cast<float>(k0 + n));
         if (kTransform) {
           if (p.cap > 0.0f) s = Vec::soft_cap(s, p.cap);
-          if (p.slopes) s = Vec::fmadd(sl, Vec::sub(pk, pq), s);
+          if (p.slopes) s = Vec::fmadd(sl, Vec::sub(pk, pa), s);
         }
         if (kMask) {
           if (p.causal) s = Vec::if_le(pk, pq, s, masked);                        // p_k <= p_q
@@ -413,11 +434,11 @@ JAX_ATTN_HOT void softmax_rows(const Problem& p, float* __restrict St, int64_t M
 template <bool kPairs, bool kScaled = false, bool kLazy = false>
 inline void softmax_step(const Problem& p, float* St, int64_t Mp, int64_t M, int64_t nv,
                          int64_t k0, bool transform, bool mask, const float* q_pos,
-                         const float* slope, const float* step_max, float* row_max,
-                         float* row_sum, float* alpha) {
+                         const float* slope, float alibi_from, const float* step_max,
+                         float* row_max, float* row_sum, float* alpha) {
   const auto rows = [&](auto transform, auto masked) {
     softmax_rows<decltype(transform)::value, decltype(masked)::value, kPairs, kScaled, kLazy>(
-        p, St, Mp, M, nv, k0, q_pos, slope, step_max, row_max, row_sum, alpha);
+        p, St, Mp, M, nv, k0, q_pos, slope, alibi_from, step_max, row_max, row_sum, alpha);
   };
   const std::true_type yes;
   const std::false_type no;
@@ -772,6 +793,7 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
   }
   // Logits changed after q.k (soft cap, ALiBi): the softmax applies them, and finds the max.
   const bool transform = p.cap > 0.0f || p.slopes != nullptr;
+  const float alibi_from = alibi_origin(p, it);
   for (int64_t k0 = it.k_begin; k0 < it.k_end; k0 += kKeys) {
     const int64_t nv = std::min<int64_t>(kKeys, it.k_end - k0);
     // Keys k0 .. k0+nv through the block table: key n's slot holds [Hkv, D]; the item's kv
@@ -868,13 +890,14 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
       const int64_t visible = step_visible(p, it, k0);
       float* step_max = mask || transform ? nullptr : hs.step_max;
       head_logits<kDot>(p, hs, St, Mp, nv, visible, zero_row, next_query, step_max);
-      softmax_step<kDot>(p, St, Mp, M, nv, k0, transform, mask, hs.q_pos, hs.slope, step_max,
-                         hs.row_max, hs.row_sum, hs.alpha);
+      softmax_step<kDot>(p, St, Mp, M, nv, k0, transform, mask, hs.q_pos, hs.slope, alibi_from,
+                         step_max, hs.row_max, hs.row_sum, hs.alpha);
       const bool last = k0 + kKeys >= it.k_end;
       if (fused_out && last) {
         for (int64_t r = 0; r < M; ++r) {
           const int64_t head = (it.kvh + h) * G + r % G;
-          inv[r] = output_factor(p, hs.row_sum[r], hs.row_max[r], head);
+          inv[r] = output_factor(p, hs.row_sum[r], hs.row_max[r], head,
+                                 alibi_shift(alibi_from, hs.slope[r], hs.q_pos[r]));
           out_rows[r] = out + ((it.t0 + r / G) * Hq + head) * D;
         }
       }
@@ -910,7 +933,8 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
     const HeadState& hs = heads[h];
     for (int64_t r = 0; r < M; ++r) {
       const int64_t head = (it.kvh + h) * G + r % G;
-      const float inv = output_factor(p, hs.row_sum[r], hs.row_max[r], head);
+      const float inv = output_factor(p, hs.row_sum[r], hs.row_max[r], head,
+                                      alibi_shift(alibi_from, hs.slope[r], hs.q_pos[r]));
       QT* o = out + ((it.t0 + r / G) * Hq + head) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = narrow<QT>(hs.O[r * Dp + d] * inv);
     }
