@@ -32,6 +32,17 @@ SERVING_BUDGET = {"jax-cpu": 3, "TORCH_SDPA": 3}
 pytestmark = pytest.mark.xdist_group("fuzz")
 
 
+def _derandomized(examples: int):
+    """The slice's hypothesis settings: the same `examples` examples on every run."""
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
 def _available(name: str):
     reason = fuzz.backends()[name].why_unavailable()
     if reason is not None:
@@ -52,13 +63,7 @@ def test_fuzz_slice(name, sizes, record_property):
     counts = {"ran": 0, "n/a": 0}
     not_applicable: list[str] = []
 
-    @settings(
-        max_examples=budget,
-        derandomize=True,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @_derandomized(budget)
     @given(fuzz.examples(name, sizes))
     def body(example):
         cell = fuzz.check_example(name, example)
@@ -83,14 +88,10 @@ def test_fuzz_slice(name, sizes, record_property):
 
 
 def _drawn(name: str, sizes: str, count: int = 60) -> list:
+    """The specs of `count` derandomized examples of `sizes` for `name`."""
     drawn = []
 
-    @settings(
-        max_examples=count,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @_derandomized(count)
     @given(fuzz.examples(name, sizes))
     def collect(example):
         drawn.append(example.spec)
