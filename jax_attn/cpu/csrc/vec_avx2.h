@@ -178,21 +178,23 @@ inline __m256 exp2_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, pow2i8(n));
 }
 
-// tanh(x) = sign(x) * tanh(|x|), tanh16's formulas (kernel_common.h: the polynomial below
-// kTanhSmall); relative error ~2e-7.
+// tanh(x) = sign(x) * tanh(|x|), tanh16's formulas and shortcut (kernel_common.h: the
+// polynomial below kTanhSmall); relative error ~2e-7.
 inline __m256 tanh8(__m256 x) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   const __m256 ax = _mm256_andnot_ps(sign_bit, x);
-  const __m256 e = exp8(_mm256_add_ps(ax, ax));
-  const __m256 large = _mm256_sub_ps(
-      _mm256_set1_ps(1.0f),
-      _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
   const __m256 z = _mm256_mul_ps(ax, ax);
   __m256 poly = _mm256_set1_ps(kTanhPoly[4]);
   for (int k = 3; k >= 0; --k) poly = _mm256_fmadd_ps(poly, z, _mm256_set1_ps(kTanhPoly[k]));
-  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(ax, z), poly, ax);
-  const __m256 t =
-      _mm256_blendv_ps(large, small, _mm256_cmp_ps(ax, _mm256_set1_ps(kTanhSmall), _CMP_LT_OQ));
+  __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(ax, z), poly, ax);
+  const __m256 small = _mm256_cmp_ps(ax, _mm256_set1_ps(kTanhSmall), _CMP_LT_OQ);
+  if (_mm256_movemask_ps(small) != 0xFF) {
+    const __m256 e = exp8(_mm256_add_ps(ax, ax));
+    const __m256 large = _mm256_sub_ps(
+        _mm256_set1_ps(1.0f),
+        _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    t = _mm256_blendv_ps(large, t, small);
+  }
   return _mm256_or_ps(t, _mm256_and_ps(x, sign_bit));
 }
 
