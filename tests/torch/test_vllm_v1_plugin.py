@@ -123,20 +123,34 @@ CASES = {
     "f32-non-causal": dict(dtype=torch.float32, block_size=16, causal=False),
     "bf16-sinks-window": dict(dtype=torch.bfloat16, block_size=32, sinks=True, sliding_window=20),
     "f32-sinks-fp8": dict(dtype=torch.float32, block_size=16, sinks=True, kv_cache_dtype="fp8"),
+    # The engine's shapes: block 128, Hq 32 / Hkv 8, D 128; a 300-token prefill (three key
+    # steps of the ragged kernel), a chunk over a 1000-token prefix, and four decodes of which
+    # three pass 512 keys (the decode kernel, split over the workers); soft cap, ALiBi.
+    "bf16-serving-shapes": dict(dtype=torch.bfloat16, block_size=128, serving=True),
+    "f32-serving-shapes-cap-alibi": dict(
+        dtype=torch.float32, block_size=128, serving=True, soft_cap=30.0, alibi=True),
 }  # fmt: skip
+SERVING = dict(
+    num_heads=32, num_kv_heads=8, head_size=128,
+    q_lens=[1, 1, 1, 1, 300, 40], seq_lens=[700, 2100, 90, 1301, 300, 1040],
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_step_matches_the_oracle(case, seed):
     kw = CASES[case]
     dtype, block_size = kw["dtype"], kw["block_size"]
-    num_heads, num_kv_heads, head_size = 8, kw.get("num_kv_heads", 2), 64
+    shapes = SERVING if kw.get("serving") else {}
+    num_heads, head_size = shapes.get("num_heads", 8), shapes.get("head_size", 64)
+    num_kv_heads = shapes.get("num_kv_heads", kw.get("num_kv_heads", 2))
     kv_cache_dtype = kw.get("kv_cache_dtype", "auto")
     causal = kw.get("causal", True)
     k_scale, v_scale = (0.8, 1.3) if kv_cache_dtype != "auto" else (1.0, 1.0)
     gen = torch.Generator().manual_seed(seed)
     # A prefill, a chunk of 9 over a 31-token prefix, two decodes (one at a block's first slot).
     q_lens, seq_lens = [17, 9, 1, 1], [17, 40, 33, 2 * block_size + 1]
+    if shapes:  # decodes first, as vLLM orders a step (the builder's reorder_batch_threshold)
+        q_lens, seq_lens = shapes["q_lens"], shapes["seq_lens"]
     pad_tokens = 3
 
     nb_used = [-(-n // block_size) for n in seq_lens]
