@@ -337,19 +337,20 @@ def execute_reference(query, key, value, bias, *, scale, logits_soft_cap=None):
     if isinstance(bias, fmha.attn_bias.AttentionBias):
         dense = bias.materialize(shape, dtype=torch.float32, device=query.device)[0]
     elif bias is None:
-        dense = torch.zeros(shape[1:], dtype=torch.float32, device=query.device)
+        dense = None
     else:
         dense = bias.float().expand(shape)[0]
-    finite = torch.isfinite(dense)
-    top = torch.where(finite, dense, -torch.inf).amax(dim=-1, keepdim=True)
-    dense = dense - torch.where(torch.isfinite(top), top, 0.0)
+    if dense is not None:
+        top = torch.where(torch.isfinite(dense), dense, -torch.inf).amax(dim=-1, keepdim=True)
+        dense = dense - torch.where(torch.isfinite(top), top, 0.0)
     group = num_heads // num_kv_heads
     k = key.float().repeat_interleave(group, dim=1)  # [Tk, Hq, D]
     v = value.float().repeat_interleave(group, dim=1)
     logits = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
     if logits_soft_cap is not None:
         logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-    logits = logits + dense
+    if dense is not None:
+        logits = logits + dense
     row_max = logits.amax(dim=-1, keepdim=True)
     weights = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, 0.0))
     total = weights.sum(dim=-1, keepdim=True)

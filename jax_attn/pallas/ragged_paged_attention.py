@@ -134,6 +134,9 @@ def _ragged_kernel(
     else:
         # [G_pad] -> [block_q, G_pad] -> [rows]
         slopes = jnp.broadcast_to(slopes_ref[...][None, :], (block_q, group_pad)).reshape(rows)
+        # Each row's bias is measured from the last key it sees (the spec's bias up to a
+        # per-row constant, which the softmax cancels: jax_attn._online_softmax.alibi_origin).
+        origin = q_pos if causal else jnp.broadcast_to(kv_len - 1, q_pos.shape)  # [rows]
 
     def table(start, size):
         return block_tables_ref[seq, pl.ds(start, size)]
@@ -157,9 +160,6 @@ def _ragged_kernel(
             valid = valid & (q_pos[:, None] - key_pos[None, :] < sliding_window)
         bias = None
         if slopes is not None:
-            # Measured from the last key a row sees (the spec's bias up to a per-row constant,
-            # which the softmax cancels: jax_attn._online_softmax.alibi_origin).
-            origin = q_pos if causal else jnp.broadcast_to(kv_len - 1, q_pos.shape)
             rel = (key_pos[None, :] - origin[:, None]).astype(jnp.float32)
             bias = slopes[:, None] * rel  # [rows, block_k]
         return softmax.step(

@@ -265,6 +265,9 @@ def _attend(q, row_pos, row_valid, slopes, pages, scratch, *, lo, hi, cfg):
     l_ref[:, :rows] = jnp.zeros((num_kv_heads, rows, 1), jnp.float32)
     first = lo // block_k
     last = pl.cdiv(hi, block_k)
+    # ALiBi is measured from the last key a row sees (the spec's bias up to a per-row constant,
+    # which the softmax cancels: jax_attn._online_softmax.alibi_origin).
+    origin = row_pos if cfg.causal else hi - 1
 
     @pl.when(first < last)
     def _():
@@ -300,9 +303,6 @@ def _attend(q, row_pos, row_valid, slopes, pages, scratch, *, lo, hi, cfg):
         if cfg.logits_soft_cap is not None:
             logits = cfg.logits_soft_cap * jnp.tanh(logits / cfg.logits_soft_cap)
         if slopes is not None:
-            # Measured from the last key a row sees (the spec's bias up to a per-row constant,
-            # which the softmax cancels: jax_attn._online_softmax.alibi_origin).
-            origin = row_pos if cfg.causal else hi - 1
             logits = logits + slopes * (key_pos - origin).astype(jnp.float32)[None]
         # `where`, not an additive mask: a NaN key gives a NaN logit that must not survive.
         logits = jnp.where(valid[None], logits, MASK_VALUE)
