@@ -53,8 +53,9 @@ BATCHES = {
         [1, 40, 1, 1, 5, 1, 3] + [1] * 10,
         [899, 0, 250, 350, 60, 59, 7, 700, 650, 900, 20, 1000, 3, 750, 800, 600, 710],
     ),
-    # Prefill tiles and a run of 10 long decodes: the decodes are staged in groups of about
-    # 4 MiB of K/V (2-3 sequences each at Hkv 4, D 128, float32) behind the prefill tasks.
+    # Prefill tiles and a run of 10 long decodes: the decodes run beside the prefill tasks
+    # (run_beside; or, staged, in groups of about 4 MiB of K/V: 2-3 sequences each at Hkv 4,
+    # D 128, float32).
     "staged": (
         [40, 33] + [1] * 10,
         [0, 5, 700, 650, 900, 20, 1000, 3, 750, 800, 600, 710],
@@ -221,6 +222,44 @@ def test_threads_agree(rng, monkeypatch):
     assert_close(outs[0][: len(expected)], expected, "float32")
     for out in outs[1:]:
         np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(batch="staged", head_size=128, num_heads=16, num_kv_heads=4),
+        Case(
+            batch="staged",
+            head_size=128,
+            num_heads=8,
+            num_kv_heads=4,
+            dtype="bfloat16",
+            alibi=True,
+            sliding_window=300,
+        ),
+    ],
+    ids=str,
+)
+def test_mixed_step_schedules_agree(case: Case, rng, monkeypatch):
+    """A mixed step's decode run beside its prefill tasks (the default), staged behind them
+    ($JAX_ATTN_CPU_MIXED_SCHEDULE=staged) and on one worker: every row within tolerance of the
+    float64 oracle, and the same bits in all three (each decode is one item either way)."""
+    md, query, kc, vc, kwargs, expected = _run(case, rng)
+    outs = []
+    for schedule, threads in [(None, None), ("staged", None), (None, "1")]:
+        for name, value in [
+            ("JAX_ATTN_CPU_MIXED_SCHEDULE", schedule),
+            ("JAX_ATTN_CPU_THREADS", threads),
+        ]:
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        outs.append(np.asarray(_call(query, kc, vc, md, **kwargs)))
+    for out in outs:
+        assert_close(out[: len(expected)], expected, case.dtype)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

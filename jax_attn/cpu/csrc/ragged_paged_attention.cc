@@ -42,8 +42,10 @@
 // the workers (28 decodes at 1024 keys, float32: 7.8 vs 10.2 ms; one decode at 16384 keys, bf16:
 // 1.5 vs 6.5 ms; 2-core Zen 5 VM, NOTES.md). Same semantics: a decode is the sequence's last
 // position, so causal or not it sees keys [window start, seq_len). In a step that also has
-// prefill tiles, its largest decode run is staged behind them (run_staged): the prefill math
-// requests the decodes' blocks into L2 while it runs, and the decodes follow group by group.
+// prefill tiles, its largest decode run runs beside them (run_beside): half the workers start
+// on its memory-bound decodes while the others start on the compute-bound tiles, so the memory
+// streams while the FMAs run ($JAX_ATTN_CPU_MIXED_SCHEDULE=staged: the older schedule, where
+// the prefill math requests the decodes' blocks into L2 and the decodes follow group by group).
 //
 // Threads: tasks (runs of up to kTilesPerTask tiles of one sequence and kv head, which share
 // their keys in L2) go longest first over the caller's `Workers` (XLA's intra-op pool for the
@@ -113,9 +115,10 @@ constexpr int64_t kMaxFusedRows = 256;
 // prefill-8x512 45.8 / 46.4 ms vs 46.1 / 47.4 / 48.4, then 45.7 / 46.8 / 47.5 vs 47.7 / 48.6 /
 // 52.3; mixed (17 MiB) 11.1-11.2 vs 11.3-11.8, then 11.3-11.9 vs 11.3-12.2.
 constexpr int64_t kStreamOutputBytes = 8 << 20;
-// A mixed step's decode run is staged (run_staged) in groups of about this many bytes of K and
-// V (2, 4 and 8 MiB measured: 4 best), when it has at least kStageMinSeqsPerWorker sequences
-// per worker (one item per sequence there: no split-K to balance long ones).
+// A mixed step's decode run goes beside its prefill tiles (run_beside) when it has at least
+// kStageMinSeqsPerWorker sequences per worker (one item per sequence there: no split-K to
+// balance long ones); the staged schedule takes it in groups of about kStageBytes of K and V
+// (2, 4 and 8 MiB measured: 4 best).
 constexpr int64_t kStageBytes = 4 << 20;
 constexpr int64_t kStageMinSeqsPerWorker = 4;
 // Lines of the next item's query requested before each q.k register block (8, 16, 32, 64
@@ -138,9 +141,10 @@ inline int64_t keys_seen(int64_t visible, int64_t G, int64_t row) {
   return std::max<int64_t>(0, visible + row / G);
 }
 
-// Decode data staged during a mixed step's prefill (run_staged): a group's decode blocks, handed
-// out whole to the threads that compute the group's prefill tasks (WarmCursor), whose p.v
-// blocks request one line per key step into L2 (PREFETCHT1) while their FMAs run.
+// Decode data staged during a mixed step's prefill (run_beside's staged schedule): a group's
+// decode blocks, handed out whole to the threads that compute the group's prefill tasks
+// (WarmCursor), whose p.v blocks request one line per key step into L2 (PREFETCHT1) while their
+// FMAs run.
 struct WarmList {
   const char* key = nullptr;    // the caches
   const char* value = nullptr;
@@ -230,7 +234,7 @@ struct PvArgs {
   void* const* out_rows;
   const float* inv;        // ... and its factor v_scale / row_sum (0: no visible key)
   bool stream;             // ... written with streaming stores (Problem::stream_out)
-  WarmCursor* warm;        // decode lines to request meanwhile (run_staged), or nullptr
+  WarmCursor* warm;        // decode lines to request meanwhile (the staged schedule), or nullptr
 };
 
 template <int R, int DV, bool kDot>
@@ -705,7 +709,7 @@ inline void transpose_queries(RowFn row, int64_t M, int64_t Mp, int64_t D, float
 // next_task: it starts another task (its first step's keys are requested too).
 // keys_in_l2: no next-step K/V prefetch: an earlier item of the task read all of this item's
 // keys, or on Intel the task's keys outgrow the L2 (run_task). warm: decode lines the p.v
-// blocks request meanwhile (run_staged), or nullptr.
+// blocks request meanwhile (run_beside's staged schedule), or nullptr.
 template <typename QT, typename CT, bool kDot>
 void run_item(const Problem& p, const Item& it, const Item* next, bool next_task,
               bool keys_in_l2, WarmCursor* warm, PackedValues* packed, PackedRows* shared) {
@@ -1131,14 +1135,22 @@ void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor
 // and the task helpers above.
 #include "ragged_amx.h"
 
-// A mixed step's decode run, staged. Memory-bound decodes and compute-bound prefill tiles in
-// one step: the decode run's sequences form groups of about kStageBytes of K and V, and the
-// prefill tasks are dealt round-robin to the groups. The workers walk one list, [group 0's
-// prefill tasks, group 0's decodes, group 1's prefill tasks, ...]. While a group's prefill
-// tasks compute, their p.v blocks request the group's decode blocks into L2 (WarmCursor), so the
-// decodes that follow read them from L2 or L3 rather than from DRAM. Measured on the 2-core
-// Zen 5 VM (4 x 256 prefill + 28 decodes at 1024 keys, float32): 13.2-13.3 ms vs 14.0-15.6
-// with the decodes after all the prefill tiles (NOTES.md).
+// A mixed step's decode run beside its prefill tasks: memory-bound decodes and compute-bound
+// tiles in one step. By default half the workers start on the decodes (one item per sequence)
+// while the others start on the tasks, each taking from the other queue once its own is
+// empty: the decodes stream from memory while the tiles' FMAs run. Measured on the 2-core Zen 4
+// VM (the torch op, calls alternated in one process, 5 runs of 10-15 s; NOTES.md), against the
+// staged schedule below: 4 x 256 prefill + 28 decodes at 1024 keys, float32 1.06x faster
+// (median of the runs' ratios; 1.005-1.105), bfloat16 1.05x; 4 x 1024 + 27 at 1088 (the
+// engine's mixed step) 1.05x and 1.03x.
+// $JAX_ATTN_CPU_MIXED_SCHEDULE=staged (read per call) takes the staged schedule instead: the
+// decode run's sequences form groups of about kStageBytes of K and V, and the prefill tasks are
+// dealt round-robin to the groups. The workers walk one list, [group 0's prefill tasks, group
+// 0's decodes, group 1's prefill tasks, ...]. While a group's prefill tasks compute, their p.v
+// blocks request the group's decode blocks into L2 (WarmCursor), so the decodes that follow
+// read them from L2 or L3 rather than from DRAM. Measured on the 2-core Zen 5 VM (4 x 256
+// prefill + 28 decodes at 1024 keys, float32): 13.2-13.3 ms vs 14.0-15.6 with the decodes
+// after all the prefill tiles; level with that on the Zen 4 VM (NOTES.md).
 struct StageGroup {
   WarmList warm;
   std::vector<int64_t> tasks;
@@ -1150,12 +1162,15 @@ struct Staging {
   int64_t num_items = 0;          // decode items (the run's non-empty sequences)
 };
 
-// Runs the prefill tasks (run_task(t, warm)) and the staged decode run together. paged_decode
-// builds its items and hands them to `Workers`; ours walks the staged list instead, on the
-// caller's workers. Should paged_decode ask for another item count than planned, or run its
-// items inline (one worker, one item), the tasks simply run after the decodes.
+// Runs the prefill tasks (run_task(t, warm)) and the decode run together. paged_decode builds
+// its items and hands them to `Workers`; ours runs them beside the tasks instead (or walks the
+// staged list), on the caller's workers. Should paged_decode ask for another item count than
+// planned, or run its items inline (one worker, one item), the tasks simply run after the
+// decodes.
 template <typename RunTask>
-std::string run_staged(const Workers& base, Staging& st, int64_t num_tasks, RunTask& run_task) {
+std::string run_beside(const Workers& base, Staging& st, int64_t num_tasks, RunTask& run_task) {
+  const char* schedule = std::getenv("JAX_ATTN_CPU_MIXED_SCHEDULE");
+  const bool staged = schedule != nullptr && std::string(schedule) == "staged";
   struct Entry {
     int64_t group, task, item;  // task >= 0: that prefill task; else decode item `item`
   };
@@ -1172,8 +1187,10 @@ std::string run_staged(const Workers& base, Staging& st, int64_t num_tasks, RunT
     const std::vector<Entry>* entries;
     std::function<void(int64_t, WarmCursor*)> run_task;
     int64_t num_tasks;
+    bool staged;
     bool tasks_ran = false;
-  } ctx{&base, &st, &entries, [&](int64_t t, WarmCursor* w) { run_task(t, w); }, num_tasks};
+  } ctx{&base, &st, &entries, [&](int64_t t, WarmCursor* w) { run_task(t, w); }, num_tasks,
+        staged};
   Workers workers;
   workers.count = base.count;
   workers.self = &ctx;
@@ -1185,6 +1202,21 @@ std::string run_staged(const Workers& base, Staging& st, int64_t num_tasks, RunT
       return;
     }
     c.tasks_ran = true;
+    if (!c.staged) {  // half the workers start on the decodes, the others on the tasks
+      std::atomic<int64_t> next_item{0}, next_task{0};
+      const int64_t loops = std::min<int64_t>(count, n + c.num_tasks);
+      run_items(*c.base, loops, loops, [&](int64_t w) {
+        const bool decodes_first = w < (loops + 1) / 2;
+        for (int pass = 0; pass < 2; ++pass) {
+          if (decodes_first == (pass == 0)) {
+            for (int64_t i; (i = next_item.fetch_add(1)) < n;) item(item_ctx, i);
+          } else {
+            for (int64_t t; (t = next_task.fetch_add(1)) < c.num_tasks;) c.run_task(t, nullptr);
+          }
+        }
+      });
+      return;
+    }
     run_items(*c.base, static_cast<int64_t>(c.entries->size()), count, [&](int64_t e) {
       const Entry& en = (*c.entries)[e];
       if (en.task >= 0) {
@@ -1222,7 +1254,7 @@ std::string run_all(const Workers& workers, const Problem& p, const std::vector<
     }
   };
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  if (staging != nullptr) return run_staged(workers, *staging, num_tasks, task_fn);
+  if (staging != nullptr) return run_beside(workers, *staging, num_tasks, task_fn);
   TaskQueue queue;
   queue.items = items.data();
   queue.tasks = tasks.data();
@@ -1411,9 +1443,9 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
     d.logits_soft_cap = a.logits_soft_cap;
     return d;
   };
-  // A step with prefill tiles and a decode run of several sequences per worker stages its
-  // largest such run (run_staged): one item per sequence, in groups of about kStageBytes; the
-  // other runs follow it.
+  // A step with prefill tiles and a decode run of several sequences per worker runs its largest
+  // such run beside the tiles (run_beside): one item per sequence (in groups of about
+  // kStageBytes for the staged schedule); the other runs follow it.
   std::unique_ptr<Staging> staging;
   int64_t staged_run = -1, staged_seqs = 0;
   for (int64_t i = 0; i < static_cast<int64_t>(decode_runs.size()); ++i) {
