@@ -78,6 +78,20 @@ class Case(CaseId):
     soft_cap: float | None = None
 
 
+# Mixed steps whose decode run goes beside the prefill tiles (run_beside), f32 and bf16.
+STAGED = [
+    Case(batch="staged", head_size=128, num_heads=16, num_kv_heads=4),
+    Case(
+        batch="staged",
+        head_size=128,
+        num_heads=8,
+        num_kv_heads=4,
+        dtype="bfloat16",
+        sliding_window=300,
+        alibi=True,
+    ),
+]
+
 CASES = [
     *(Case(batch=b) for b in BATCHES),
     *(Case(block_size=bs) for bs in (1, 8, 32, 128)),
@@ -97,7 +111,7 @@ CASES = [
     Case(dtype="bfloat16", head_size=100, num_heads=5, num_kv_heads=1, block_size=8),
     Case(batch="long", head_size=128, num_heads=32, num_kv_heads=8),
     Case(batch="large", head_size=256, num_heads=8, num_kv_heads=2),
-    Case(batch="staged", head_size=128, num_heads=16, num_kv_heads=4),
+    *STAGED,
     Case(batch="lone", head_size=128, num_heads=16, num_kv_heads=4, block_size=32),
     Case(
         batch="lone",
@@ -107,15 +121,6 @@ CASES = [
         dtype="bfloat16",
         cache_dtype="float8_e4m3fn",
         sliding_window=700,
-        alibi=True,
-    ),
-    Case(
-        batch="staged",
-        head_size=128,
-        num_heads=8,
-        num_kv_heads=4,
-        dtype="bfloat16",
-        sliding_window=300,
         alibi=True,
     ),
     *(Case(dtype=d) for d in ("bfloat16", "float16")),
@@ -224,22 +229,7 @@ def test_threads_agree(rng, monkeypatch):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        Case(batch="staged", head_size=128, num_heads=16, num_kv_heads=4),
-        Case(
-            batch="staged",
-            head_size=128,
-            num_heads=8,
-            num_kv_heads=4,
-            dtype="bfloat16",
-            alibi=True,
-            sliding_window=300,
-        ),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("case", STAGED, ids=str)
 def test_mixed_step_schedules_agree(case: Case, rng, monkeypatch):
     """A mixed step's decode run beside its prefill tasks (the default), staged behind them
     ($JAX_ATTN_CPU_MIXED_SCHEDULE=staged) and on one worker: every row within tolerance of the
