@@ -1158,9 +1158,17 @@ struct StageGroup {
 };
 struct Staging {
   DecodeArgs args;                // the decode run, one item per non-empty sequence
-  std::deque<StageGroup> groups;  // a WarmList holds an atomic: not movable
   int64_t num_items = 0;          // decode items (the run's non-empty sequences)
+  bool staged = false;            // the staged schedule; else beside, and `groups` stays empty
+  std::deque<StageGroup> groups;  // a WarmList holds an atomic: not movable
 };
+
+// Whether a mixed step takes the staged schedule: $JAX_ATTN_CPU_MIXED_SCHEDULE=staged, read per
+// call so that one process can compare both.
+inline bool staged_schedule() {
+  const char* schedule = std::getenv("JAX_ATTN_CPU_MIXED_SCHEDULE");
+  return schedule != nullptr && std::strcmp(schedule, "staged") == 0;
+}
 
 // Runs the prefill tasks (run_task(t, warm)) and the decode run together. paged_decode builds
 // its items and hands them to `Workers`; ours runs them beside the tasks instead (or walks the
@@ -1169,8 +1177,6 @@ struct Staging {
 // decodes.
 template <typename RunTask>
 std::string run_beside(const Workers& base, Staging& st, int64_t num_tasks, RunTask& run_task) {
-  const char* schedule = std::getenv("JAX_ATTN_CPU_MIXED_SCHEDULE");
-  const bool staged = schedule != nullptr && std::string(schedule) == "staged";
   struct Entry {
     int64_t group, task, item;  // task >= 0: that prefill task; else decode item `item`
   };
@@ -1190,7 +1196,7 @@ std::string run_beside(const Workers& base, Staging& st, int64_t num_tasks, RunT
     bool staged;
     bool tasks_ran = false;
   } ctx{&base, &st, &entries, [&](int64_t t, WarmCursor* w) { run_task(t, w); }, num_tasks,
-        staged};
+        st.staged};
   Workers workers;
   workers.count = base.count;
   workers.self = &ctx;
@@ -1461,19 +1467,21 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
     const auto [s0, s1] = decode_runs[staged_run];
     staging->args = decode_args(s0, s1);
     staging->args.split_tokens = MB * BS + 1;  // one item per non-empty sequence
-    const int64_t block_bytes =
-        BS * Hkv * D * element_bytes(ct);
-    const int64_t budget = kStageBytes;
-    int64_t bytes = budget;
+    staging->num_items = staged_seqs;
+    staging->staged = staged_schedule();
+  }
+  if (staging && staging->staged) {  // groups of about kStageBytes, tasks dealt round-robin
+    const auto [s0, s1] = decode_runs[staged_run];
+    const int64_t block_bytes = BS * Hkv * D * element_bytes(ct);
+    int64_t bytes = kStageBytes, item = 0;
     for (int64_t s = s0; s < s1; ++s) {
       if (lens[s] <= 0) continue;
-      if (bytes >= budget) {
-        staging->groups.emplace_back();
-        StageGroup& g = staging->groups.back();
+      if (bytes >= kStageBytes) {
+        StageGroup& g = staging->groups.emplace_back();
         g.warm.key = static_cast<const char*>(p.key_cache);
         g.warm.value = static_cast<const char*>(p.value_cache);
         g.warm.block_bytes = block_bytes;
-        g.item_begin = g.item_end = staging->num_items;
+        g.item_begin = g.item_end = item;
         bytes = 0;
       }
       StageGroup& g = staging->groups.back();
@@ -1482,13 +1490,12 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
         g.warm.blocks.push_back(tables[s * MB + b]);
         bytes += 2 * block_bytes;
       }
-      g.item_end = ++staging->num_items;
+      g.item_end = ++item;
     }
-    const int64_t ng = static_cast<int64_t>(staging->groups.size());
+    const int64_t ng = static_cast<int64_t>(staging->groups.size());  // > 0: staged_seqs > 0
     for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
-      if (ng > 0) staging->groups[t % ng].tasks.push_back(t);
+      staging->groups[t % ng].tasks.push_back(t);
     }
-    if (ng == 0) staging.reset();
   }
 
   std::string error;
