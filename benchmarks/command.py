@@ -101,7 +101,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--output-pages-ab",
         action="store_true",
         help="with --engine: also the plugin with the kernels' large outputs on huge pages and "
-        "on 4 KiB pages (JAX_ATTN_CPU_HUGE_OUTPUT=1 / 0), whichever they choose by default",
+        "on 4 KiB pages (JAX_ATTN_CPU_HUGE_OUTPUT=1 / 0), beside the default (huge pages, 4 KiB "
+        "pages after a slow one)",
     )
     bench.add_argument(
         "--mesh",

@@ -39,7 +39,7 @@ extern "C" __attribute__((visibility("default"))) const char* jax_attn_cpu_isa()
       std::string("bf16 products: ") + products + "; vectors: " + vectors + "; prefetch: " +
       (nta == 0 ? std::string("L2")
                 : "NTA for tiles up to " + std::to_string(nta / 1024) + " KiB, else L2") +
-      "; large outputs: " + (huge_output_pages() ? "huge pages" : "4 KiB pages");
+      "; large outputs: " + huge_output_text();
   return text.c_str();
 }
 
