@@ -62,6 +62,9 @@ inline const char* huge_output_text() {
   }
 }
 
+constexpr uintptr_t kHugePage = uintptr_t{2} << 20;  // an x86-64 transparent huge page
+constexpr uintptr_t kSmallPage = 4096;
+
 // A huge chunk slower than this to fault in: twice what 512 small pages took (above).
 constexpr int64_t kSlowHugeChunkNs = 2'000'000;
 
@@ -88,14 +91,13 @@ inline int64_t steady_ns() {
 // the range advised MADV_HUGEPAGE); after a chunk slower than slow_huge_chunk_ns() the rest is
 // advised MADV_NOHUGEPAGE and faulted in on 4 KiB pages.
 inline void populate_huge_until_slow(uintptr_t lo, uintptr_t hi) {
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  for (uintptr_t at = lo; at < hi; at += kHuge) {
+  for (uintptr_t at = lo; at < hi; at += kHugePage) {
     const int64_t start = steady_ns();
-    madvise(reinterpret_cast<void*>(at), kHuge, kPopulateWrite);
-    if (steady_ns() - start > slow_huge_chunk_ns() && at + kHuge < hi) {
-      void* rest = reinterpret_cast<void*>(at + kHuge);
-      madvise(rest, hi - at - kHuge, MADV_NOHUGEPAGE);
-      madvise(rest, hi - at - kHuge, kPopulateWrite);
+    madvise(reinterpret_cast<void*>(at), kHugePage, kPopulateWrite);
+    if (steady_ns() - start > slow_huge_chunk_ns() && at + kHugePage < hi) {
+      void* rest = reinterpret_cast<void*>(at + kHugePage);
+      madvise(rest, hi - at - kHugePage, MADV_NOHUGEPAGE);
+      madvise(rest, hi - at - kHugePage, kPopulateWrite);
       return;
     }
   }
@@ -113,14 +115,13 @@ inline void populate_huge_until_slow(uintptr_t lo, uintptr_t hi) {
 // advice does nothing.
 inline void prefault_output(const Workers& workers, void* data, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  constexpr uintptr_t kPage = 4096;
   const HugeOutputs policy = huge_output_policy();
-  if (bytes < 4 * kHuge) return;  // small: a syscall for little
+  if (bytes < 4 * kHugePage) return;  // small: a syscall for little
   const uintptr_t first = reinterpret_cast<uintptr_t>(data);
   const uintptr_t last = first + bytes;
-  const uintptr_t begin = (first + kHuge - 1) & ~(kHuge - 1);  // the 2 MiB aligned inside
-  const uintptr_t end = last & ~(kHuge - 1);
+  // The 2 MiB aligned inside [begin, end).
+  const uintptr_t begin = (first + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = last & ~(kHugePage - 1);
   if (policy != HugeOutputs::kNever && end > begin) {
     madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
   }
@@ -132,27 +133,27 @@ inline void prefault_output(const Workers& workers, void* data, size_t bytes) {
   if (policy == HugeOutputs::kUntilSlow && end > begin) {
     // Shares of whole chunks; the partial pages before `begin` and after `end` with the first
     // and the last share, on 4 KiB pages.
-    const uintptr_t chunks = (end - begin) / kHuge;
+    const uintptr_t chunks = (end - begin) / kHugePage;
     run_items(workers, shares, [&](int64_t w) {
-      const uintptr_t lo = begin + chunks * w / shares * kHuge;
-      const uintptr_t hi = begin + chunks * (w + 1) / shares * kHuge;
+      const uintptr_t lo = begin + chunks * w / shares * kHugePage;
+      const uintptr_t hi = begin + chunks * (w + 1) / shares * kHugePage;
       if (w == 0) {
-        const uintptr_t page = (first + kPage - 1) & ~(kPage - 1);
+        const uintptr_t page = (first + kSmallPage - 1) & ~(kSmallPage - 1);
         if (begin > page) madvise(reinterpret_cast<void*>(page), begin - page, kPopulateWrite);
       }
       if (w == shares - 1) {
-        const uintptr_t page = last & ~(kPage - 1);
+        const uintptr_t page = last & ~(kSmallPage - 1);
         if (page > end) madvise(reinterpret_cast<void*>(end), page - end, kPopulateWrite);
       }
       populate_huge_until_slow(lo, hi);
     });
     return;
   }
-  const uintptr_t share = ((bytes + shares - 1) / shares + kPage - 1) & ~(kPage - 1);
+  const uintptr_t share = ((bytes + shares - 1) / shares + kSmallPage - 1) & ~(kSmallPage - 1);
   run_items(workers, shares, [&](int64_t w) {
     // Whole pages only: a page shared with the buffer's neighbours is left to fault as usual.
-    const uintptr_t lo = (first + w * share + kPage - 1) & ~(kPage - 1);
-    const uintptr_t hi = std::min<uintptr_t>(first + (w + 1) * share, last) & ~(kPage - 1);
+    const uintptr_t lo = (first + w * share + kSmallPage - 1) & ~(kSmallPage - 1);
+    const uintptr_t hi = std::min<uintptr_t>(first + (w + 1) * share, last) & ~(kSmallPage - 1);
     if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, kPopulateWrite);
   });
 #else

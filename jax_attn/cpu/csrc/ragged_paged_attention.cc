@@ -1193,10 +1193,8 @@ std::string run_beside(const Workers& base, Staging& st, int64_t num_tasks, RunT
     const std::vector<Entry>* entries;
     std::function<void(int64_t, WarmCursor*)> run_task;
     int64_t num_tasks;
-    bool staged;
     bool tasks_ran = false;
-  } ctx{&base, &st, &entries, [&](int64_t t, WarmCursor* w) { run_task(t, w); }, num_tasks,
-        st.staged};
+  } ctx{&base, &st, &entries, [&](int64_t t, WarmCursor* w) { run_task(t, w); }, num_tasks};
   Workers workers;
   workers.count = base.count;
   workers.self = &ctx;
@@ -1208,7 +1206,7 @@ std::string run_beside(const Workers& base, Staging& st, int64_t num_tasks, RunT
       return;
     }
     c.tasks_ran = true;
-    if (!c.staged) {  // half the workers start on the decodes, the others on the tasks
+    if (!c.st->staged) {  // half the workers start on the decodes, the others on the tasks
       std::atomic<int64_t> next_item{0}, next_task{0};
       const int64_t loops = std::min<int64_t>(count, n + c.num_tasks);
       run_items(*c.base, loops, loops, [&](int64_t w) {
@@ -1469,32 +1467,31 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
     staging->args.split_tokens = MB * BS + 1;  // one item per non-empty sequence
     staging->num_items = staged_seqs;
     staging->staged = staged_schedule();
-  }
-  if (staging && staging->staged) {  // groups of about kStageBytes, tasks dealt round-robin
-    const auto [s0, s1] = decode_runs[staged_run];
-    const int64_t block_bytes = BS * Hkv * D * element_bytes(ct);
-    int64_t bytes = kStageBytes, item = 0;
-    for (int64_t s = s0; s < s1; ++s) {
-      if (lens[s] <= 0) continue;
-      if (bytes >= kStageBytes) {
-        StageGroup& g = staging->groups.emplace_back();
-        g.warm.key = static_cast<const char*>(p.key_cache);
-        g.warm.value = static_cast<const char*>(p.value_cache);
-        g.warm.block_bytes = block_bytes;
-        g.item_begin = g.item_end = item;
-        bytes = 0;
+    if (staging->staged) {  // groups of about kStageBytes, tasks dealt round-robin
+      const int64_t block_bytes = BS * Hkv * D * element_bytes(ct);
+      int64_t bytes = kStageBytes, item = 0;
+      for (int64_t s = s0; s < s1; ++s) {
+        if (lens[s] <= 0) continue;
+        if (bytes >= kStageBytes) {
+          StageGroup& g = staging->groups.emplace_back();
+          g.warm.key = static_cast<const char*>(p.key_cache);
+          g.warm.value = static_cast<const char*>(p.value_cache);
+          g.warm.block_bytes = block_bytes;
+          g.item_begin = g.item_end = item;
+          bytes = 0;
+        }
+        StageGroup& g = staging->groups.back();
+        const KeyRange r = visible_keys(lens[s] - 1, lens[s], p.window);
+        for (int64_t b = r.begin / BS; b <= (r.end - 1) / BS; ++b) {
+          g.warm.blocks.push_back(tables[s * MB + b]);
+          bytes += 2 * block_bytes;
+        }
+        g.item_end = ++item;
       }
-      StageGroup& g = staging->groups.back();
-      const KeyRange r = visible_keys(lens[s] - 1, lens[s], p.window);
-      for (int64_t b = r.begin / BS; b <= (r.end - 1) / BS; ++b) {
-        g.warm.blocks.push_back(tables[s * MB + b]);
-        bytes += 2 * block_bytes;
+      const int64_t ng = static_cast<int64_t>(staging->groups.size());  // > 0: staged_seqs > 0
+      for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
+        staging->groups[t % ng].tasks.push_back(t);
       }
-      g.item_end = ++item;
-    }
-    const int64_t ng = static_cast<int64_t>(staging->groups.size());  // > 0: staged_seqs > 0
-    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
-      staging->groups[t % ng].tasks.push_back(t);
     }
   }
 
