@@ -206,6 +206,55 @@ def test_quads_match_float64(case: Case, rng):
     _check_against_float64(case, rng)
 
 
+@pytest.mark.parametrize("split_tokens", [None, 96])
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_quads_follow_logits_that_climb_and_fall(cache_dtype, split_tokens, rng):
+    """The quads' softmax reference is lazy (decode_quads.h, kQuadLazyMargin): a row's max
+    moves only when a tile's logits pass it by the margin, and then its running sum and output
+    are rescaled. Keys with a shared offset that climbs ~0.4 logits per token over the first
+    half of each sequence and falls back make every row's reference move many times, within
+    one part and across split parts (split_tokens 96); NaN fills every slot no sequence owns.
+    Against float64 on the cache's own values."""
+    hq, hkv, d, bs = 8, 2, 64, 16
+    seq_lens = [300, 160, 513]
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
+    query = np.abs(rng.standard_normal((len(seq_lens), hq, d))).astype(jnp.bfloat16)
+    key_cache = np.full((num_blocks, bs, hkv, d), np.nan, np.float32).astype(cache_dtype)
+    value_cache = key_cache.copy()
+    tables = np.zeros((len(seq_lens), -(-max(seq_lens) // bs)), np.int32)
+    perm, used = rng.permutation(num_blocks), 0
+    scale = d**-0.5
+    expected = np.zeros((len(seq_lens), hq, d))
+    for i, n in enumerate(seq_lens):
+        nb = -(-n // bs)
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+        # q >= 0, so q . (noise + c) grows with c by ~c * sum(q) / sqrt(d) ~ 6.4 c.
+        climb = np.minimum(np.arange(n), n - np.arange(n)) * (0.4 / 6.4)
+        k = (rng.standard_normal((n, hkv, d)) + climb[:, None, None]).astype(cache_dtype)
+        v = rng.standard_normal((n, hkv, d)).astype(cache_dtype)
+        for t in range(n):
+            key_cache[tables[i, t // bs], t % bs] = k[t]
+            value_cache[tables[i, t // bs], t % bs] = v[t]
+        q64 = query[i].astype(np.float64).reshape(hkv, hq // hkv, d)
+        logits = np.einsum("hgd,thd->hgt", q64, k.astype(np.float64)) * scale
+        assert logits.max() - logits[..., :16].max() > 2 * 5.5  # the reference must move
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        out = np.einsum("hgt,thd->hgd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+        expected[i] = out.reshape(hq, d)
+    out = cpu.paged_decode(
+        jnp.asarray(query),
+        jnp.asarray(key_cache),
+        jnp.asarray(value_cache),
+        jnp.asarray(tables),
+        jnp.asarray(np.array(seq_lens, np.int32)),
+        scale=scale,
+        split_tokens=split_tokens,
+    )
+    fp8 = ("float8_e4m3fn",) if "float8" in cache_dtype else ()
+    assert_close(out, expected, "bfloat16", *fp8)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES + QUAD_CASES if c.dtype == "bfloat16"], ids=str)
 def test_bf16_without_quads_match_float64(case: Case, rng, monkeypatch):
     """The same cases with the quads off (JAX_ATTN_CPU_DECODE_QUADS=0): the tile path that

@@ -863,9 +863,11 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   const bool quads = quad_logits && p.layout == CacheLayout::kTokenMajor;
   const int64_t quad_vectors = quad_logits ? Hkv * ((p.group + 3) / 4) * (D / 8) : 0;
   FloatBuffer quad_q(static_cast<size_t>(quad_vectors * 16));  // 32 bf16 per vector
-  // Logits [G][16], probabilities [G][8], factors [G]; fp8: key and value tiles [16][DP2].
+  // Logits [G][16], probabilities [G][8], factors [G]; the rows' lane sums [Hq][16]; fp8: key
+  // and value tiles [16][DP2].
   const int64_t quad_tiles = round_up(p.group * 25, 16);
-  FloatBuffer quad_scratch(quads ? static_cast<size_t>(quad_tiles + (kFp8 ? 16 * DP2 : 0)) : 0);
+  FloatBuffer quad_scratch(
+      quads ? static_cast<size_t>(quad_tiles + Hq * 16 + (kFp8 ? 16 * DP2 : 0)) : 0);
   QuadScratch quad_s{};
   if (quad_logits) {
     pack_query_quads(static_cast<const bf16_t*>(p.query) + it.seq * p.query_stride, Hkv, p.group, D,
@@ -873,9 +875,9 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   }
   if (quads) {
     float* f = quad_scratch.get();
-    bf16_t* tiles = reinterpret_cast<bf16_t*>(f + quad_tiles);
+    bf16_t* tiles = reinterpret_cast<bf16_t*>(f + quad_tiles + Hq * 16);
     quad_s = QuadScratch{f, reinterpret_cast<uint32_t*>(f + p.group * 16), f + p.group * 24,
-                         tiles, tiles + 16 * DP2};
+                         f + quad_tiles, tiles, tiles + 16 * DP2};
   }
   RowsState st(Hq, quads ? DP2 : DP);
   // One kv head's keys as an L1-resident tile, reused by the G query rows of its group: widened
@@ -1156,7 +1158,10 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   }
   if (lane_values && it.end > it.begin) reduce_lanes<NC>(lanes, Hq, D, st.acc.get());
 #if JAX_ATTN_DECODE_BF16_DOT
-  if (quads) unpermute_quad_rows<NC>(st.acc.get(), Hq);
+  if (quads) {
+    unpermute_quad_rows<NC>(st.acc.get(), Hq);
+    fold_quad_sums(quad_s.sums, st, Hq);
+  }
 #endif
   finish_item(p, it, st, DP, scratch, arrivals);
 }

@@ -29,17 +29,48 @@
 // against 2 from registers, which bounds the logits. From memory at G = 8: bf16 2.9-3.3 ms
 // against 3.7-3.8, fp8 3.3-3.4 against 3.6-3.8; at G = 4 the step is memory-bound and the
 // two paths are level within the VM's drift (bf16 3.1-3.3 / 3.1, fp8 2.2 / 2.2-2.35 ms).
+// The softmax's lazy reference and per-lane sums (kQuadLazyMargin, below; before: a max and a
+// sum across lanes, two exp16 and a rescale of every row's output per tile), 2-core Zen 4 VM,
+// paired workers, G = 4, block 128: from L2 bf16 1.14x faster, e4m3 1.04x; e4m3 from memory
+// 1.045x (NOTES.md 2026-12-04 15:56).
 #pragma once
 
 // Scratch of attend_tile_quads for one item: logits [G][16], probabilities (bf16 pairs)
-// [G][8] words, rescale factors [G], and for fp8 the head's widened key and value tiles.
+// [G][8] words, rescale factors [G], each query row's running sum of probabilities per lane
+// ([Hq][16], zeros at the item's start; fold_quad_sums adds the lanes up at its end), and for
+// fp8 the head's widened key and value tiles.
 struct QuadScratch {
   float* logits;
   uint32_t* probs;
   float* factor;
+  float* sums;
   bf16_t* keys;    // fp8: [16][DP2]
   bf16_t* values;  // fp8: [8][DP2] words, the head's token pairs as the p.v reads them
 };
+
+// The quads' softmax reference: a row's `max` (OnlineSoftmaxRow) moves only when a tile's
+// logit passes it by more than kQuadLazyMargin (natural log units), so most tiles leave the
+// row's running sum and output unscaled and skip the max's reduction across lanes. Any
+// reference at or below the true max gives the same softmax; probabilities then stay below
+// e^kQuadLazyMargin (~245), far inside float32 and bf16 range, with the same relative rounding.
+constexpr float kQuadLazyMargin = 5.5f;
+
+// exp(x - ref) for probabilities that are rounded to bf16 next (exp2_bf16_16, relative error
+// 7.5e-5): the running sum takes the same values, so only the bf16 rounding of the p.v's copy
+// tells numerator and denominator apart. ref_log2 = ref * log2(e); x = -inf (a lane past the
+// tile) gives 0.
+inline __m512 exp_bf16_probs(__m512 x, __m512 ref_log2) {
+  // (max_ps returns its second operand where either is NaN: a NaN logit stays NaN.)
+  return exp2_bf16_16(_mm512_max_ps(
+      _mm512_set1_ps(-1e30f), _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), ref_log2)));
+}
+
+// The item's end: each row's lane sums (QuadScratch::sums) into its OnlineSoftmaxRow.
+inline void fold_quad_sums(const float* sums, RowsState& st, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    st.rows[r].sum = _mm512_reduce_add_ps(_mm512_load_ps(sums + 16 * r));
+  }
+}
 
 // The queries of one item for the quads: per kv head h and quad u (query rows h * G + 4u ..
 // + 3; rows past G are zeros), D / 8 vectors; vector s, lane group g = row 4u + g's elements
@@ -236,15 +267,20 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
     // Logits of the head's rows, [G][16].
     quad_head_logits(quads_of_head(quads, h, G, D), k, n, D8, G, qk_scale, s.logits, pf);
 
-    // The online softmax of each row over the tile (attend_tile_rows' steps), a quad at a time
-    // with no call between its rows (the prefetcher's issue is one) and its 4 rescale factors
-    // by one exp16: the rows' chains then overlap.
+    // The online softmax of each row over the tile against its lazy reference (the row's
+    // `max`, kQuadLazyMargin): a quad at a time, with no call between its rows (the
+    // prefetcher's issue is one). Only a quad with a row whose logits pass its reference by
+    // the margin takes the max across lanes and rescales (bit u of `rescaled`; quads past 64
+    // always multiply by their factors, 1 where nothing moved). Sums stay per lane.
     pf.paced_step();
+    uint64_t rescaled = 0;
     for (int64_t u = 0; u < U; ++u) {
       const int rg = static_cast<int>(std::min<int64_t>(4, G - 4 * u));
       OnlineSoftmaxRow* state = st.rows.data() + h * G + 4 * u;
+      float* sums = s.sums + (h * G + 4 * u) * 16;
+      float* factor = s.factor + 4 * u;
       __m512 x[4];
-      alignas(64) float old_max[16] = {}, new_max[16] = {}, factor[16];
+      __mmask16 above[4] = {};
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         if (g >= rg) break;
@@ -254,22 +290,32 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
           x[g] = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[h * G + 4 * u + g]), distance, x[g]);
         }
         x[g] = _mm512_mask_mov_ps(neg_inf, valid, x[g]);
-        old_max[g] = state[g].max;
-        new_max[g] = std::max(old_max[g], _mm512_reduce_max_ps(x[g]));
+        above[g] = _mm512_cmp_ps_mask(x[g], _mm512_set1_ps(state[g].max + kQuadLazyMargin),
+                                      _CMP_GT_OQ);
+        factor[g] = 1.0f;
       }
-      // exp(old - new): 1 where the max stays (-inf included), 0 from -inf to a number.
-      const __m512 om = _mm512_load_ps(old_max), nm = _mm512_load_ps(new_max);
-      _mm512_store_ps(factor, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(om, nm, _CMP_EQ_OQ),
-                                                   exp16(_mm512_sub_ps(om, nm)),
-                                                   _mm512_set1_ps(1.0f)));
+      if ((above[0] | above[1] | above[2] | above[3]) != 0 || u >= 64) {
+        if (u < 64) rescaled |= uint64_t{1} << u;
+        for (int g = 0; g < rg; ++g) {
+          if (above[g] == 0) continue;
+          // exp(old - new): 0 from -inf (the row's first finite logits).
+          const float new_max = _mm512_reduce_max_ps(x[g]);
+          factor[g] = std::exp(state[g].max - new_max);
+          state[g].max = new_max;
+          _mm512_store_ps(sums + 16 * g,
+                          _mm512_mul_ps(_mm512_load_ps(sums + 16 * g), _mm512_set1_ps(factor[g])));
+        }
+      }
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         if (g >= rg) break;
-        const __m512 pr =
-            _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x[g], _mm512_set1_ps(new_max[g]))));
-        state[g].max = new_max[g];
-        state[g].sum = state[g].sum * factor[g] + _mm512_reduce_add_ps(pr);
-        s.factor[4 * u + g] = factor[g];
+        // A row with no finite logit yet (reference -inf) has every lane at -inf here: its
+        // probabilities are 0 against any finite reference.
+        const float ref = state[g].max == -std::numeric_limits<float>::infinity()
+                              ? 0.0f
+                              : state[g].max * 1.44269504088896341f;
+        const __m512 pr = _mm512_maskz_mov_ps(valid, exp_bf16_probs(x[g], _mm512_set1_ps(ref)));
+        _mm512_store_ps(sums + 16 * g, _mm512_add_ps(_mm512_load_ps(sums + 16 * g), pr));
         _mm256_store_si256(reinterpret_cast<__m256i*>(s.probs + (4 * u + g) * 8),
                            (__m256i)_mm512_cvtneps_pbh(pr));
       }
@@ -279,6 +325,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
     // 4 rows x 2 chunks of 32 dimensions (4 vectors per row) per register block.
     for (int64_t u = 0; u < U; ++u) {
       const int rg = static_cast<int>(std::min<int64_t>(4, G - 4 * u));
+      const bool scale = u >= 64 || ((rescaled >> u) & 1) != 0;
 #pragma GCC unroll 4
       for (int c0 = 0; c0 < NC2; c0 += 2) {
         const bool two = c0 + 1 < NC2;
@@ -292,7 +339,10 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
           const __m512 f = _mm512_set1_ps(s.factor[4 * u + r]);
 #pragma GCC unroll 4
           for (int j = 0; j < 4; ++j) {
-            if (j < 2 || two) o[r][j] = _mm512_mul_ps(_mm512_load_ps(a + 16 * j), f);
+            if (j < 2 || two) {
+              o[r][j] = _mm512_load_ps(a + 16 * j);
+              if (scale) o[r][j] = _mm512_mul_ps(o[r][j], f);
+            }
           }
         }
         for (int64_t k2 = 0; k2 < pairs; ++k2) {

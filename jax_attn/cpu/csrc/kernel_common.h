@@ -6,7 +6,8 @@
 //   into an AVX-512 register (bf16 -> f32 by a 16-bit shift; fp8 through the fp16 converter);
 //   `DType` names them at run time.
 // - `narrow<T>(float)`: the output store (round to nearest even).
-// - `exp16`, `tanh16`: vector exp / tanh accurate to a few ulp in float32.
+// - `exp16`, `tanh16`: vector exp / tanh accurate to a few ulp in float32; `exp2_bf16_16`, a
+//   cheaper 2^y for probabilities rounded to bf16 next.
 // - `OnlineSoftmaxRow`: the running max / sum of one query row (flash-attention's state),
 //   and `merge_partial` for split-K partials.
 // - Logit helpers: `soft_cap`, ALiBi distance, `visible_keys` (the causal + sliding-window
@@ -510,6 +511,20 @@ inline __m512 exp16(__m512 x) {
   const __m512 r2 = _mm512_mul_ps(r, r);
   p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);  // p * 2^n, underflows to 0 cleanly
+}
+
+// 2^y for probabilities that are rounded to bf16 next (relative step 2^-8): a degree-3 fit on
+// [-1/2, 1/2], relative error 7.5e-5, two FMAs fewer than a float32-accurate one. The caller
+// sums the same values it rounds, so only the rounding tells numerator and denominator apart.
+// y = -1e30 gives exactly 0; y must not be -inf or NaN (r would be NaN).
+inline __m512 exp2_bf16_16(__m512 y) {
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(5.5171650e-2f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4261114e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9326097e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.9992806e-1f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // tanh(x) = sign(x) * tanh(|x|): the polynomial below kTanhSmall, else

@@ -49,18 +49,10 @@ struct Vec {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.000000119f));
     return _mm512_scalef_ps(p, n);
   }
-  // exp2 for probabilities that are rounded to bf16 next (relative step 2^-8): a degree-3 fit,
-  // relative error 7.5e-5, two FMAs fewer. Numerator and denominator take the same values, so
+  // exp2 for probabilities that are rounded to bf16 next (kernel_common.h's exp2_bf16_16: a
+  // degree-3 fit, relative error 7.5e-5). Numerator and denominator take the same values, so
   // only the bf16 rounding of the numerator's copy tells them apart.
-  static T exp2_bf16(T x) {
-    const T n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const T r = _mm512_sub_ps(x, n);
-    T p = _mm512_set1_ps(5.5171650e-2f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4261114e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9326097e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.9992806e-1f));
-    return _mm512_scalef_ps(p, n);
-  }
+  static T exp2_bf16(T x) { return exp2_bf16_16(x); }
   static T soft_cap(T x, float cap) { return soft_cap16(x, cap); }
   // a <= b ? x : y, a < b ? x : y
   static void pin(T&) {}  // (see the 8-float Vec's)
