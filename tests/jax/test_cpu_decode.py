@@ -207,18 +207,30 @@ def test_quads_match_float64(case: Case, rng):
 
 
 @pytest.mark.parametrize("split_tokens", [None, 96])
-@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_quads_follow_logits_that_climb_and_fall(cache_dtype, split_tokens, rng):
-    """The quads' softmax reference is lazy (decode_quads.h, kQuadLazyMargin): a row's max
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,quads",
+    [
+        ("bfloat16", "bfloat16", "1"),  # attend_tile_quads
+        ("bfloat16", "float8_e4m3fn", "1"),
+        ("bfloat16", "float8_e4m3fn", "0"),  # attend_tile, bf16 value pairs
+        ("float32", "float8_e4m3fn", "1"),  # attend_tile, float32 values
+        ("float16", "float16", "1"),
+    ],
+)
+def test_decode_follows_logits_that_climb_and_fall(
+    dtype, cache_dtype, quads, split_tokens, rng, monkeypatch
+):
+    """The decode's softmax reference is lazy (decode_kernel.h, kDecodeLazyMargin): a row's max
     moves only when a tile's logits pass it by the margin, and then its running sum and output
     are rescaled. Keys with a shared offset that climbs ~0.4 logits per token over the first
     half of each sequence and falls back make every row's reference move many times, within
     one part and across split parts (split_tokens 96); NaN fills every slot no sequence owns.
     Against float64 on the cache's own values."""
+    monkeypatch.setenv("JAX_ATTN_CPU_DECODE_QUADS", quads)
     hq, hkv, d, bs = 8, 2, 64, 16
     seq_lens = [300, 160, 513]
     num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
-    query = np.abs(rng.standard_normal((len(seq_lens), hq, d))).astype(jnp.bfloat16)
+    query = np.abs(rng.standard_normal((len(seq_lens), hq, d))).astype(dtype)
     key_cache = np.full((num_blocks, bs, hkv, d), np.nan, np.float32).astype(cache_dtype)
     value_cache = key_cache.copy()
     tables = np.zeros((len(seq_lens), -(-max(seq_lens) // bs)), np.int32)
@@ -252,7 +264,7 @@ def test_quads_follow_logits_that_climb_and_fall(cache_dtype, split_tokens, rng)
         split_tokens=split_tokens,
     )
     fp8 = ("float8_e4m3fn",) if "float8" in cache_dtype else ()
-    assert_close(out, expected, "bfloat16", *fp8)
+    assert_close(out, expected, dtype, *fp8)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES + QUAD_CASES if c.dtype == "bfloat16"], ids=str)

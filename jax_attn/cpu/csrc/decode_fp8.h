@@ -9,10 +9,10 @@
 // follows; else 0.
 // The interface the kernel calls: fp8_tables<F8> (once per item, kept in registers);
 // convert_tile_fp8_bf16 and convert_value_pairs_fp8 (token-major keys, and values as the bf16
-// pair tile of decode_vec.h's accumulate_pairs), split_keys_fp8_bf16 and split_value_pairs_fp8
-// (the split layout's) from decode_item; convert_tile_fp8_bf16 and convert_pairs_fp8 in
-// quad_pair_index's order from decode_quads.h's attend_tile_quads; fp8_to_bf16_64 and
-// fp8_chunk_mask from decode_amx.h's decode_item_amx.
+// pair tile of decode_vec.h's accumulate_pairs), split_keys_fp8_bf16, split_keys_fp8_pieces
+// and split_value_pairs_fp8 (the split layout's) from decode_item; convert_tile_fp8_bf16 and
+// convert_pairs_fp8 in quad_pair_index's order from decode_quads.h's attend_tile_quads;
+// fp8_to_bf16_64 and fp8_chunk_mask from decode_amx.h's decode_item_amx.
 #pragma once
 
 #if JAX_ATTN_DECODE_BF16_DOT && defined(__AVX512VBMI__)
@@ -215,6 +215,29 @@ inline void split_keys_fp8_bf16(const Fp8Tables& shared_tables, const F8* src,
       _mm256_store_si256(reinterpret_cast<__m256i*>(row + dp2), _mm512_extracti64x4_epi64(out[0], 1));
       _mm256_store_si256(reinterpret_cast<__m256i*>(row + 2 * dp2), _mm512_castsi512_si256(out[1]));
       _mm256_store_si256(reinterpret_cast<__m256i*>(row + 3 * dp2), _mm512_extracti64x4_epi64(out[1], 1));
+    }
+  }
+}
+
+// The split layout's fp8 keys of tokens [t0, t0 + n) of one head's block ([D / 16, BS, 16]) as
+// bf16 in the layout's own order: dst [D / 16][16][16], piece c of token t at (16 c + t) * 16
+// (decode_quads.h's kSplitPieces). Each 16-dim piece of 16 tokens is 256 contiguous codes: four
+// 64-code conversions and whole-register stores, no transposes. Tokens >= n get zeros.
+// Requires D % 16 == 0.
+template <typename F8>
+inline void split_keys_fp8_pieces(const Fp8Tables& shared_tables, const F8* src,
+                                  int64_t block_size, int64_t t0, int64_t n, int64_t head_size,
+                                  bf16_t* dst) {
+  const Fp8Tables tables = shared_tables;
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t c = 0; c < head_size / 16; ++c) {
+    const uint8_t* piece = codes + c * block_size * 16 + t0 * 16;
+#pragma GCC unroll 4
+    for (int64_t t = 0; t < 16; t += 4) {
+      __m512i out[2];
+      fp8_to_bf16_64(piece + 16 * t, fp8_chunk_mask(t, n, 16 * (n - t)), tables, out);
+      _mm512_store_si512(dst + (16 * c + t) * 16, out[0]);
+      _mm512_store_si512(dst + (16 * c + t + 2) * 16, out[1]);
     }
   }
 }

@@ -493,6 +493,39 @@ inline void split_logits(const Problem& p, const Queries& q, const void* keys, i
   }
 }
 
+// The decode's softmax reference is lazy: a row's `max` (OnlineSoftmaxRow) moves only when a
+// tile's logit passes it by more than kDecodeLazyMargin (natural log units), so most tiles
+// leave the row's running sum and output unscaled (factor exactly 1: accumulate_* skip the
+// multiply) and skip the max's reduction across lanes. Any reference at or below the true max
+// gives the same softmax; probabilities then stay below e^kDecodeLazyMargin (~245), far inside
+// float32 and bf16 range, with the same relative rounding. (attend_tile, and decode_quads.h's
+// attend_tile_quads.)
+constexpr float kDecodeLazyMargin = 5.5f;
+
+// A row's reference for exp: its max, or 0 while it has seen no finite logit (every lane of
+// its tile is then -inf, and exp(-inf - 0) = 0).
+inline float lazy_reference(const OnlineSoftmaxRow& state) {
+  return state.max == -std::numeric_limits<float>::infinity() ? 0.0f : state.max;
+}
+
+// The factor a row's running sum and output take for a tile's logits (1: its reference stays),
+// moving the reference when a logit passes it by the margin.
+inline float lazy_rescale(OnlineSoftmaxRow& state, __m512 logits) {
+  const __m512 limit = _mm512_set1_ps(state.max + kDecodeLazyMargin);
+  if (_mm512_cmp_ps_mask(logits, limit, _CMP_GT_OQ) == 0) return 1.0f;
+  return state.rescale(_mm512_reduce_max_ps(logits));
+}
+
+// exp(x - ref) for probabilities that are rounded to bf16 next (exp2_bf16_16, relative error
+// 7.5e-5): the running sum takes the same values, so only the bf16 rounding of the p.v's copy
+// tells numerator and denominator apart. ref_log2 = ref * log2(e); x = -inf (a lane past the
+// tile) gives 0.
+inline __m512 exp_bf16_probs(__m512 x, __m512 ref_log2) {
+  // (max_ps returns its second operand where either is NaN: a NaN logit stays NaN.)
+  return exp2_bf16_16(_mm512_max_ps(
+      _mm512_set1_ps(-1e30f), _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), ref_log2)));
+}
+
 // All G query rows of kv head h against one tile of n tokens: logits, online softmax, values.
 // Keys: the widened tile ktile ([16, DP] float32), or with kDot the bf16 tile ktile2 ([16, DP2]);
 // values: rows [0, n) of a float32 tile at v_rows, v_stride elements apart. The prefetches of
@@ -561,9 +594,12 @@ __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, R
       if (p.alibi) logits = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[row]), distance, logits);
       logits = _mm512_mask_mov_ps(neg_inf, valid, logits);
       OnlineSoftmaxRow& state = st.rows[row];
-      factor[r] = state.rescale(_mm512_reduce_max_ps(logits));
+      factor[r] = lazy_rescale(state, logits);
+      const float ref = lazy_reference(state);
+      // bf16 value pairs take the probabilities rounded to bf16: exp_bf16_probs.
       const __m512 pr = _mm512_maskz_mov_ps(
-          valid, exp16(_mm512_sub_ps(logits, _mm512_set1_ps(state.max))));
+          valid, vpairs ? exp_bf16_probs(logits, _mm512_set1_ps(ref * 1.44269504088896341f))
+                        : exp16(_mm512_sub_ps(logits, _mm512_set1_ps(ref))));
       state.add_sum(_mm512_reduce_add_ps(pr));
       _mm512_store_ps(probs[r], pr);
       acc[r] = st.acc.get() + row * DP;
@@ -976,19 +1012,20 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       TilePrefetcher none;  // these paths leave the prefetches to attend_tile
       if constexpr (kDot) {  // fp8 under bf16 queries: converted 64 codes at a time
 #if JAX_ATTN_DECODE_FP8_DOT
-        split_keys_fp8_bf16(fp8, kc + head, BS, t0, n, D, DP2, ktile2);
         uint32_t* vpairs = reinterpret_cast<uint32_t*>(vtile_split);
         split_value_pairs_fp8<KV, NC>(fp8, vc + head, BS, t0, n, D, vpairs, none, 0);
         const __m512* pre = nullptr;
-        if (quad_logits) {  // the tile's rows >= n are zeros
+        if (quad_logits) {  // keys in the layout's piece order; the tile's rows >= n are zeros
+          split_keys_fp8_pieces(fp8, kc + head, BS, t0, n, D, ktile2);
           const bf16_t* rows[16];
-          for (int i = 0; i < 16; ++i) rows[i] = ktile2 + i * DP2;
+          for (int i = 0; i < 16; ++i) rows[i] = ktile2 + i * 16;
           LineCursor no_lines;
-          quad_head_logits(quads_of_head(reinterpret_cast<const bf16_t*>(quad_q.get()), h,
-                                         p.group, D),
-                           rows, n, D / 8, p.group, _mm512_set1_ps(p.qk_scale),
-                           split_pre_rows.get(), no_lines);
+          quad_head_logits<kSplitPieces>(
+              quads_of_head(reinterpret_cast<const bf16_t*>(quad_q.get()), h, p.group, D), rows,
+              n, D / 8, p.group, _mm512_set1_ps(p.qk_scale), split_pre_rows.get(), no_lines);
           pre = split_pre;
+        } else {  // token rows for attend_tile's dot_keys_bf16
+          split_keys_fp8_bf16(fp8, kc + head, BS, t0, n, D, DP2, ktile2);
         }
         attend_tile<NC, kDot>(p, queries, st, ktile, ktile2, vtile_split, DP, h, n, distance,
                               pf, pre, vpairs);

@@ -29,10 +29,10 @@
 // against 2 from registers, which bounds the logits. From memory at G = 8: bf16 2.9-3.3 ms
 // against 3.7-3.8, fp8 3.3-3.4 against 3.6-3.8; at G = 4 the step is memory-bound and the
 // two paths are level within the VM's drift (bf16 3.1-3.3 / 3.1, fp8 2.2 / 2.2-2.35 ms).
-// The softmax's lazy reference and per-lane sums (kQuadLazyMargin, below; before: a max and a
-// sum across lanes, two exp16 and a rescale of every row's output per tile), 2-core Zen 4 VM,
-// paired workers, G = 4, block 128: from L2 bf16 1.14x faster, e4m3 1.04x; e4m3 from memory
-// 1.045x (NOTES.md 2026-12-04 15:56).
+// The softmax's lazy reference (decode_kernel.h's kDecodeLazyMargin) and per-lane sums
+// (before: a max and a sum across lanes, two exp16 and a rescale of every row's output per
+// tile), 2-core Zen 4 VM, paired workers, G = 4, block 128: from L2 bf16 1.14x faster, e4m3
+// 1.04x; e4m3 from memory 1.045x (NOTES.md 2026-12-04 15:56).
 #pragma once
 
 // Scratch of attend_tile_quads for one item: logits [G][16], probabilities (bf16 pairs)
@@ -47,23 +47,6 @@ struct QuadScratch {
   bf16_t* keys;    // fp8: [16][DP2]
   bf16_t* values;  // fp8: [8][DP2] words, the head's token pairs as the p.v reads them
 };
-
-// The quads' softmax reference: a row's `max` (OnlineSoftmaxRow) moves only when a tile's
-// logit passes it by more than kQuadLazyMargin (natural log units), so most tiles leave the
-// row's running sum and output unscaled and skip the max's reduction across lanes. Any
-// reference at or below the true max gives the same softmax; probabilities then stay below
-// e^kQuadLazyMargin (~245), far inside float32 and bf16 range, with the same relative rounding.
-constexpr float kQuadLazyMargin = 5.5f;
-
-// exp(x - ref) for probabilities that are rounded to bf16 next (exp2_bf16_16, relative error
-// 7.5e-5): the running sum takes the same values, so only the bf16 rounding of the p.v's copy
-// tells numerator and denominator apart. ref_log2 = ref * log2(e); x = -inf (a lane past the
-// tile) gives 0.
-inline __m512 exp_bf16_probs(__m512 x, __m512 ref_log2) {
-  // (max_ps returns its second operand where either is NaN: a NaN logit stays NaN.)
-  return exp2_bf16_16(_mm512_max_ps(
-      _mm512_set1_ps(-1e30f), _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), ref_log2)));
-}
 
 // The item's end: each row's lane sums (QuadScratch::sums) into its OnlineSoftmaxRow.
 inline void fold_quad_sums(const float* sums, RowsState& st, int64_t rows) {
@@ -108,8 +91,15 @@ inline __m512 sum_quads4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
 }
 
+// Where a token's key pieces lie: piece s (8 bf16) of token i at k[i] + (s / 2) * kPairStride
+// + (s % 2) * 8. Token rows (D elements): kRowPieces; the split layout's fp8 keys converted in
+// the layout's own order ([D / 16][16 tokens][16]; split_keys_fp8_pieces): kSplitPieces.
+constexpr int64_t kRowPieces = 16;
+constexpr int64_t kSplitPieces = 256;
+
 // Logits of one quad against 8 tokens: out[j] lane group g = row g, tokens 4j .. 4j + 3.
-// k[i]: token i's bf16 key row (D elements; D % 8 == 0).
+// k[i]: token i's bf16 key pieces (D elements, D % 8 == 0, as kPairStride says).
+template <int64_t kPairStride>
 __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const bf16_t* const* k,
                                                         int64_t D8, __m512* out,
                                                         LineCursor& pf) {
@@ -124,9 +114,9 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m512i k0 = _mm512_broadcast_i32x4(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(k[i] + 8 * s)));
+          reinterpret_cast<const __m128i*>(k[i] + s / 2 * kPairStride)));
       const __m512i k1 = _mm512_broadcast_i32x4(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(k[i] + 8 * s + 8)));
+          reinterpret_cast<const __m128i*>(k[i] + s / 2 * kPairStride + 8)));
       even[i] = _mm512_dpbf16_ps(even[i], q0, (__m512bh)k0);
       odd[i] = _mm512_dpbf16_ps(odd[i], q1, (__m512bh)k1);
     }
@@ -136,7 +126,7 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m512i k0 = _mm512_broadcast_i32x4(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(k[i] + 8 * s)));
+          reinterpret_cast<const __m128i*>(k[i] + s / 2 * kPairStride)));
       even[i] = _mm512_dpbf16_ps(even[i], q0, (__m512bh)k0);
     }
   }
@@ -149,15 +139,16 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
 // Logits of one kv head's G query rows (its quads from pack_query_quads, at qh) against up to
 // 16 bf16 token rows k[i] (D elements; D % 8 == 0; rows >= n not read when n <= 8): out[r][t],
 // row r, token t, times qk_scale (tokens >= n: whatever the stand-in rows give).
+template <int64_t kPairStride = kRowPieces>
 inline void quad_head_logits(const bf16_t* qh, const bf16_t* const* k, int64_t n, int64_t D8,
                              int64_t G, __m512 qk_scale, float* out, LineCursor& pf) {
   const int64_t U = (G + 3) / 4;
   for (int64_t u = 0; u < U; ++u) {
     const bf16_t* qv = qh + u * D8 * 32;
     __m512 t[4];
-    quad_logits8(qv, k, D8, t, pf);
+    quad_logits8<kPairStride>(qv, k, D8, t, pf);
     if (n > 8) {
-      quad_logits8(qv, k + 8, D8, t + 2, pf);
+      quad_logits8<kPairStride>(qv, k + 8, D8, t + 2, pf);
     } else {
       t[2] = t[3] = _mm512_setzero_ps();
     }
@@ -268,7 +259,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
     quad_head_logits(quads_of_head(quads, h, G, D), k, n, D8, G, qk_scale, s.logits, pf);
 
     // The online softmax of each row over the tile against its lazy reference (the row's
-    // `max`, kQuadLazyMargin): a quad at a time, with no call between its rows (the
+    // `max`, kDecodeLazyMargin): a quad at a time, with no call between its rows (the
     // prefetcher's issue is one). Only a quad with a row whose logits pass its reference by
     // the margin takes the max across lanes and rescales (bit u of `rescaled`; quads past 64
     // always multiply by their factors, 1 where nothing moved). Sums stay per lane.
@@ -290,7 +281,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
           x[g] = _mm512_fmadd_ps(_mm512_set1_ps(p.alibi[h * G + 4 * u + g]), distance, x[g]);
         }
         x[g] = _mm512_mask_mov_ps(neg_inf, valid, x[g]);
-        above[g] = _mm512_cmp_ps_mask(x[g], _mm512_set1_ps(state[g].max + kQuadLazyMargin),
+        above[g] = _mm512_cmp_ps_mask(x[g], _mm512_set1_ps(state[g].max + kDecodeLazyMargin),
                                       _CMP_GT_OQ);
         factor[g] = 1.0f;
       }
@@ -309,11 +300,7 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         if (g >= rg) break;
-        // A row with no finite logit yet (reference -inf) has every lane at -inf here: its
-        // probabilities are 0 against any finite reference.
-        const float ref = state[g].max == -std::numeric_limits<float>::infinity()
-                              ? 0.0f
-                              : state[g].max * 1.44269504088896341f;
+        const float ref = lazy_reference(state[g]) * 1.44269504088896341f;
         const __m512 pr = _mm512_maskz_mov_ps(valid, exp_bf16_probs(x[g], _mm512_set1_ps(ref)));
         _mm512_store_ps(sums + 16 * g, _mm512_add_ps(_mm512_load_ps(sums + 16 * g), pr));
         _mm256_store_si256(reinterpret_cast<__m256i*>(s.probs + (4 * u + g) * 8),

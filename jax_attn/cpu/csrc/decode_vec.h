@@ -139,9 +139,13 @@ inline void accumulate_values(const float* v_rows, int64_t stride, __mmask16 las
 #pragma GCC unroll 4
     for (int r = 0; r < RG; ++r) {
       const __m512 f = _mm512_set1_ps(factor[r]);
+      const bool scale = factor[r] != 1.0f;  // most tiles under a lazy reference (attend_tile)
 #pragma GCC unroll 4
       for (int j = 0; j < kMaxCB; ++j) {
-        if (cb + j < NC) o[r][j] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (cb + j)), f);
+        if (cb + j < NC) {
+          o[r][j] = _mm512_load_ps(acc[r] + 16 * (cb + j));
+          if (scale) o[r][j] = _mm512_mul_ps(o[r][j], f);
+        }
       }
     }
     for (int64_t t = 0; t < n; ++t) {
@@ -215,9 +219,13 @@ inline void accumulate_pairs(const uint32_t* vpairs, int64_t n, const uint32_t (
 #pragma GCC unroll 4
     for (int r = 0; r < RG; ++r) {
       const __m512 f = _mm512_set1_ps(factor[r]);
+      const bool scale = factor[r] != 1.0f;  // most tiles under a lazy reference (attend_tile)
 #pragma GCC unroll 4
       for (int j = 0; j < kMaxCB; ++j) {
-        if (cb + j < NC) o[r][j] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (cb + j)), f);
+        if (cb + j < NC) {
+          o[r][j] = _mm512_load_ps(acc[r] + 16 * (cb + j));
+          if (scale) o[r][j] = _mm512_mul_ps(o[r][j], f);
+        }
       }
     }
     for (int64_t k = 0; k < num_pairs; ++k) {
