@@ -193,53 +193,57 @@ inline void convert_value_pairs_fp8(const Fp8Tables& tables, const F8* src, int6
                                  dst);
 }
 
-// The split layout's fp8 keys of tokens [t0, t0 + n) of one head's block ([D / 16, BS, 16])
-// into the bf16 tile dst [16, DP2]: per 16-dim piece, 4 tokens' codes (64 contiguous bytes)
-// converted at once. Rows >= n get zeros; columns >= D are not written (the caller keeps them
-// zero). Requires D % 16 == 0.
-template <typename F8>
-inline void split_keys_fp8_bf16(const Fp8Tables& shared_tables, const F8* src,
-                                int64_t block_size, int64_t t0, int64_t n, int64_t head_size,
-                                int64_t dp2, bf16_t* dst) {
+// Walks the split layout's fp8 keys of tokens [t0, t0 + n) of one head's block ([D / 16, BS,
+// 16]): per 16-dim piece c, 4 tokens' codes (64 contiguous bytes) converted at once, tokens
+// past n as zero codes; store(c, t, out) puts tokens t .. t + 3 of piece c (as bf16: out[0]
+// tokens t, t + 1, out[1] tokens t + 2, t + 3, 16 elements each). Requires D % 16 == 0.
+template <typename F8, typename Store>
+inline void convert_split_keys_fp8(const Fp8Tables& shared_tables, const F8* src,
+                                   int64_t block_size, int64_t t0, int64_t n, int64_t head_size,
+                                   Store&& store) {
   const Fp8Tables tables = shared_tables;
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
   for (int64_t c = 0; c < head_size / 16; ++c) {
     const uint8_t* piece = codes + c * block_size * 16 + t0 * 16;
 #pragma GCC unroll 4
     for (int64_t t = 0; t < 16; t += 4) {
-      // Tokens t .. t + 3 of this piece, those past n masked to zero codes.
       __m512i out[2];
       fp8_to_bf16_64(piece + 16 * t, fp8_chunk_mask(t, n, 16 * (n - t)), tables, out);
-      bf16_t* row = dst + t * dp2 + 16 * c;
-      _mm256_store_si256(reinterpret_cast<__m256i*>(row), _mm512_castsi512_si256(out[0]));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(row + dp2), _mm512_extracti64x4_epi64(out[0], 1));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(row + 2 * dp2), _mm512_castsi512_si256(out[1]));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(row + 3 * dp2), _mm512_extracti64x4_epi64(out[1], 1));
+      store(c, t, out);
     }
   }
 }
 
-// The split layout's fp8 keys of tokens [t0, t0 + n) of one head's block ([D / 16, BS, 16]) as
-// bf16 in the layout's own order: dst [D / 16][16][16], piece c of token t at (16 c + t) * 16
-// (decode_quads.h's kSplitPieces). Each 16-dim piece of 16 tokens is 256 contiguous codes: four
-// 64-code conversions and whole-register stores, no transposes. Tokens >= n get zeros.
-// Requires D % 16 == 0.
+// Those keys into the bf16 tile dst [16, DP2] (token rows). Rows >= n get zeros; columns >= D
+// are not written (the caller keeps them zero).
 template <typename F8>
-inline void split_keys_fp8_pieces(const Fp8Tables& shared_tables, const F8* src,
-                                  int64_t block_size, int64_t t0, int64_t n, int64_t head_size,
-                                  bf16_t* dst) {
-  const Fp8Tables tables = shared_tables;
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
-  for (int64_t c = 0; c < head_size / 16; ++c) {
-    const uint8_t* piece = codes + c * block_size * 16 + t0 * 16;
-#pragma GCC unroll 4
-    for (int64_t t = 0; t < 16; t += 4) {
-      __m512i out[2];
-      fp8_to_bf16_64(piece + 16 * t, fp8_chunk_mask(t, n, 16 * (n - t)), tables, out);
-      _mm512_store_si512(dst + (16 * c + t) * 16, out[0]);
-      _mm512_store_si512(dst + (16 * c + t + 2) * 16, out[1]);
-    }
-  }
+inline void split_keys_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t block_size,
+                                int64_t t0, int64_t n, int64_t head_size, int64_t dp2,
+                                bf16_t* dst) {
+  convert_split_keys_fp8(
+      tables, src, block_size, t0, n, head_size, [dst, dp2](int64_t c, int64_t t, __m512i* out) {
+        bf16_t* row = dst + t * dp2 + 16 * c;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(row), _mm512_castsi512_si256(out[0]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(row + dp2),
+                           _mm512_extracti64x4_epi64(out[0], 1));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(row + 2 * dp2),
+                           _mm512_castsi512_si256(out[1]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(row + 3 * dp2),
+                           _mm512_extracti64x4_epi64(out[1], 1));
+      });
+}
+
+// Those keys as bf16 in the layout's own order: dst [D / 16][16][16], piece c of token t at
+// (16 c + t) * 16 (decode_quads.h's kSplitPieces): each 16-dim piece of 16 tokens is 256
+// contiguous codes, stored whole, no transposes. Tokens >= n get zeros.
+template <typename F8>
+inline void split_keys_fp8_pieces(const Fp8Tables& tables, const F8* src, int64_t block_size,
+                                  int64_t t0, int64_t n, int64_t head_size, bf16_t* dst) {
+  convert_split_keys_fp8(tables, src, block_size, t0, n, head_size,
+                         [dst](int64_t c, int64_t t, __m512i* out) {
+                           _mm512_store_si512(dst + (16 * c + t) * 16, out[0]);
+                           _mm512_store_si512(dst + (16 * c + t + 2) * 16, out[1]);
+                         });
 }
 
 // The split layout's fp8 values: a 16 x 16 piece (16 dims of 16 tokens) as 4 registers,
