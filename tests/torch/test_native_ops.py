@@ -188,7 +188,8 @@ def _decode_against_oracle(dtype, kv_cache_dtype, head_size, block_size, group, 
 
 
 @pytest.mark.parametrize(
-    "kv_cache_dtype,block_size,window", [("auto", 128, None), ("fp8", 16, 700), ("auto", 32, 901)]
+    "kv_cache_dtype,block_size,window",
+    [("auto", 128, None), ("fp8", 16, 700), ("auto", 32, 901), ("fp8_e5m2", 128, 333)],
 )
 def test_long_sequences_in_split_k_parts_match_the_float64_oracle(
     kv_cache_dtype, block_size, window, rng
@@ -196,7 +197,7 @@ def test_long_sequences_in_split_k_parts_match_the_float64_oracle(
     """Sequences of up to 1800 keys: the kernel cuts them into parts of at least 512 keys
     (split-K), whose softmax states merge in the part that finishes last. bf16 queries: on CPUs
     with AMX tiles the split AMX decode's parts, elsewhere the vector ones; windows that start
-    inside a block."""
+    inside a block (at block 128, fp8 values converted 64 tokens at a time from there)."""
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     scales = (0.7, 1.3) if kv_cache_dtype in FP8 else (1.0, 1.0)
     q, kc, vc, tables, lens, keys, values = split_decode_case(

@@ -9,9 +9,10 @@
 // follows; else 0.
 // The interface the kernel calls: fp8_tables<F8> (once per item, kept in registers);
 // convert_tile_fp8_bf16 and convert_value_pairs_fp8 (token-major keys, and values as the bf16
-// pair tile of decode_vec.h's accumulate_pairs), split_keys_fp8_bf16, split_keys_fp8_pieces
-// and split_value_pairs_fp8 (the split layout's) from decode_item; convert_tile_fp8_bf16 and
-// convert_pairs_fp8 in quad_pair_index's order from decode_quads.h's attend_tile_quads;
+// pair tile of decode_vec.h's accumulate_pairs), split_keys_fp8_bf16, split_keys_fp8_pieces,
+// split_value_pairs_fp8 and split_value_pairs_fp8_16 (the split layout's) from decode_item;
+// convert_tile_fp8_bf16 and convert_pairs_fp8 in quad_pair_index's order from decode_quads.h's
+// attend_tile_quads;
 // fp8_to_bf16_64 and fp8_chunk_mask from decode_amx.h's decode_item_amx.
 #pragma once
 
@@ -246,29 +247,126 @@ inline void split_keys_fp8_pieces(const Fp8Tables& tables, const F8* src, int64_
                          });
 }
 
-// The split layout's fp8 values: a 16 x 16 piece (16 dims of 16 tokens) as 4 registers,
-// register q holding dims 4q .. 4q + 3 (one 128-bit lane each, tokens in order), is transposed
-// as bytes into 4 registers of 4 tokens x 16 dims each, already in kFp8Spread order for the
-// conversion and in token pairs interleaved by dim: register p, byte i = the code of token
-// 4p + u, dim e, where code c = kFp8Spread[i] is 32 * (u / 2) + 2e + u % 2. Converted, register
-// p is the pair vectors of tokens (4p, 4p + 1) and (4p + 2, 4p + 3) (accumulate_pairs). Bytes of
-// dims 0..7 come from registers 0 and 1, of dims 8..15 from 2 and 3, by one vpermi2b each with
-// the same index (a pair of registers is one 128-byte table).
-struct SplitValueShuffle {
+// The split layout's fp8 values, up to 64 tokens of a head block ([D, BS]) at a time: dimension
+// d's codes of tokens [t0, t0 + 64) are one 64-byte load, a dword of it 4 tokens. Per 16
+// dimensions the 16 rows are a 16 x 16 transpose of dwords (unpacks by 32 and 64 bits in-lane,
+// then 128-bit lanes), whose output q holds tokens 4q .. 4q + 3 of the 16 dimensions; its last
+// step is one vpermi2b that also puts the bytes in kFp8Spread order for the conversion, so the
+// converted halves are the pair vectors of tokens (4q, 4q + 1) and (4q + 2, 4q + 3)
+// (accumulate_pairs). Per 1024 codes: 16 loads and 64 shuffles, against 64 masked 16-byte
+// loads, 64 inserts, 32 vpermi2b and 16 blends a tile at a time before. TORCH_SDPA's e4m3
+// decode at block 128, paired workers: 1.064x faster from memory, 1.082x from L2 (2-core
+// Zen 4 VM; NOTES.md).
+//
+// After the in-lane unpacks, register X[g][s] holds in 128-bit lane L dims 4g .. 4g + 3 of
+// tokens 4(4L + s) .. + 3; Y01 = lanes (0, 1) of X[0][s] and X[1][s], Y23 = the same of X[2][s],
+// X[3][s] (lanes (2, 3): the other two outputs). Output 4L + s, lane g = X[g][s] lane L, taken
+// from the 128 bytes (Y01 | Y23) by index[L % 2].
+struct SplitValueIndex {
+  __m512i index[2];
+};
+
+inline const SplitValueIndex& split_value_index() {
+  static const SplitValueIndex value_index = [] {
+    SplitValueIndex s{};
+    alignas(64) uint8_t index[64];
+    for (int odd = 0; odd < 2; ++odd) {
+      for (int i = 0; i < 64; ++i) {
+        const int c = kFp8Spread[i];
+        const int u = 2 * (c / 32) + c % 2, e = c % 32 / 2;  // token 4q + u, dim e
+        // Lane g = e / 4 of the output: lane 2 (g % 2) + odd of Y01 (g < 2) or Y23.
+        index[i] = static_cast<uint8_t>(64 * (e / 8) + 32 * (e / 4 % 2) + 16 * odd +
+                                        4 * (e % 4) + u);
+      }
+      s.index[odd] = _mm512_load_si512(index);
+    }
+    return s;
+  }();
+  return value_index;
+}
+
+// Values of tokens [t0, t0 + n), n <= 64, of one head's fp8 block `src` ([D, BS]) as the pair
+// tile of accumulate_pairs: dst [32][NC * 16] words (v[2k][d], v[2k + 1][d]) in bf16, pair rows
+// [0, ceil(n / 4) * 2) written (tokens >= n and columns >= D zeros), no float32 tile between.
+// Only the n tokens' bytes are read.
+template <typename F8, int NC>
+inline void split_value_pairs_fp8(const Fp8Tables& shared_tables, const F8* src,
+                                  int64_t block_size, int64_t t0, int64_t n, int64_t head_size,
+                                  uint32_t* dst) {
+  const Fp8Tables tables = shared_tables;
+  constexpr int64_t DP = NC * 16;
+  const SplitValueIndex& index = split_value_index();
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(src) + t0;
+  const __mmask64 m = n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
+  const int64_t groups = (n + 15) / 16;  // outputs 4L + s for L < groups
+#pragma GCC unroll 1
+  for (int j = 0; j < NC; ++j) {
+    __m512i r[16];
+#pragma GCC unroll 16
+    for (int e = 0; e < 16; ++e) {
+      const int64_t d = 16 * j + e;
+      r[e] = d < head_size ? _mm512_maskz_loadu_epi8(m, codes + d * block_size)
+                           : _mm512_setzero_si512();
+    }
+    __m512i x[4][4];  // x[g][s]
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m512i a0 = _mm512_unpacklo_epi32(r[4 * g], r[4 * g + 1]);
+      const __m512i a1 = _mm512_unpackhi_epi32(r[4 * g], r[4 * g + 1]);
+      const __m512i b0 = _mm512_unpacklo_epi32(r[4 * g + 2], r[4 * g + 3]);
+      const __m512i b1 = _mm512_unpackhi_epi32(r[4 * g + 2], r[4 * g + 3]);
+      x[g][0] = _mm512_unpacklo_epi64(a0, b0);
+      x[g][1] = _mm512_unpackhi_epi64(a0, b0);
+      x[g][2] = _mm512_unpacklo_epi64(a1, b1);
+      x[g][3] = _mm512_unpackhi_epi64(a1, b1);
+    }
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {  // lanes (0, 1), then (2, 3)
+        if (2 * half >= groups) break;
+        const int sel = half == 0 ? 0x44 : 0xEE;
+        const __m512i y01 = _mm512_shuffle_i32x4(x[0][s], x[1][s], sel);
+        const __m512i y23 = _mm512_shuffle_i32x4(x[2][s], x[3][s], sel);
+#pragma GCC unroll 2
+        for (int odd = 0; odd < 2; ++odd) {
+          const int64_t q = 4 * (2 * half + odd) + s;  // tokens 4q .. 4q + 3
+          if (4 * q >= n) continue;
+          __m512i out[2];
+          fp8_spread_codes_to_bf16(_mm512_permutex2var_epi8(y01, index.index[odd], y23), tables,
+                                   out);
+          _mm512_store_si512(dst + 2 * q * DP + 16 * j, out[0]);
+          _mm512_store_si512(dst + (2 * q + 1) * DP + 16 * j, out[1]);
+        }
+      }
+    }
+  }
+}
+// Blocks of 16 tokens: a head block's value rows (16 codes each) lie back to back, so one
+// 64-byte load is dims 4q .. 4q + 3 of the tile, one 128-bit lane each, tokens in order (bytes
+// past n and lanes past head_size masked to zeros). The 4 loads of 16 dims are then transposed
+// as bytes into 4 registers of 4 tokens x 16 dims, in kFp8Spread order: register p, byte i =
+// the code of token 4p + u, dim e, where kFp8Spread[i] = 32 (u / 2) + 2e + u % 2. Bytes of dims
+// 0..7 come from loads 0 and 1, of dims 8..15 from 2 and 3, by one vpermi2b each with the same
+// index (a pair of registers is one 128-byte table), then one blend: 4 loads and 12 shuffles a
+// tile. The 64-token transpose above takes 16 loads and 44 shuffles for a tile of 16: with it
+// TORCH_SDPA's e4m3 decode at block 16 ran 0.934x the speed of the tile-at-a-time inserts,
+// with this 1.033x (paired workers, 2-core Zen 4 VM; NOTES.md).
+struct Block16ValueShuffle {
   __m512i index[4];   // per p
   __mmask64 from_hi;  // bytes of dims 8..15
 };
 
-inline const SplitValueShuffle& split_value_shuffle() {
-  static const SplitValueShuffle shuffle = [] {
-    SplitValueShuffle s{};
+inline const Block16ValueShuffle& block16_value_shuffle() {
+  static const Block16ValueShuffle shuffle = [] {
+    Block16ValueShuffle s{};
     alignas(64) uint8_t index[64];
     for (int p = 0; p < 4; ++p) {
       for (int i = 0; i < 64; ++i) {
         const int c = kFp8Spread[i];
         const int u = 2 * (c / 32) + c % 2, e = c % 32 / 2;
-        // Dim e sits in register e / 4, lane e % 4, at token 4p + u; the pair's second
-        // register from byte 64.
+        // Dim e sits in load e / 4, lane e % 4, at token 4p + u; the pair's second load from
+        // byte 64.
         index[i] = static_cast<uint8_t>((e / 4 % 2) * 64 + 16 * (e % 4) + 4 * p + u);
         if (p == 0 && e >= 8) s.from_hi |= __mmask64{1} << i;
       }
@@ -279,42 +377,23 @@ inline const SplitValueShuffle& split_value_shuffle() {
   return shuffle;
 }
 
-// Dim d's codes (block_size apart in `codes`) into 128-bit lane K of x, where d < head_size.
-// K a template argument: an immediate even where the caller's loop is not unrolled (the -O1
-// sanitizer builds).
-template <int K>
-inline __m512i insert_dim_codes(__m512i x, const uint8_t* codes, int64_t d, int64_t head_size,
-                                int64_t block_size, __mmask16 m) {
-  if (d >= head_size) return x;
-  return _mm512_inserti32x4(x, _mm_maskz_loadu_epi8(m, codes + d * block_size), K);
-}
-
-// Values of tokens [t0, t0 + n) of one head's fp8 block `src` ([D, BS]) as the pair tile of
-// accumulate_pairs (dst [8][NC * 16] words (v[2k][d], v[2k + 1][d]) in bf16; columns >= D
-// zeros, tokens >= n zeros or not written), the transpose done on the codes before they are
-// converted (split_value_shuffle), with no float32 tile between. Only the n tokens' bytes are
-// read.
+// split_value_pairs_fp8 for block_size 16: pair rows [0, ceil(n / 4) * 2) of dst [8][NC * 16].
 template <typename F8, int NC>
-inline void split_value_pairs_fp8(const Fp8Tables& shared_tables, const F8* src,
-                                  int64_t block_size, int64_t t0, int64_t n, int64_t head_size,
-                                  uint32_t* dst, TilePrefetcher& pf, int64_t per_step) {
+inline void split_value_pairs_fp8_16(const Fp8Tables& shared_tables, const F8* src, int64_t t0,
+                                     int64_t n, int64_t head_size, uint32_t* dst) {
   const Fp8Tables tables = shared_tables;
   constexpr int64_t DP = NC * 16;
-  const SplitValueShuffle& shuffle = split_value_shuffle();
+  const Block16ValueShuffle& shuffle = block16_value_shuffle();
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(src) + t0;
-  const __mmask16 m = tail_mask(n);
+  const __mmask64 tokens = static_cast<__mmask64>(tail_mask(n)) * 0x0001000100010001ull;
 #pragma GCC unroll 1
   for (int j = 0; j < NC; ++j) {
-    pf.issue(per_step);
     __m512i x[4];
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
-      const int64_t d = 16 * j + 4 * q;
-      x[q] = _mm512_setzero_si512();
-      x[q] = insert_dim_codes<0>(x[q], codes, d, head_size, block_size, m);
-      x[q] = insert_dim_codes<1>(x[q], codes, d + 1, head_size, block_size, m);
-      x[q] = insert_dim_codes<2>(x[q], codes, d + 2, head_size, block_size, m);
-      x[q] = insert_dim_codes<3>(x[q], codes, d + 3, head_size, block_size, m);
+      const int64_t d = 16 * j + 4 * q, dims = std::min<int64_t>(4, head_size - d);
+      const __mmask64 m = dims <= 0 ? 0 : dims >= 4 ? tokens : tokens & ((1ull << 16 * dims) - 1);
+      x[q] = _mm512_maskz_loadu_epi8(m, codes + d * 16);
     }
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {  // tokens 4p .. 4p + 3: pairs 2p and 2p + 1

@@ -925,11 +925,15 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // keys and values widened into float32 tiles first (one instantiation of the math for all).
   constexpr bool kRowsTiles = std::is_same_v<KV, float> || std::is_same_v<KV, bf16_t>;
   alignas(64) float vtile[kRowsTiles ? 16 : 16 * DP];
-  // The split layout: values always through a float32 tile (transposed); keys read in place
-  // (kKeysDirect: float32, bf16 under kDot) or gathered into knative and widened from there.
+  // The split layout: values transposed a tile at a time into vtile_split (float32, or bf16
+  // token pairs under kDot), fp8 under kDot 64 tokens at a time into vchunk (the pair rows of
+  // 4 tiles: split_value_pairs_fp8); keys read in place (kKeysDirect: float32, bf16 under kDot)
+  // or gathered into knative and widened from there.
   const bool split = p.layout == CacheLayout::kSplit;
   constexpr bool kKeysDirect = std::is_same_v<KV, float> || (kDot && !kFp8);
   alignas(64) float vtile_split[16 * DP];
+  constexpr bool kChunkValues = kDot && kFp8;
+  alignas(64) uint32_t vchunk[kChunkValues ? 32 * DP : 1];
   alignas(64) KV knative[kKeysDirect ? 1 : 16 * DP];
   // kKeysDirect: the G rows' logits of the current tile (split_logits), for attend_tile; fp8
   // under quad_logits: quad_head_logits'.
@@ -980,8 +984,10 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   FloatBuffer tile_logits(kRowsTiles ? static_cast<size_t>(Hq * 16) : 0);
   FloatBuffer tile_probs(kRowsTiles ? static_cast<size_t>(Hq * 17) : 0);
   // Split layout: tile (t0, n) of kv head h in block b; pf's requests spread over its math.
-  auto split_tile = [&](int64_t b, int64_t t0, int64_t h, int64_t n, __m512 distance,
-                        TilePrefetcher& pf) {
+  // Split layout: tile (t0, n) of kv head h in block b, the `sub`-th of its 64-token chunk
+  // (chunk_n tokens: the values are converted at sub 0); pf's requests spread over its math.
+  auto split_tile = [&](int64_t b, int64_t t0, int64_t h, int64_t n, int64_t sub,
+                        int64_t chunk_n, __m512 distance, TilePrefetcher& pf) {
     const int64_t head = (table[b] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
     if constexpr (kKeysDirect) {  // float32, or bf16 under kDot: keys read in place
       // The prefetches, spread over every step here and in attend_tile (its value steps: per
@@ -1009,11 +1015,14 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
                               pf, split_pre);
       }
     } else {
-      TilePrefetcher none;  // these paths leave the prefetches to attend_tile
       if constexpr (kDot) {  // fp8 under bf16 queries: converted 64 codes at a time
 #if JAX_ATTN_DECODE_FP8_DOT
-        uint32_t* vpairs = reinterpret_cast<uint32_t*>(vtile_split);
-        split_value_pairs_fp8<KV, NC>(fp8, vc + head, BS, t0, n, D, vpairs, none, 0);
+        if (BS == 16) {
+          split_value_pairs_fp8_16<KV, NC>(fp8, vc + head, t0, n, D, vchunk);
+        } else if (sub == 0) {
+          split_value_pairs_fp8<KV, NC>(fp8, vc + head, BS, t0, chunk_n, D, vchunk);
+        }
+        const uint32_t* vpairs = vchunk + 8 * sub * DP;
         const __m512* pre = nullptr;
         if (quad_logits) {  // keys in the layout's piece order; the tile's rows >= n are zeros
           split_keys_fp8_pieces(fp8, kc + head, BS, t0, n, D, ktile2);
@@ -1031,6 +1040,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
                               pf, pre, vpairs);
 #endif
       } else {
+        TilePrefetcher none;  // this path leaves the prefetches to attend_tile
         gather_split_keys(kc + head, BS, t0, n, D, knative, D);
         widen_tile<KV, NC>(knative, D, n, last_mask, ktile);
         transpose_split_values<KV, NC>(vc + head, BS, t0, n, D, vtile_split, none, 0);
@@ -1113,7 +1123,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
             const char* v = values >= 0 ? reinterpret_cast<const char*>(vc + values) + lo : nullptr;
             pf = TilePrefetcher(k, v, 0, 1, bytes, to_l2);
           }
-          split_tile(b, t0, h, n, distance, pf);
+          split_tile(b, t0, h, n, i % 4, std::min<int64_t>(64, t_end - t0), distance, pf);
         }
       }
       continue;
