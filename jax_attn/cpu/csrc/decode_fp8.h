@@ -78,6 +78,12 @@ inline void fp8_to_bf16_64(const uint8_t* src, __mmask64 m, const Fp8Tables& t, 
   fp8_spread_codes_to_bf16(_mm512_permutexvar_epi8(t.spread, _mm512_maskz_loadu_epi8(m, src)), t,
                            out);
 }
+// The same without the kFp8Spread permute: 128-bit lane L of out[0] holds codes 16L .. 16L + 7,
+// of out[1] codes 16L + 8 .. 16L + 15.
+inline void fp8_lanes_to_bf16_64(const uint8_t* src, __mmask64 m, const Fp8Tables& t,
+                                 __m512i* out) {
+  fp8_spread_codes_to_bf16(_mm512_maskz_loadu_epi8(m, src), t, out);
+}
 
 inline __mmask64 fp8_chunk_mask(int64_t t, int64_t n, int64_t left) {
   if (t >= n || left <= 0) return 0;
@@ -197,8 +203,9 @@ inline void convert_value_pairs_fp8(const Fp8Tables& tables, const F8* src, int6
 // Walks the split layout's fp8 keys of tokens [t0, t0 + n) of one head's block ([D / 16, BS,
 // 16]): per 16-dim piece c, 4 tokens' codes (64 contiguous bytes) converted at once, tokens
 // past n as zero codes; store(c, t, out) puts tokens t .. t + 3 of piece c (as bf16: out[0]
-// tokens t, t + 1, out[1] tokens t + 2, t + 3, 16 elements each). Requires D % 16 == 0.
-template <typename F8, typename Store>
+// tokens t, t + 1, out[1] tokens t + 2, t + 3, 16 elements each; kSpread false: lane L of
+// out[0] token t + L's dims 0..7, of out[1] its dims 8..15). Requires D % 16 == 0.
+template <typename F8, bool kSpread = true, typename Store>
 inline void convert_split_keys_fp8(const Fp8Tables& shared_tables, const F8* src,
                                    int64_t block_size, int64_t t0, int64_t n, int64_t head_size,
                                    Store&& store) {
@@ -209,7 +216,11 @@ inline void convert_split_keys_fp8(const Fp8Tables& shared_tables, const F8* src
 #pragma GCC unroll 4
     for (int64_t t = 0; t < 16; t += 4) {
       __m512i out[2];
-      fp8_to_bf16_64(piece + 16 * t, fp8_chunk_mask(t, n, 16 * (n - t)), tables, out);
+      if constexpr (kSpread) {
+        fp8_to_bf16_64(piece + 16 * t, fp8_chunk_mask(t, n, 16 * (n - t)), tables, out);
+      } else {
+        fp8_lanes_to_bf16_64(piece + 16 * t, fp8_chunk_mask(t, n, 16 * (n - t)), tables, out);
+      }
       store(c, t, out);
     }
   }
@@ -234,17 +245,18 @@ inline void split_keys_fp8_bf16(const Fp8Tables& tables, const F8* src, int64_t 
       });
 }
 
-// Those keys as bf16 in the layout's own order: dst [D / 16][16][16], piece c of token t at
-// (16 c + t) * 16 (decode_quads.h's kSplitPieces): each 16-dim piece of 16 tokens is 256
-// contiguous codes, stored whole, no transposes. Tokens >= n get zeros.
+// Those keys as bf16 in the layout's own order, as the quads read them (decode_quads.h's
+// SplitPieces): per 16-dim piece c and 4 tokens t .. t + 3, the 4 tokens' dims 0..7 at
+// 256 c + 16 t, their dims 8..15 32 elements on; whole stores, no permutes. Tokens >= n get
+// zeros.
 template <typename F8>
 inline void split_keys_fp8_pieces(const Fp8Tables& tables, const F8* src, int64_t block_size,
                                   int64_t t0, int64_t n, int64_t head_size, bf16_t* dst) {
-  convert_split_keys_fp8(tables, src, block_size, t0, n, head_size,
-                         [dst](int64_t c, int64_t t, __m512i* out) {
-                           _mm512_store_si512(dst + (16 * c + t) * 16, out[0]);
-                           _mm512_store_si512(dst + (16 * c + t + 2) * 16, out[1]);
-                         });
+  convert_split_keys_fp8<F8, false>(tables, src, block_size, t0, n, head_size,
+                                    [dst](int64_t c, int64_t t, __m512i* out) {
+                                      _mm512_store_si512(dst + 256 * c + 16 * t, out[0]);
+                                      _mm512_store_si512(dst + 256 * c + 16 * t + 32, out[1]);
+                                    });
 }
 
 // The split layout's fp8 values, up to 64 tokens of a head block ([D, BS]) at a time: dimension
@@ -266,19 +278,27 @@ struct SplitValueIndex {
   __m512i index[2];
 };
 
+// A byte index for 64 bytes in kFp8Spread order of 4 tokens x 16 dims: position i (code
+// kFp8Spread[i] = 32 (u / 2) + 2e + u % 2) takes byte source(u, e), the one that holds token u's
+// code of dim e.
+template <typename Source>
+__m512i spread_order_index(Source source) {
+  alignas(64) uint8_t index[64];
+  for (int i = 0; i < 64; ++i) {
+    const int c = kFp8Spread[i];
+    index[i] = static_cast<uint8_t>(source(2 * (c / 32) + c % 2, c % 32 / 2));
+  }
+  return _mm512_load_si512(index);
+}
+
 inline const SplitValueIndex& split_value_index() {
   static const SplitValueIndex value_index = [] {
     SplitValueIndex s{};
-    alignas(64) uint8_t index[64];
     for (int odd = 0; odd < 2; ++odd) {
-      for (int i = 0; i < 64; ++i) {
-        const int c = kFp8Spread[i];
-        const int u = 2 * (c / 32) + c % 2, e = c % 32 / 2;  // token 4q + u, dim e
-        // Lane g = e / 4 of the output: lane 2 (g % 2) + odd of Y01 (g < 2) or Y23.
-        index[i] = static_cast<uint8_t>(64 * (e / 8) + 32 * (e / 4 % 2) + 16 * odd +
-                                        4 * (e % 4) + u);
-      }
-      s.index[odd] = _mm512_load_si512(index);
+      // Lane g = e / 4 of the output: lane 2 (g % 2) + odd of Y01 (g < 2) or Y23.
+      s.index[odd] = spread_order_index([odd](int u, int e) {
+        return 64 * (e / 8) + 32 * (e / 4 % 2) + 16 * odd + 4 * (e % 4) + u;
+      });
     }
     return s;
   }();
@@ -360,17 +380,14 @@ struct Block16ValueShuffle {
 inline const Block16ValueShuffle& block16_value_shuffle() {
   static const Block16ValueShuffle shuffle = [] {
     Block16ValueShuffle s{};
-    alignas(64) uint8_t index[64];
     for (int p = 0; p < 4; ++p) {
-      for (int i = 0; i < 64; ++i) {
-        const int c = kFp8Spread[i];
-        const int u = 2 * (c / 32) + c % 2, e = c % 32 / 2;
-        // Dim e sits in load e / 4, lane e % 4, at token 4p + u; the pair's second load from
-        // byte 64.
-        index[i] = static_cast<uint8_t>((e / 4 % 2) * 64 + 16 * (e % 4) + 4 * p + u);
-        if (p == 0 && e >= 8) s.from_hi |= __mmask64{1} << i;
-      }
-      s.index[p] = _mm512_load_si512(index);
+      // Dim e sits in load e / 4, lane e % 4, at token 4p + u; the pair's second load from
+      // byte 64.
+      s.index[p] = spread_order_index(
+          [p](int u, int e) { return (e / 4 % 2) * 64 + 16 * (e % 4) + 4 * p + u; });
+    }
+    for (int i = 0; i < 64; ++i) {
+      if (kFp8Spread[i] % 32 >= 16) s.from_hi |= __mmask64{1} << i;  // dims 8..15
     }
     return s;
   }();

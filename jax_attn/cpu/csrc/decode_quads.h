@@ -91,15 +91,21 @@ inline __m512 sum_quads4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
 }
 
-// Where a token's key pieces lie: piece s (8 bf16) of token i at k[i] + (s / 2) * kPairStride
-// + (s % 2) * 8. Token rows (D elements): kRowPieces; the split layout's fp8 keys converted in
-// the layout's own order ([D / 16][16 tokens][16]; split_keys_fp8_pieces): kSplitPieces.
-constexpr int64_t kRowPieces = 16;
-constexpr int64_t kSplitPieces = 256;
+// Where a token's key pieces lie: piece s (8 bf16) of token i at k[i] + (s / 2) * kPair +
+// (s % 2) * kOdd. Token rows (D elements): RowPieces. The split layout's fp8 keys converted as
+// they lie, 64 codes (4 tokens x 16 dims of a piece) at a time with no reordering
+// (split_keys_fp8_pieces): SplitPieces, per 16 dims c and 4 tokens 4j .. 4j + 3 a 64-element
+// run of dims 0..7 of the 4 tokens, then dims 8..15, so token i at 64 (i / 4) + 8 (i % 4).
+struct RowPieces {
+  static constexpr int64_t kPair = 16, kOdd = 8;
+};
+struct SplitPieces {
+  static constexpr int64_t kPair = 256, kOdd = 32;
+};
 
 // Logits of one quad against 8 tokens: out[j] lane group g = row g, tokens 4j .. 4j + 3.
-// k[i]: token i's bf16 key pieces (D elements, D % 8 == 0, as kPairStride says).
-template <int64_t kPairStride>
+// k[i]: token i's bf16 key pieces (D elements, D % 8 == 0, where Pieces says).
+template <typename Pieces>
 __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const bf16_t* const* k,
                                                         int64_t D8, __m512* out,
                                                         LineCursor& pf) {
@@ -114,9 +120,9 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m512i k0 = _mm512_broadcast_i32x4(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(k[i] + s / 2 * kPairStride)));
+          reinterpret_cast<const __m128i*>(k[i] + s / 2 * Pieces::kPair)));
       const __m512i k1 = _mm512_broadcast_i32x4(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(k[i] + s / 2 * kPairStride + 8)));
+          reinterpret_cast<const __m128i*>(k[i] + s / 2 * Pieces::kPair + Pieces::kOdd)));
       even[i] = _mm512_dpbf16_ps(even[i], q0, (__m512bh)k0);
       odd[i] = _mm512_dpbf16_ps(odd[i], q1, (__m512bh)k1);
     }
@@ -126,7 +132,7 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m512i k0 = _mm512_broadcast_i32x4(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(k[i] + s / 2 * kPairStride)));
+          reinterpret_cast<const __m128i*>(k[i] + s / 2 * Pieces::kPair)));
       even[i] = _mm512_dpbf16_ps(even[i], q0, (__m512bh)k0);
     }
   }
@@ -139,16 +145,16 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
 // Logits of one kv head's G query rows (its quads from pack_query_quads, at qh) against up to
 // 16 bf16 token rows k[i] (D elements; D % 8 == 0; rows >= n not read when n <= 8): out[r][t],
 // row r, token t, times qk_scale (tokens >= n: whatever the stand-in rows give).
-template <int64_t kPairStride = kRowPieces>
+template <typename Pieces = RowPieces>
 inline void quad_head_logits(const bf16_t* qh, const bf16_t* const* k, int64_t n, int64_t D8,
                              int64_t G, __m512 qk_scale, float* out, LineCursor& pf) {
   const int64_t U = (G + 3) / 4;
   for (int64_t u = 0; u < U; ++u) {
     const bf16_t* qv = qh + u * D8 * 32;
     __m512 t[4];
-    quad_logits8<kPairStride>(qv, k, D8, t, pf);
+    quad_logits8<Pieces>(qv, k, D8, t, pf);
     if (n > 8) {
-      quad_logits8<kPairStride>(qv, k + 8, D8, t + 2, pf);
+      quad_logits8<Pieces>(qv, k + 8, D8, t + 2, pf);
     } else {
       t[2] = t[3] = _mm512_setzero_ps();
     }
