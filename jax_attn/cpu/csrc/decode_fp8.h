@@ -345,9 +345,12 @@ inline void split_value_pairs_fp8(const Fp8Tables& shared_tables, const F8* src,
 #pragma GCC unroll 2
       for (int half = 0; half < 2; ++half) {  // lanes (0, 1), then (2, 3)
         if (2 * half >= groups) break;
-        const int sel = half == 0 ? 0x44 : 0xEE;
-        const __m512i y01 = _mm512_shuffle_i32x4(x[0][s], x[1][s], sel);
-        const __m512i y23 = _mm512_shuffle_i32x4(x[2][s], x[3][s], sel);
+        // (Immediates in both branches: at -O1, in the sanitizer builds, this loop is not
+        // unrolled.)
+        const __m512i y01 = half == 0 ? _mm512_shuffle_i32x4(x[0][s], x[1][s], 0x44)
+                                      : _mm512_shuffle_i32x4(x[0][s], x[1][s], 0xEE);
+        const __m512i y23 = half == 0 ? _mm512_shuffle_i32x4(x[2][s], x[3][s], 0x44)
+                                      : _mm512_shuffle_i32x4(x[2][s], x[3][s], 0xEE);
 #pragma GCC unroll 2
         for (int odd = 0; odd < 2; ++odd) {
           const int64_t q = 4 * (2 * half + odd) + s;  // tokens 4q .. 4q + 3
