@@ -273,10 +273,7 @@ inline void split_keys_fp8_pieces(const Fp8Tables& tables, const F8* src, int64_
 // After the in-lane unpacks, register X[g][s] holds in 128-bit lane L dims 4g .. 4g + 3 of
 // tokens 4(4L + s) .. + 3; Y01 = lanes (0, 1) of X[0][s] and X[1][s], Y23 = the same of X[2][s],
 // X[3][s] (lanes (2, 3): the other two outputs). Output 4L + s, lane g = X[g][s] lane L, taken
-// from the 128 bytes (Y01 | Y23) by index[L % 2].
-struct SplitValueIndex {
-  __m512i index[2];
-};
+// from the 128 bytes (Y01 | Y23) by index[L % 2] (a PairIndex: two vpermi2b indexes).
 
 // A byte index for 64 bytes in kFp8Spread order of 4 tokens x 16 dims: position i (code
 // kFp8Spread[i] = 32 (u / 2) + 2e + u % 2) takes byte source(u, e), the one that holds token u's
@@ -291,9 +288,9 @@ __m512i spread_order_index(Source source) {
   return _mm512_load_si512(index);
 }
 
-inline const SplitValueIndex& split_value_index() {
-  static const SplitValueIndex value_index = [] {
-    SplitValueIndex s{};
+inline const PairIndex& split_value_index() {
+  static const PairIndex value_index = [] {
+    PairIndex s{};
     for (int odd = 0; odd < 2; ++odd) {
       // Lane g = e / 4 of the output: lane 2 (g % 2) + odd of Y01 (g < 2) or Y23.
       s.index[odd] = spread_order_index([odd](int u, int e) {
@@ -315,7 +312,7 @@ inline void split_value_pairs_fp8(const Fp8Tables& shared_tables, const F8* src,
                                   uint32_t* dst) {
   const Fp8Tables tables = shared_tables;
   constexpr int64_t DP = NC * 16;
-  const SplitValueIndex& index = split_value_index();
+  const PairIndex& index = split_value_index();
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(src) + t0;
   const __mmask64 m = n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
   const int64_t groups = (n + 15) / 16;  // outputs 4L + s for L < groups

@@ -983,7 +983,6 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   alignas(64) float zero_row[kRowsTiles ? DP : 1] = {};
   FloatBuffer tile_logits(kRowsTiles ? static_cast<size_t>(Hq * 16) : 0);
   FloatBuffer tile_probs(kRowsTiles ? static_cast<size_t>(Hq * 17) : 0);
-  // Split layout: tile (t0, n) of kv head h in block b; pf's requests spread over its math.
   // Split layout: tile (t0, n) of kv head h in block b, the `sub`-th of its 64-token chunk
   // (chunk_n tokens: the values are converted at sub 0); pf's requests spread over its math.
   auto split_tile = [&](int64_t b, int64_t t0, int64_t h, int64_t n, int64_t sub,
