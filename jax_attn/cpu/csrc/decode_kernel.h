@@ -1094,8 +1094,14 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       // VM, NTA / L2 (JAX_ATTN_CPU_NTA_LIMIT=49152 / 0, calls alternated in one process):
       // float32 11.8 / 8.9 ms at block 16, 12.7 / 10.0 at 32, 8 x 8192 25.1 / 19.8; bf16 5.47 /
       // 5.07 and 5.81 / 5.07; mixed 23.5 / 21.4. fp8 at block 128 (48 KiB) stays NTA: 4.68-4.71
-      // vs 4.72-4.78.
-      const bool to_l2 = (keys_ahead + values_ahead + 1) * head_bytes > p.nta_limit;
+      // vs 4.72-4.78. At blocks of 64 tokens or more the head block being read is not counted:
+      // its lines were requested a head block earlier and every tile reads a slice of each of
+      // them. bf16 at block 128 (64 KiB ahead) then takes NTA where L1d is 48 KiB: TORCH_SDPA
+      // decode, 2-core Zen 5 VM, paired workers, L2 / NTA time 1.62 [1.24, 1.73] (32 x 1024),
+      // 1.26 [1.22, 1.35] (8 x 8192); float32 there (128 KiB ahead) 1.03 [0.99, 1.05] either
+      // way, so it stays L2 (NOTES.md 2026-12-04 22:35).
+      const int64_t being_read = BS >= 64 ? 0 : 1;
+      const bool to_l2 = (keys_ahead + values_ahead + being_read) * head_bytes > p.nta_limit;
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t keys = p.prefetch_tiles > 0 ? head_block_ahead(b, h, keys_ahead) : -1;
         const int64_t values = p.prefetch_tiles > 0 ? head_block_ahead(b, h, values_ahead) : -1;
