@@ -315,12 +315,15 @@ class TilePrefetcher {
 // One contiguous run of lines in each cache (the next tile's [rows, Hkv, D], or a head block
 // of the split layout), requested `per` K + V pairs at a time (step) from inside math loops,
 // its state in registers: TilePrefetcher::issue is a call there, and around a call every
-// accumulator is spilled (all zmm registers are caller-saved). Used by the AMX split decode
-// and the split layout's lanes (decode_split.h). The AVX2 decode and the quads pace it
-// instead (pace, paced_step): the pairs spread evenly over a number of steps, one at a time,
-// by an integer credit (decode_avx2.h, decode_quads.h). In the quads a request per head step
-// (48 per tile) instead sent them in bursts (from memory the bf16 decode then took 5.0 ms
-// against 3.2; NOTES.md).
+// accumulator is spilled (all zmm registers are caller-saved). Used by the AMX split decode,
+// the split layout's tiles (split_tile in decode_item) and lanes (decode_split.h). On the
+// tiles, TilePrefetcher's call per key chunk and per value pair spilled split_logits' 16
+// accumulators: TORCH_SDPA's e4m3 decode took 1.19-1.21x as long from memory (block 16 and
+// 128), bf16 1.10x with the cache in L3 (2-core Zen 5 VM, paired; NOTES.md 2026-12-05).
+// The AVX2 decode and the quads pace it instead (pace, paced_step): the pairs spread evenly
+// over a number of steps, one at a time, by an integer credit (decode_avx2.h,
+// decode_quads.h). In the quads a request per head step (48 per tile) instead sent them in
+// bursts (from memory the bf16 decode then took 5.0 ms against 3.2; NOTES.md).
 struct LineCursor {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -336,6 +339,8 @@ struct LineCursor {
     v = reinterpret_cast<const char*>(va & ~static_cast<uintptr_t>(63));
     left = (mis + bytes + 63) / 64;
   }
+  // Pairs not yet requested (TilePrefetcher's name for it).
+  int64_t remaining() const { return left; }
   // The next `per` pairs (set per tile from the tile's number of steps).
   inline void step() { issue(per); }
   // Under pace: the pairs this step's share of the credit adds up to (compare and subtract: a
@@ -531,20 +536,20 @@ inline __m512 exp_bf16_probs(__m512 x, __m512 ref_log2) {
 // values: rows [0, n) of a float32 tile at v_rows, v_stride elements apart. The prefetches of
 // a later tile (pf) are spread evenly over the steps of the math (each key chunk of each query
 // row's logits, each token of the value sums: ~16 FMAs apart); what is left is issued at the
-// end.
-template <int NC, bool kDot>
+// end. Pf: TilePrefetcher (token-major caches) or LineCursor (the split layout).
+template <int NC, bool kDot, typename Pf>
 __attribute__((noinline)) void attend_tile(const Problem& p, const Queries& q, RowsState& st,
                                            const float* ktile,
                                            [[maybe_unused]] const bf16_t* ktile2,
                                            const float* v_rows, int64_t v_stride, int64_t h,
                                            int64_t n, __m512 distance,
-                                           TilePrefetcher& prefetcher,
+                                           Pf& prefetcher,
                                            const __m512* pre = nullptr,
                                            const uint32_t* vpairs = nullptr) {
   constexpr int64_t DP = NC * 16;
   constexpr int NC2 = (NC + 1) / 2;
   const int64_t G = p.group;
-  TilePrefetcher pf = prefetcher;  // a local copy: kept in registers
+  Pf pf = prefetcher;  // a local copy: kept in registers
   const int64_t key_steps = pre ? 0 : G * (kDot ? NC2 : NC);
   const int64_t value_steps = vpairs ? (n + 1) / 2 : n;  // per group of 4 rows and 4 chunks
   const int64_t steps =
@@ -986,7 +991,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
   // Split layout: tile (t0, n) of kv head h in block b, the `sub`-th of its 64-token chunk
   // (chunk_n tokens: the values are converted at sub 0); pf's requests spread over its math.
   auto split_tile = [&](int64_t b, int64_t t0, int64_t h, int64_t n, int64_t sub,
-                        int64_t chunk_n, __m512 distance, TilePrefetcher& pf) {
+                        int64_t chunk_n, __m512 distance, LineCursor& pf) {
     const int64_t head = (table[b] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
     if constexpr (kKeysDirect) {  // float32, or bf16 under kDot: keys read in place
       // The prefetches, spread over every step here and in attend_tile (its value steps: per
@@ -1121,12 +1126,12 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
           const int64_t n = std::min<int64_t>(16, t_end - t0);
           const __m512 distance = _mm512_add_ps(
               iota, _mm512_set1_ps(static_cast<float>(b * BS + t0 - q_pos)));  // p_k - p_q
-          TilePrefetcher pf;
+          LineCursor pf;
           const int64_t lo = i * share, bytes = std::min(share, head_bytes - lo);
           if (keys >= 0 && bytes > 0) {
             const char* k = reinterpret_cast<const char*>(kc + keys) + lo;
-            const char* v = values >= 0 ? reinterpret_cast<const char*>(vc + values) + lo : nullptr;
-            pf = TilePrefetcher(k, v, 0, 1, bytes, to_l2);
+            const char* v = values >= 0 ? reinterpret_cast<const char*>(vc + values) + lo : k;
+            pf = LineCursor(k, v, bytes, to_l2);
           }
           split_tile(b, t0, h, n, i % 4, std::min<int64_t>(64, t_end - t0), distance, pf);
         }

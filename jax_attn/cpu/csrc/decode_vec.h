@@ -103,9 +103,9 @@ __attribute__((always_inline)) inline void transpose16x16(__m512* r) {
 // Values of tokens [t0, t0 + n) of one head's block `src` ([D, BS]) widened and transposed
 // into the float32 tile dst [16, NC * 16] (rows >= n and columns >= D: zeros; only the n
 // tokens' elements are read).
-template <typename KV, int NC>
+template <typename KV, int NC, typename Pf>
 inline void transpose_split_values(const KV* src, int64_t block_size, int64_t t0, int64_t n,
-                                   int64_t head_size, float* dst, TilePrefetcher& pf,
+                                   int64_t head_size, float* dst, Pf& pf,
                                    int64_t per_step) {
   const __mmask16 m = tail_mask(n);
 #pragma GCC unroll 1
@@ -128,10 +128,10 @@ inline void transpose_split_values(const KV* src, int64_t block_size, int64_t t0
 // registers. Values: rows [0, n) of a float32 tile at v_rows, `stride` elements apart; only the
 // first lanes of the last chunk (last_mask) are read. Each token's step also requests
 // `per_step` lines of a later tile (pf).
-template <int NC, int RG>
+template <int NC, int RG, typename Pf>
 inline void accumulate_values(const float* v_rows, int64_t stride, __mmask16 last_mask, int64_t n,
                               const float (*probs)[16], const float* factor, float* const* acc,
-                              TilePrefetcher& pf, int64_t per_step) {
+                              Pf& pf, int64_t per_step) {
 #pragma GCC unroll 4
   for (int cb = 0; cb < NC; cb += 4) {
     constexpr int kMaxCB = 4;
@@ -183,9 +183,9 @@ inline void accumulate_values(const float* v_rows, int64_t stride, __mmask16 las
 // float32 dot, on half the tile. q2: the row's unscaled bf16 query, ktile2: [16, NC2 * 32]
 // (fp8 keys converted by convert_tile_fp8_bf16), both zero beyond the head size. Each chunk
 // after the first also requests `per_step` lines of a later tile (pf).
-template <int NC2>
+template <int NC2, typename Pf>
 inline void dot_keys_bf16(const bf16_t* q2, const bf16_t* ktile2, __m512* dots,
-                          TilePrefetcher& pf, int64_t per_step) {
+                          Pf& pf, int64_t per_step) {
 #pragma GCC unroll 16
   for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
 #pragma GCC unroll 8
@@ -206,9 +206,9 @@ inline void dot_keys_bf16(const bf16_t* q2, const bf16_t* ktile2, __m512* dots,
 // pp[r][k]: the probability pair (p[2k], p[2k + 1]) rounded to bf16. Half the instructions of
 // accumulate_values' float32 FMAs on half the tile bytes. Each pair's step also requests
 // `per_step` lines of a later tile (pf).
-template <int NC, int RG>
+template <int NC, int RG, typename Pf>
 inline void accumulate_pairs(const uint32_t* vpairs, int64_t n, const uint32_t (*pp)[8],
-                             const float* factor, float* const* acc, TilePrefetcher& pf,
+                             const float* factor, float* const* acc, Pf& pf,
                              int64_t per_step) {
   constexpr int64_t DP = NC * 16;
   const int64_t num_pairs = (n + 1) / 2;
@@ -261,10 +261,10 @@ inline void accumulate_pairs(const uint32_t* vpairs, int64_t n, const uint32_t (
 // 4 x 4 in-lane steps and one 128-bit lane shuffle per output: 24 shuffles, against 64 for a
 // 16 x 16 transpose with its upper half zero (which took 17% of the block-16 split decode's
 // math; NOTES.md). Tokens >= n read as zeros (masked loads).
-template <int NC>
+template <int NC, typename Pf>
 inline void transpose_split_value_pairs(const bf16_t* src, int64_t block_size, int64_t t0,
                                         int64_t n, int64_t head_size, uint32_t* dst,
-                                        TilePrefetcher& pf, int64_t per_step) {
+                                        Pf& pf, int64_t per_step) {
   constexpr int64_t DP = NC * 16;
   const __mmask16 m = tail_mask(n);
   const int64_t num_pairs = (n + 1) / 2;
@@ -320,11 +320,11 @@ inline void transpose_split_value_pairs(const bf16_t* src, int64_t block_size, i
 // tokens), each pair of rows loaded once for the 4 query rows. Half the instructions of
 // widening the values and one FMA per token (2-core Zen 5 VM, NOTES.md).
 // v_rows: the tile's first token (kv head 0); rows of tokens >= n are never read (zero_row).
-template <int NC>
+template <int NC, typename Pf>
 inline void accumulate_value_pairs(const Problem& p, RowsState& st, const bf16_t* v_rows,
                                    int64_t row_stride, int64_t n, const bf16_t* zero_row,
                                    const uint32_t* pairs, const float* factor,
-                                   TilePrefetcher& pf, int64_t per_step) {
+                                   Pf& pf, int64_t per_step) {
   constexpr int64_t DP = NC * 16;
   constexpr int NC2 = (NC + 1) / 2;
   const int64_t D = p.head_size, G = p.group, Hkv = p.num_kv_heads;
