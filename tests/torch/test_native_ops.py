@@ -501,6 +501,42 @@ def test_cache_write_is_byte_identical_to_the_torch_path(kv_cache_dtype, dtype, 
         assert int(kv_cache.isfinite().sum()) == 2 * written * hkv * d
 
 
+@pytest.mark.parametrize("kv_cache_dtype,dtype,head_size,block_size",
+                         [("auto", torch.float32, 120, 16),
+                          ("auto", torch.bfloat16, 80, 32),
+                          ("auto", torch.float32, 64, 128),
+                          ("fp8", torch.bfloat16, 80, 16),
+                          ("fp8_e5m2", torch.float16, 256, 8)])  # fmt: skip
+def test_cache_write_of_prefill_runs_is_byte_identical_to_the_torch_path(
+    kv_cache_dtype, dtype, head_size, block_size, rng
+):
+    """A prefill's slots follow each other through its blocks, which the native write takes
+    as runs (a dimension of many tokens at a time): runs that start mid-block and cross into
+    the next, longer than one 16-token tile, and a pad inside a run."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    num_blocks, hkv = 160 // block_size + 2, 2
+    third = num_blocks * block_size // 3  # run k starts anywhere in third k that it fits
+    starts = [k * third + int(torch.randint(0, third - n + 1, (), generator=gen))
+              for k, n in enumerate((37, 5, 21))]  # fmt: skip
+    slots = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, (37, 5, 21), strict=True)])
+    slots[9] = -1
+    tokens = len(slots)
+    key, value = (torch.randn(tokens, hkv, head_size, generator=gen).to(dtype) for _ in "kv")
+    caches = []
+    for use_torch in (False, True):
+        kv_cache = nan_cache(num_blocks, block_size, hkv, head_size, dtype, kv_cache_dtype)
+        key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, hkv, head_size)
+        with _torch_path() if use_torch else contextlib.nullcontext():
+            PagedAttention.write_to_paged_cache(
+                key, value, key_cache, value_cache, slots, kv_cache_dtype, 0.8, 1.2
+            )
+        caches.append(kv_cache.view(torch.uint8))
+    assert torch.equal(caches[0], caches[1])
+    if kv_cache_dtype == "auto":  # every slot written, nothing else
+        written = int((slots >= 0).sum())
+        assert int(caches[0].view(dtype).isfinite().sum()) == 2 * written * hkv * head_size
+
+
 def test_cache_write_refuses_a_bad_slot_before_any_write(rng):
     kv_cache = nan_cache(4, 16, 2, 64, torch.float32, "auto")
     key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, 2, 64)
@@ -512,11 +548,15 @@ def test_cache_write_refuses_a_bad_slot_before_any_write(rng):
 
 
 def test_a_repeated_slot_keeps_the_later_row():
+    """Also where the repeats are runs of following slots (the native write's runs)."""
     kv_cache = torch.zeros(2, 2, 16 * 1 * 16)
     key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, 1, 16)
-    rows = torch.arange(3.0)[:, None, None].expand(3, 1, 16).contiguous()
-    native.store_split(rows, rows, key_cache, value_cache, torch.tensor([3, 3, -1]))
-    assert torch.equal(value_cache[0, 0, :, 3], torch.full((16,), 1.0))
+    rows = torch.arange(9.0)[:, None, None].expand(9, 1, 16).contiguous()
+    slots = torch.tensor([3, 3, -1, 5, 6, 7, 6, 7, 8])
+    native.store_split(rows, rows, key_cache, value_cache, slots)
+    for slot, row in {3: 1, 5: 3, 6: 6, 7: 7, 8: 8}.items():
+        assert torch.equal(value_cache[0, 0, :, slot], torch.full((16,), float(row)))
+        assert torch.equal(key_cache[0, 0, :, slot].reshape(16), torch.full((16,), float(row)))
 
 
 @pytest.mark.parametrize("use_torch", [False, True])

@@ -15,6 +15,52 @@ namespace {
 // Below this many bytes a call runs on the calling thread: waking workers costs more.
 constexpr int64_t kParallelBytes = 1 << 20;
 
+// Tokens per run of the split layout's store (store_head): one 16 x 16 transpose tile.
+constexpr int64_t kRunTokens = 16;
+
+// dst[c * dst_stride + r] = src[r * src_stride + c] for r < rows, c < cols (both <= 16), for
+// kBytes-byte elements. AVX-512: rows widened to 32-bit words, transposed in registers
+// (transpose16x16) and narrowed back, so each side is one masked load or store per row.
+template <int kBytes, typename Elem>
+void transpose_tile(const Elem* src, int64_t src_stride, int64_t rows, int64_t cols, Elem* dst,
+                    int64_t dst_stride) {
+#if JAX_ATTN_AVX512
+  const __mmask16 in = static_cast<__mmask16>((1u << cols) - 1u);
+  const __mmask16 out = static_cast<__mmask16>((1u << rows) - 1u);
+  __m512 r[16];
+  for (int64_t i = 0; i < 16; ++i) {
+    const Elem* row = src + i * src_stride;
+    __m512i x = _mm512_setzero_si512();
+    if (i < rows) {
+      if constexpr (kBytes == 4) {
+        x = _mm512_maskz_loadu_epi32(in, row);
+      } else if constexpr (kBytes == 2) {
+        x = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, row));
+      } else {
+        x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(in, row));
+      }
+    }
+    r[i] = _mm512_castsi512_ps(x);
+  }
+  transpose16x16(r);
+  for (int64_t c = 0; c < cols; ++c) {
+    Elem* row = dst + c * dst_stride;
+    const __m512i x = _mm512_castps_si512(r[c]);
+    if constexpr (kBytes == 4) {
+      _mm512_mask_storeu_epi32(row, out, x);
+    } else if constexpr (kBytes == 2) {
+      _mm256_mask_storeu_epi16(row, out, _mm512_cvtepi32_epi16(x));
+    } else {
+      _mm_mask_storeu_epi8(row, out, _mm512_cvtepi32_epi8(x));
+    }
+  }
+#else
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = 0; r < rows; ++r) dst[c * dst_stride + r] = src[r * src_stride + c];
+  }
+#endif
+}
+
 template <int kBytes>
 void store_head(const StoreArgs& a, int64_t h) {
   struct Elem {
@@ -27,24 +73,50 @@ void store_head(const StoreArgs& a, int64_t h) {
   const int64_t value_stride = a.value_stride > 0 ? a.value_stride : Hkv * D;
   auto* kc = static_cast<Elem*>(a.key_cache);
   auto* vc = static_cast<Elem*>(a.value_cache);
+  if (a.layout == CacheLayout::kSplit) {
+    // A token at a time, the split layout puts a value row's elements BS elements apart (and a
+    // key row's 16-byte chunks BS * 16 bytes apart): with BS a power of two those lines share
+    // a few L1 sets and evict each other (float32 at BS 128: 8x the token-major store's time).
+    // So tokens whose slots follow each other inside one block (a prefill's) go as one run,
+    // written a dimension (a key chunk) at a time: each store run contiguous in the cache.
+    // Runs follow token order, so a slot given twice still keeps the later row.
+    constexpr int64_t x = 16 / kBytes;
+    for (int64_t t = 0; t < a.num_tokens;) {
+      const int64_t slot = a.slots[t];
+      if (slot < 0) {
+        ++t;
+        continue;
+      }
+      const int64_t b = slot / BS, o = slot % BS;
+      int64_t n = 1;
+      while (n < kRunTokens && t + n < a.num_tokens && o + n < BS && a.slots[t + n] == slot + n) {
+        ++n;
+      }
+      const Elem* k = key + t * key_stride + h * D;
+      const Elem* v = value + t * value_stride + h * D;
+      Elem* kdst = kc + (b * Hkv + h) * D * BS + o * x;  // [D / x, BS, x]
+      for (int64_t c = 0; c < D / x; ++c) {
+        for (int64_t i = 0; i < n; ++i) {
+          std::memcpy(kdst + c * BS * x + i * x, k + i * key_stride + c * x, 16);
+        }
+      }
+      Elem* vdst = vc + (b * Hkv + h) * D * BS + o;  // [D, BS]
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        transpose_tile<kBytes>(v + d0, value_stride, n, std::min<int64_t>(16, D - d0),
+                               vdst + d0 * BS, BS);
+      }
+      t += n;
+    }
+    return;
+  }
+  const int64_t stride = a.block_stride > 0 ? a.block_stride : BS * Hkv * D;
   for (int64_t t = 0; t < a.num_tokens; ++t) {  // token order: a repeated slot keeps the last
     const int64_t slot = a.slots[t];
     if (slot < 0) continue;
     const int64_t b = slot / BS, o = slot % BS;
-    const Elem* k = key + t * key_stride + h * D;
-    const Elem* v = value + t * value_stride + h * D;
-    if (a.layout == CacheLayout::kSplit) {
-      constexpr int64_t x = 16 / kBytes;
-      Elem* kdst = kc + (b * Hkv + h) * D * BS + o * x;  // [D / x, BS, x]
-      for (int64_t c = 0; c < D / x; ++c) std::memcpy(kdst + c * BS * x, k + c * x, 16);
-      Elem* vdst = vc + (b * Hkv + h) * D * BS + o;  // [D, BS]
-      for (int64_t d = 0; d < D; ++d) vdst[d * BS] = v[d];
-    } else {
-      const int64_t stride = a.block_stride > 0 ? a.block_stride : BS * Hkv * D;
-      const int64_t row = b * stride + (o * Hkv + h) * D;  // block b: [BS, Hkv, D]
-      std::memcpy(kc + row, k, D * kBytes);
-      std::memcpy(vc + row, v, D * kBytes);
-    }
+    const int64_t row = b * stride + (o * Hkv + h) * D;  // block b: [BS, Hkv, D]
+    std::memcpy(kc + row, key + t * key_stride + h * D, D * kBytes);
+    std::memcpy(vc + row, value + t * value_stride + h * D, D * kBytes);
   }
 }
 
@@ -94,35 +166,35 @@ std::string store_rows(const StoreArgs& a, const Workers& workers) {
 
 namespace {
 
-// Block ids[i], kv head h of both split caches, into block i of the token-major outputs:
-// keys row by row (a token's D elements gathered 16 bytes at a time from the D / x pieces, its
-// row written whole), values transposed [D, BS] -> [BS, D] in 16 x 16 tiles (a tile's 16
-// source rows and 16 destination rows stay in L1).
+// Tokens [t0, t0 + n) of block ids[i] of both split caches, every kv head, into block i of
+// the token-major outputs, n = one cache line of a value row (64 / kBytes tokens) or the rest
+// of the block: each source line is read once and whole, and the item's destination rows
+// [n, Hkv, D] are written whole, head after head. Keys: a chunk's n 16-byte pieces to n rows;
+// values: [D, n] -> [n, D] in 16 x 16 tiles (transpose_tile).
 template <int kBytes>
-void gather_head(const GatherArgs& a, int64_t i, int64_t h) {
+void gather_tile(const GatherArgs& a, int64_t i, int64_t t0) {
   struct Elem {
     unsigned char b[kBytes];
   };
   constexpr int64_t x = 16 / kBytes;
   const int64_t D = a.head_size, Hkv = a.num_kv_heads, BS = a.block_size;
-  const int64_t head = (a.ids[i] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
-  const Elem* ks = static_cast<const Elem*>(a.key_cache) + head;
-  const Elem* vs = static_cast<const Elem*>(a.value_cache) + head;
-  Elem* kd = static_cast<Elem*>(a.keys) + i * BS * Hkv * D + h * D;  // row t: + t * Hkv * D
-  Elem* vd = static_cast<Elem*>(a.values) + i * BS * Hkv * D + h * D;
-  for (int64_t t = 0; t < BS; ++t) {
+  const int64_t n = std::min<int64_t>(64 / kBytes, BS - t0);
+  Elem* kd = static_cast<Elem*>(a.keys) + (i * BS + t0) * Hkv * D;  // row t: + t * Hkv * D
+  Elem* vd = static_cast<Elem*>(a.values) + (i * BS + t0) * Hkv * D;
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const int64_t head = (a.ids[i] * Hkv + h) * D * BS;  // [D / x, BS, x] and [D, BS]
+    const Elem* ks = static_cast<const Elem*>(a.key_cache) + head + t0 * x;
+    const Elem* vs = static_cast<const Elem*>(a.value_cache) + head + t0;
     for (int64_t c = 0; c < D / x; ++c) {
-      std::memcpy(kd + t * Hkv * D + c * x, ks + (c * BS + t) * x, 16);
+      for (int64_t t = 0; t < n; ++t) {
+        std::memcpy(kd + t * Hkv * D + h * D + c * x, ks + (c * BS + t) * x, 16);
+      }
     }
-  }
-  constexpr int64_t kTile = 16;
-  for (int64_t d0 = 0; d0 < D; d0 += kTile) {
-    const int64_t d1 = std::min(D, d0 + kTile);
-    for (int64_t t0 = 0; t0 < BS; t0 += kTile) {
-      const int64_t t1 = std::min(BS, t0 + kTile);
-      for (int64_t t = t0; t < t1; ++t) {
-        Elem* row = vd + t * Hkv * D;
-        for (int64_t d = d0; d < d1; ++d) row[d] = vs[d * BS + t];
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      for (int64_t u = 0; u < n; u += 16) {
+        transpose_tile<kBytes>(vs + d0 * BS + u, BS, std::min<int64_t>(16, D - d0),
+                               std::min<int64_t>(16, n - u), vd + u * Hkv * D + h * D + d0,
+                               Hkv * D);
       }
     }
   }
@@ -137,11 +209,11 @@ std::string gather_split_blocks(const GatherArgs& a, const Workers& workers) {
              " must be in [0, num_blocks=" + std::to_string(a.num_blocks) + ")";
     }
   }
-  void (*head_fn)(const GatherArgs&, int64_t, int64_t) = nullptr;
+  void (*tile_fn)(const GatherArgs&, int64_t, int64_t) = nullptr;
   switch (a.elem_bytes) {
-    case 4: head_fn = gather_head<4>; break;
-    case 2: head_fn = gather_head<2>; break;
-    case 1: head_fn = gather_head<1>; break;
+    case 4: tile_fn = gather_tile<4>; break;
+    case 2: tile_fn = gather_tile<2>; break;
+    case 1: tile_fn = gather_tile<1>; break;
     default: return "element size " + std::to_string(a.elem_bytes) + " must be 1, 2 or 4 bytes";
   }
   if (a.head_size * a.elem_bytes % 16 != 0) {
@@ -153,7 +225,8 @@ std::string gather_split_blocks(const GatherArgs& a, const Workers& workers) {
   const int64_t bytes = 2 * a.num_ids * a.block_size * Hkv * a.head_size * a.elem_bytes;
   Workers w = workers;
   if (bytes < kParallelBytes) w.count = 1;
-  run_items(w, a.num_ids * Hkv, [&](int64_t j) { head_fn(a, j / Hkv, j % Hkv); });
+  const int64_t run = 64 / a.elem_bytes, tiles = (a.block_size + run - 1) / run;
+  run_items(w, a.num_ids * tiles, [&](int64_t j) { tile_fn(a, j / tiles, j % tiles * run); });
   return "";
 }
 
