@@ -429,11 +429,23 @@ def step_key(attn_metadata, *context: Hashable) -> tuple[tuple, list]:
     written in place gives a new key. The metadata object itself is named by its class only
     and not kept: what a step builds on it (TORCH_SDPA's masks) is freed with the step, and
     another object with the same fields has the same plan."""
-    parts: list = [type(attn_metadata), *context]
+    cls = type(attn_metadata)
+    parts: list = [cls, *context]
     keep: list = []
-    for field in dataclasses.fields(attn_metadata):
-        parts.append(_key_part(getattr(attn_metadata, field.name), keep))
+    for name in _field_names(cls):
+        parts.append(_key_part(getattr(attn_metadata, name), keep))
     return tuple(parts), keep
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """`cls`'s dataclass field names, found once per class (every layer's forward asks)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 def _key_part(value, keep: list):

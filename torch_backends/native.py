@@ -190,7 +190,16 @@ def _register_fakes() -> None:
 def _scale_tensor(scale: Scale) -> Tensor:
     if isinstance(scale, Tensor):
         return scale.detach().to(torch.float32).reshape(1)
-    return torch.tensor([float(scale)], dtype=torch.float32)
+    value = float(scale)
+    tensor = _SCALES.get(value)
+    if tensor is None:  # one tensor per value (1.0 nearly always): the ops only read it
+        if len(_SCALES) >= 64:
+            _SCALES.clear()
+        tensor = _SCALES[value] = torch.tensor([value], dtype=torch.float32)
+    return tensor
+
+
+_SCALES: dict[float, Tensor] = {}
 
 
 # x = 16 bytes of the cache's element: key_cache [NB, Hkv, D // x, BS, x].

@@ -250,7 +250,7 @@ def _starts(lengths: list[int]) -> list[int]:
 
 def _tables(first: list[int], counts: list[int]) -> Int[Tensor, "num_seqs max_blocks"]:
     """Row i: blocks first[i], first[i] + 1, ... (counts[i] of them), padded with 0."""
-    tables = torch.zeros(len(first), max(counts, default=0), dtype=torch.int32)
-    for i, (f, n) in enumerate(zip(first, counts, strict=True)):
-        tables[i, :n] = torch.arange(f, f + n, dtype=torch.int32)
-    return tables
+    column = torch.arange(max(counts, default=0), dtype=torch.int32)
+    first_t, counts_t = torch.tensor([first, counts], dtype=torch.int32)
+    tables = first_t[:, None] + column
+    return tables.masked_fill_(column >= counts_t[:, None], 0)
