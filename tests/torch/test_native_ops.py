@@ -484,9 +484,16 @@ def test_cache_write_is_byte_identical_to_the_torch_path(kv_cache_dtype, dtype, 
         qkv[:, 4 : 4 + hkv], qkv[:, 4 + hkv :] = key, value
         key, value = qkv[:, 4 : 4 + hkv], qkv[:, 4 + hkv :]
         assert not key.is_contiguous() and not value.is_contiguous()
+    _assert_native_write_is_torchs(key, value, slots, num_blocks, block_size, kv_cache_dtype)
+
+
+def _assert_native_write_is_torchs(key, value, slots, num_blocks, block_size, kv_cache_dtype):
+    """The native write and the torch path's into NaN caches are byte-identical, and (unquantized
+    caches) exactly the given slots' rows became finite."""
+    hkv, d = key.shape[1:]
     caches = []
     for use_torch in (False, True):
-        kv_cache = nan_cache(num_blocks, block_size, hkv, d, dtype, kv_cache_dtype)
+        kv_cache = nan_cache(num_blocks, block_size, hkv, d, key.dtype, kv_cache_dtype)
         key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, hkv, d)
         with _torch_path() if use_torch else contextlib.nullcontext():
             PagedAttention.write_to_paged_cache(
@@ -494,11 +501,9 @@ def test_cache_write_is_byte_identical_to_the_torch_path(kv_cache_dtype, dtype, 
             )
         caches.append(kv_cache.view(torch.uint8))
     assert torch.equal(caches[0], caches[1])
-    # and the rows landed: every written slot of the native cache is finite, the rest NaN
-    kv_cache = caches[0].view(torch.uint8 if kv_cache_dtype in FP8 else dtype)
-    written = int((slots >= 0).sum())
     if kv_cache_dtype == "auto":
-        assert int(kv_cache.isfinite().sum()) == 2 * written * hkv * d
+        written = int((slots >= 0).sum())
+        assert int(caches[0].view(key.dtype).isfinite().sum()) == 2 * written * hkv * d
 
 
 @pytest.mark.parametrize("kv_cache_dtype,dtype,head_size,block_size",
@@ -522,19 +527,7 @@ def test_cache_write_of_prefill_runs_is_byte_identical_to_the_torch_path(
     slots[9] = -1
     tokens = len(slots)
     key, value = (torch.randn(tokens, hkv, head_size, generator=gen).to(dtype) for _ in "kv")
-    caches = []
-    for use_torch in (False, True):
-        kv_cache = nan_cache(num_blocks, block_size, hkv, head_size, dtype, kv_cache_dtype)
-        key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, hkv, head_size)
-        with _torch_path() if use_torch else contextlib.nullcontext():
-            PagedAttention.write_to_paged_cache(
-                key, value, key_cache, value_cache, slots, kv_cache_dtype, 0.8, 1.2
-            )
-        caches.append(kv_cache.view(torch.uint8))
-    assert torch.equal(caches[0], caches[1])
-    if kv_cache_dtype == "auto":  # every slot written, nothing else
-        written = int((slots >= 0).sum())
-        assert int(caches[0].view(dtype).isfinite().sum()) == 2 * written * hkv * head_size
+    _assert_native_write_is_torchs(key, value, slots, num_blocks, block_size, kv_cache_dtype)
 
 
 def test_cache_write_refuses_a_bad_slot_before_any_write(rng):
