@@ -521,9 +521,9 @@ def test_cache_write_of_prefill_runs_is_byte_identical_to_the_torch_path(
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     num_blocks, hkv = 160 // block_size + 2, 2
     third = num_blocks * block_size // 3  # run k starts anywhere in third k that it fits
-    starts = [k * third + int(torch.randint(0, third - n + 1, (), generator=gen))
-              for k, n in enumerate((37, 5, 21))]  # fmt: skip
-    slots = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, (37, 5, 21), strict=True)])
+    runs = [(k * third + int(torch.randint(0, third - n + 1, (), generator=gen)), n)
+            for k, n in enumerate((37, 5, 21))]  # fmt: skip
+    slots = torch.cat([torch.arange(start, start + n) for start, n in runs])
     slots[9] = -1
     tokens = len(slots)
     key, value = (torch.randn(tokens, hkv, head_size, generator=gen).to(dtype) for _ in "kv")
