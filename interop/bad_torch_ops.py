@@ -287,9 +287,14 @@ def _store_rules(a: dict) -> list:
         broken.append("value")
     if kc.dim() != 5 or vc.dim() != 4:
         broken.append("key_cache must be")
-    names = [(key, "key"), (value, "value"), (kc, "key_cache"), (vc, "value_cache"),
-             (slots, "slot_mapping")]  # fmt: skip
-    if broken or not _cpu_contiguous(names, broken):
+    if broken:
+        return broken
+    # The caches and slots contiguous; key and value by the op's token_stride rule (a
+    # token-strided view of one-element rows, Hkv = D = 1, is valid: _token_rows_ok).
+    _cpu_contiguous([(kc, "key_cache"), (vc, "value_cache"), (slots, "slot_mapping")], broken)
+    broken += [re.escape(name) for x, name in ((key, "key"), (value, "value"))
+               if not _token_rows_ok(x)]  # fmt: skip
+    if broken:
         return broken
     if _shares_memory(kc, vc):
         return ["key_cache and value_cache must not share memory"]
