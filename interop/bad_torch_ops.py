@@ -1018,7 +1018,7 @@ def _ragged_rules(a: dict) -> list:
         return ["num_heads=.* must all be >= 1"]
     if hkv < 1 or hq % hkv != 0:
         return ["num_heads=.* must be divisible"]
-    if d > 256:
+    if d > 512:  # kMaxHeadSize (the ragged kernel's)
         return ["head_size=.* must be at most"]
     # check_metadata
     num_seqs = int(ns.reshape(-1)[0])

@@ -40,7 +40,7 @@ leaves the cache's pages as vLLM made them.
 
 Attention sinks (gpt-oss: one learned logit per query head, a key with no value in every row's
 softmax) go to the kernel as they are, in float32. What vLLM's CPU_ATTN takes and this backend
-does not (cross-attention, head size 512, per-request causal masks) is refused by name when the
+does not (cross-attention, per-request causal masks) is refused by name when the
 engine builds the model.
 """
 
@@ -69,8 +69,9 @@ from torch_backends import huge_pages, native
 # Under "vllm": vLLM configures that logger tree only, so its log shows these lines.
 logger = init_logger("vllm.plugins.jax_attn")
 
-# vLLM's CPU_ATTN takes these head sizes and 512; the native kernels stop at 256.
-HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+# vLLM's CPU_ATTN's head sizes. Past 256 the ragged kernel keeps decodes in its own tiles (its
+# decode kernel stops at 256).
+HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 KV_CACHE_DTYPES = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 BLOCK_MULTIPLE = 16

@@ -10,7 +10,10 @@ CACHE_DTYPES = (
     np.dtype(ml_dtypes.float8_e4m3fn),
     np.dtype(ml_dtypes.float8_e5m2),
 )
-MAX_HEAD_SIZE = 256  # csrc/attention_common.h kMaxHeadSize
+MAX_HEAD_SIZE = 512  # csrc/kernel_common.h kMaxHeadSize (the ragged kernel's)
+# csrc/kernel_common.h kMaxDecodeHeadSize: the decode kernel's; `paged_decode` runs larger heads
+# on the ragged kernel.
+MAX_DECODE_HEAD_SIZE = 256
 MAX_BLOCK_SIZE = 256
 
 

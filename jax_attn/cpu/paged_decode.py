@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jax_attn.cpu import _build, _ffi
+from jax_attn.cpu import _build, _ffi, _shapes
+from jax_attn.cpu.ragged_paged_attention import ragged_paged_attention
 
 TARGET = "jax_attn_cpu_paged_decode"
 
@@ -98,6 +99,8 @@ def paged_decode(
     `split_tokens` (keys per split-K part; None: chosen from the batch)
     exists for tests.
 
+    Head sizes past 256 (up to 512) run on the ragged kernel instead (`_decode_on_ragged`).
+
     Bad values (block ids outside [0, num_blocks) among the blocks a sequence reads,
     `seq_lens` outside [0, max_blocks * block_size]) raise an XlaRuntimeError naming the
     argument, before anything is read. Not differentiable (see `varlen_attention`); `vmap`
@@ -120,6 +123,21 @@ def paged_decode(
     _ffi.check_bias(sliding_window, logits_soft_cap)
     _ffi.check_per_head("alibi_slopes", alibi_slopes, num_heads)
     _ffi.check_per_head("sinks", sinks, num_heads)
+    if query.shape[-1] > _shapes.MAX_DECODE_HEAD_SIZE:
+        return _decode_on_ragged(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale=float(query.shape[-1] ** -0.5 if scale is None else scale),
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sinks=sinks,
+        )
     config = (
         float(query.shape[-1] ** -0.5 if scale is None else scale),
         int(sliding_window or 0),
@@ -138,3 +156,27 @@ def paged_decode(
         _ffi.f32_scalar(k_scale),
         _ffi.f32_scalar(v_scale),
     )
+
+
+def _decode_on_ragged(query, key_cache, value_cache, block_tables, seq_lens, *, scale, **bias):
+    """The decode as a ragged step of one query token per sequence, for head sizes the decode
+    kernel does not take. The ragged kernel refuses a sequence shorter than its query, where
+    the decode gives a zero row: sequences with keys go first (stable), one token each, and the
+    empty ones become padding rows past `query_start_loc[num_seqs]`, which come out zero."""
+    num_seqs = query.shape[0]
+    seq_lens = seq_lens.astype(jnp.int32)
+    order = jnp.argsort(seq_lens == 0, stable=True)
+    filled = jnp.sum(seq_lens != 0).astype(jnp.int32)
+    out = ragged_paged_attention(
+        query[order],
+        key_cache,
+        value_cache,
+        jnp.minimum(jnp.arange(num_seqs + 1, dtype=jnp.int32), filled),
+        seq_lens[order],
+        block_tables[order],
+        filled,
+        scale=scale,
+        causal=True,
+        **bias,
+    )
+    return out[jnp.argsort(order)]

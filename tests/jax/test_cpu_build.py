@@ -235,8 +235,8 @@ def test_shape_problem():
     assert "block_size=512" in cpu.shape_problem(
         query_dtype="float32", cache_dtype="float32", block_size=512, head_size=64
     )
-    assert "head_size=320" in cpu.shape_problem(
-        query_dtype="float32", cache_dtype="float32", block_size=16, head_size=320
+    assert "head_size=640" in cpu.shape_problem(
+        query_dtype="float32", cache_dtype="float32", block_size=16, head_size=640
     )
     assert "int8" in cpu.shape_problem(
         query_dtype="float32", cache_dtype="int8", block_size=16, head_size=64

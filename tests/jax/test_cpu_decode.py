@@ -48,6 +48,11 @@ CASES = [
     Case(block_size=32, split_tokens=64),
     *(Case(num_heads=h, num_kv_heads=kv) for h, kv in [(4, 4), (8, 2), (7, 1), (16, 2)]),
     *(Case(head_size=d) for d in (32, 72, 80, 128, 256)),
+    # Past the decode kernel's 256: the ragged kernel, one token per sequence (seq_len 0 rows
+    # as its padding).
+    Case(head_size=512, alibi=True, sliding_window=40),
+    Case(head_size=320, block_size=32, num_heads=6, num_kv_heads=1),
+    Case(dtype="bfloat16", cache_dtype="float8_e5m2", head_size=512, soft_cap=3.0),
     # Head sizes that are not a multiple of 8: the AVX2 decode widens such rows into tiles
     # (decode_avx2.h); the AVX-512 one masks its last chunk.
     Case(head_size=36, num_heads=6, num_kv_heads=2, alibi=True),

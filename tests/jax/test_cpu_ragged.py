@@ -116,6 +116,21 @@ CASES = [
     Case(batch="large", dtype="bfloat16", head_size=256, num_heads=16, num_kv_heads=4),
     *STAGED,
     Case(batch="lone", head_size=128, num_heads=16, num_kv_heads=4, block_size=32),
+    # Head sizes past the decode kernel's 256 (vLLM's CPU_ATTN takes 512): decode runs stay in
+    # the ragged kernel's tiles. f32, bf16 (vdpbf16ps), fp8, 320 (not a power of two).
+    Case(batch="decodes", head_size=512, num_heads=8, num_kv_heads=2, alibi=True),
+    Case(batch="lone", head_size=512, num_heads=8, num_kv_heads=2, dtype="bfloat16"),
+    Case(
+        batch="long",
+        head_size=512,
+        num_heads=4,
+        num_kv_heads=1,
+        dtype="bfloat16",
+        cache_dtype="float8_e4m3fn",
+        sliding_window=300,
+        soft_cap=4.0,
+    ),
+    Case(batch="chunked", head_size=320, num_heads=6, num_kv_heads=3, block_size=32),
     Case(
         batch="lone",
         head_size=128,

@@ -80,9 +80,10 @@ def _save_model(path: Path, seed: int, **extra) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kind = "mistral" if "sliding_window" in extra else "llama"
+    extra = dict(head_dim=32) | extra
     config = AutoConfig.for_model(
         kind, vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         initializer_range=0.2, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
@@ -154,6 +155,9 @@ def _spec(models: dict, rng: np.random.Generator) -> dict:
             dict(name="llama-bf16", model=models["llama"], dtype="bfloat16",
                  engine=engine | dict(enable_prefix_caching=False),
                  rounds=[round_one], max_tokens=MAX_TOKENS, scored=scored),
+            dict(name="head512-f32", model=models["head512"], dtype="float32",
+                 engine=engine | dict(enable_prefix_caching=False),
+                 rounds=[round_one], max_tokens=MAX_TOKENS),
             dict(name="sinks-f32", model=models["sinks"], dtype="float32",
                  engine=engine | dict(enable_prefix_caching=False),
                  rounds=[round_one], max_tokens=MAX_TOKENS),
@@ -189,6 +193,7 @@ def engines(tmp_path_factory, run_seed):
     models = {
         "llama": _save_model(root / "llama", run_seed),
         "window": _save_model(root / "window", run_seed + 1, sliding_window=WINDOW),
+        "head512": _save_model(root / "head512", run_seed + 4, head_dim=512),
         "sinks": _save_sinks_model(root / "sinks", run_seed + 2),
         "bert": _save_bert(root / "bert", run_seed + 3),
     }
@@ -264,6 +269,12 @@ def test_sliding_window_f32(engines):
     plugin, own = engines
     assert plugin["window-f32"]["impls"] == [[PLUGIN_IMPL, WINDOW]]
     _compare(plugin["window-f32"]["rounds"][0], own["window-f32"]["rounds"][0], F32_LOGPROB_TOL)
+
+
+def test_head_size_512_f32(engines):
+    """CPU_ATTN's largest head size: the step's decodes stay in the ragged kernel's tiles."""
+    plugin, own = engines
+    _compare(plugin["head512-f32"]["rounds"][0], own["head512-f32"]["rounds"][0], F32_LOGPROB_TOL)
 
 
 def test_bf16_as_close_to_f32_as_vllms_own(engines):

@@ -129,6 +129,14 @@ CASES = {
     "bf16-serving-shapes": dict(dtype=torch.bfloat16, block_size=128, serving=True),
     "f32-serving-shapes-cap-alibi": dict(
         dtype=torch.float32, block_size=128, serving=True, soft_cap=30.0, alibi=True),
+    # Head size 512 (CPU_ATTN's largest): past the decode kernel's 256, so the step's decodes
+    # stay in the ragged kernel's tiles.
+    "bf16-serving-head-512": dict(
+        dtype=torch.bfloat16, block_size=128, serving=True, num_heads=8, num_kv_heads=2,
+        head_size=512),
+    "f32-head-512-fp8-window": dict(
+        dtype=torch.float32, block_size=32, head_size=512, kv_cache_dtype="fp8",
+        sliding_window=20),
 }  # fmt: skip
 SERVING = dict(
     num_heads=32, num_kv_heads=8, head_size=128,
@@ -141,15 +149,16 @@ def test_step_matches_the_oracle(case, seed):
     kw = CASES[case]
     dtype, block_size = kw["dtype"], kw["block_size"]
     shapes = SERVING if kw.get("serving") else {}
+    shapes = shapes | {k: kw[k] for k in ("num_heads", "num_kv_heads", "head_size") if k in kw}
     num_heads, head_size = shapes.get("num_heads", 8), shapes.get("head_size", 64)
-    num_kv_heads = shapes.get("num_kv_heads", kw.get("num_kv_heads", 2))
+    num_kv_heads = shapes.get("num_kv_heads", 2)
     kv_cache_dtype = kw.get("kv_cache_dtype", "auto")
     causal = kw.get("causal", True)
     k_scale, v_scale = (0.8, 1.3) if kv_cache_dtype != "auto" else (1.0, 1.0)
     gen = torch.Generator().manual_seed(seed)
     # A prefill, a chunk of 9 over a 31-token prefix, two decodes (one at a block's first slot).
     q_lens, seq_lens = [17, 9, 1, 1], [17, 40, 33, 2 * block_size + 1]
-    if shapes:  # decodes first, as vLLM orders a step (the builder's reorder_batch_threshold)
+    if kw.get("serving"):  # decodes first, as vLLM orders a step (reorder_batch_threshold)
         q_lens, seq_lens = shapes["q_lens"], shapes["seq_lens"]
     pad_tokens = 3
 
@@ -291,11 +300,11 @@ def test_encoder_attention_reads_the_step_itself(attn_type, layout, seed):
     "kw, match",
     [
         (dict(attn_type=AttentionType.ENCODER_DECODER), r"cross-attention"),
-        (dict(head_size=512), "head size 512"),
+        (dict(head_size=640), "head size 640"),
         (dict(kv_cache_dtype="fp8_inc"), "kv_cache_dtype='fp8_inc'"),
         (dict(use_alibi_sqrt=True), r"attention arguments \['use_alibi_sqrt'\]"),
     ],
-    ids=["cross-attention", "head-512", "fp8-inc", "extra-argument"],
+    ids=["cross-attention", "head-640", "fp8-inc", "extra-argument"],
 )
 def test_refuses_what_it_cannot_run(kw, match):
     args = dict(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2) | kw

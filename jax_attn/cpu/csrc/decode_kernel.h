@@ -1237,7 +1237,7 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
 // 128, 256 only (others run the scalar kernel): for quick sanitizer builds.
 template <typename KV, bool kDot>
 ItemFn pick_item_fn(int64_t head_size) {
-  if (head_size < 1 || head_size > kMaxHeadSize) return nullptr;
+  if (head_size < 1 || head_size > kMaxDecodeHeadSize) return nullptr;
 #if JAX_ATTN_AVX512
   switch ((head_size + 15) / 16) {
 #ifdef JAX_ATTN_CPU_FEW_HEAD_SIZES

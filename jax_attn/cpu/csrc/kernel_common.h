@@ -75,8 +75,12 @@ inline int64_t element_bytes(DType dt) {
   }
 }
 
-// Largest head size the kernels take (16 chunks of 16 floats per row).
-constexpr int64_t kMaxHeadSize = 256;
+// Largest head size the ragged kernel takes (its loops run over the row at run time; vLLM's
+// CPU_ATTN takes 512, hence the V1 plugin's need).
+constexpr int64_t kMaxHeadSize = 512;
+// Largest head size the decode kernel takes (its vector code is instantiated per number of
+// 16-float chunks, 1 to 16). The ragged kernel keeps decodes of larger heads in its own tiles.
+constexpr int64_t kMaxDecodeHeadSize = 256;
 
 // ---------------------------------------------------------------------------------------------
 // Element types: storage wrappers, one byte pattern each, no arithmetic.

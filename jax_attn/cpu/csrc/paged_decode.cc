@@ -199,7 +199,7 @@ std::string paged_decode(const DecodeArgs& a, const Workers& workers) {
 #endif
   if (item_fn == nullptr) {
     return std::string("unsupported key_cache dtype ") + dtype_name(a.cache_type) +
-           " or head_size=" + str(a.head_size) + " (1..256)";
+           " or head_size=" + str(a.head_size) + " (1.." + str(kMaxDecodeHeadSize) + ")";
   }
   Problem p{};
   p.num_seqs = a.num_seqs;

@@ -1350,9 +1350,10 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
   p.causal = a.causal;
   const DType qt = a.query_type, ct = a.cache_type;
   p.dot = JAX_ATTN_BF16_DOT && qt == DType::kBF16 && ct == DType::kBF16 && D % 2 == 0;
+  // (Head sizes past kMaxDecodeHeadSize stay on the vector path: never measured on tiles.)
   p.amx = JAX_ATTN_AMX && JAX_ATTN_BF16_DOT && qt == DType::kBF16 &&
           (ct == DType::kBF16 || ct == DType::kF8E4M3FN || ct == DType::kF8E5M2) &&
-          D % 2 == 0 && amx_available();
+          D % 2 == 0 && D <= kMaxDecodeHeadSize && amx_available();
   p.stream_out = JAX_ATTN_AVX512 && out_size >= static_cast<size_t>(kStreamOutputBytes) &&
                  reinterpret_cast<uintptr_t>(p.out) % 64 == 0;
 
@@ -1373,7 +1374,7 @@ std::string ragged_paged_attention(const RaggedArgs& a, const Workers& workers) 
       keys += std::max<int64_t>(0, r.end - r.begin);
       ++e;
     }
-    if (e - s >= kMinDecodeRun || keys >= kMinDecodeRunKeys) {
+    if (D <= kMaxDecodeHeadSize && (e - s >= kMinDecodeRun || keys >= kMinDecodeRunKeys)) {
       decode_runs.emplace_back(s, e);
       std::fill(in_run.begin() + s, in_run.begin() + e, 1);
     }
