@@ -40,8 +40,14 @@ leaves the cache's pages as vLLM made them.
 
 Attention sinks (gpt-oss: one learned logit per query head, a key with no value in every row's
 softmax) go to the kernel as they are, in float32. What vLLM's CPU_ATTN takes and this backend
-does not (cross-attention, per-request causal masks) is refused by name when the
+does not (per-request causal masks) is refused by name when the
 engine builds the model.
+
+Cross-attention (encoder-decoder models): vLLM writes the encoder's keys and values into the
+cross-attention layer's cache in the encoder's step (`do_kv_cache_update`, its slots), and every
+decoder step attends over them, `seq_lens` the encoder lengths, without the causal mask: the
+same ragged call. A step with more decoder tokens than the request's encoder tokens is refused
+(the kernel takes at most `seq_len` queries a sequence).
 """
 
 import time
@@ -62,7 +68,12 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheLayout,
+)
 
 from torch_backends import huge_pages, native
 
@@ -82,6 +93,9 @@ FP8_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 ENCODER_TYPES = (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
+# Cross-attention (ENCODER_DECODER) is decoder attention without the causal mask over the
+# encoder's keys, which vLLM writes into this layer's cache in the encoder's step.
+ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER, *ENCODER_TYPES)
 # "0": caches keep the pages vLLM gave them (module docstring, "Huge pages").
 HUGE_PAGES_ENV = huge_pages.ENV
 
@@ -129,7 +143,7 @@ class NativeCPUAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type in (AttentionType.DECODER, *ENCODER_TYPES)
+        return attn_type in ATTN_TYPES
 
 
 @dataclass
@@ -180,6 +194,7 @@ class NativeCPUAttentionMetadataBuilder(AttentionMetadataBuilder[NativeCPUAttent
                 f"supported (the native CPU_ATTN takes multiples of {BLOCK_MULTIPLE})"
             )
         self.encoder_only = isinstance(kv_cache_spec, EncoderOnlyAttentionSpec)
+        self.cross = isinstance(kv_cache_spec, CrossAttentionSpec)
 
     def build(
         self,
@@ -198,17 +213,24 @@ class NativeCPUAttentionMetadataBuilder(AttentionMetadataBuilder[NativeCPUAttent
         if self.encoder_only:
             return _encoder_metadata(m, query_start_loc)
         block_table = m.block_table_tensor[:num_seqs].to(torch.int32)
+        seq_lens = m.seq_lens[:num_seqs].to(torch.int32)
+        if self.cross and bool((query_start_loc[1:] - query_start_loc[:-1] > seq_lens).any()):
+            # (The ragged kernel takes at most seq_len queries per sequence.)
+            raise NotImplementedError(
+                "jax-attn's vLLM plugin (JAX_ATTN_VLLM=1): cross-attention with more decoder "
+                "tokens in a step than the request's encoder tokens is not supported"
+            )
         return NativeCPUAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
             max_seq_len=m.max_seq_len,
             query_start_loc=query_start_loc,
-            seq_lens=m.seq_lens[:num_seqs].to(torch.int32),
+            seq_lens=seq_lens,
             block_table=block_table,
             half_block_table=block_table * 2,
             num_seqs=torch.tensor([num_seqs], dtype=torch.int32),
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
-            causal=bool(m.causal),
+            causal=bool(m.causal) and not self.cross,
         )
 
 
@@ -297,9 +319,8 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
             raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}")
         if extra_impl_args:
             raise _refuse(f"attention arguments {sorted(extra_impl_args)}")
-        if attn_type not in (AttentionType.DECODER, *ENCODER_TYPES):
-            name = "cross-attention (encoder-decoder models)"
-            raise _refuse(name if attn_type == AttentionType.ENCODER_DECODER else attn_type)
+        if attn_type not in ATTN_TYPES:
+            raise _refuse(f"attention type {attn_type}")
         if head_size not in HEAD_SIZES:
             raise _refuse(f"head size {head_size} (supported: {HEAD_SIZES})")
         if kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -21,7 +21,11 @@ from torch_cases import reference_attention
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
-from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec, FullAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+)
 
 from torch_backends import native, vllm_plugin, vllm_v1
 
@@ -242,6 +246,71 @@ def test_step_matches_the_oracle(case, seed):
     assert (output[sum(q_lens) :] == 7.0).all()  # padding rows are left alone
 
 
+@pytest.mark.parametrize(
+    "dtype, kv_cache_dtype", [(torch.float32, "auto"), (torch.bfloat16, "fp8")]
+)
+def test_cross_attention_reads_the_encoders_keys(dtype, kv_cache_dtype, seed):
+    """Encoder-decoder cross-attention as vLLM drives it: the encoder's keys and values written
+    into the layer's cache by the first decoder step (the encoder's slots), read without a
+    causal mask by that step's decoder tokens and by a later decode step that writes nothing;
+    against the float64 oracle over a NaN-poisoned cache."""
+    num_heads, num_kv_heads, head_size, block_size = 8, 2, 64, 16
+    enc_lens, q_lens = [40, 75, 16], [3, 5, 1]
+    k_scale, v_scale = (0.8, 1.3) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    gen = torch.Generator().manual_seed(seed)
+    nb_used = [-(-n // block_size) for n in enc_lens]
+    num_blocks = sum(nb_used) + 2
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    block_table = torch.zeros(len(enc_lens), max(nb_used), dtype=torch.int32)
+    start = 0
+    for s, nb in enumerate(nb_used):
+        block_table[s, :nb] = ids[start : start + nb]
+        start += nb
+    cache_dtype = torch.uint8 if kv_cache_dtype in FP8 else dtype
+    fill = NAN_BYTE[FP8[kv_cache_dtype]] if kv_cache_dtype in FP8 else float("nan")
+    kv_cache = torch.full((num_blocks, num_kv_heads, block_size, 2 * head_size), fill,
+                          dtype=cache_dtype)  # fmt: skip
+    impl = vllm_v1.NativeCPUAttentionImpl(
+        num_heads, head_size, head_size**-0.5, num_kv_heads, None, None, kv_cache_dtype,
+        attn_type=AttentionType.ENCODER_DECODER,
+    )  # fmt: skip
+    layer = types.SimpleNamespace(_k_scale_float=k_scale, _v_scale_float=v_scale)
+    keys = torch.randn(sum(enc_lens), num_kv_heads, head_size, generator=gen).to(dtype)
+    values = torch.randn(sum(enc_lens), num_kv_heads, head_size, generator=gen).to(dtype)
+    slots = torch.cat([_slots(block_table, s, torch.arange(n), block_size)
+                       for s, n in enumerate(enc_lens)])  # fmt: skip
+    builder = _builder(block_size, num_kv_heads, head_size, cache_dtype, CrossAttentionSpec)
+    fp8 = FP8.get(kv_cache_dtype)
+
+    def stored(x, scale):  # what the cache holds, read back as float64
+        if fp8 is None:
+            return x.double()
+        limit = torch.finfo(fp8).max
+        return (x.float() / scale).clamp(-limit, limit).to(fp8).double() * scale
+
+    for lens, key, value in [(q_lens, keys, values), ([1, 1, 1], None, None)]:
+        common = _common(lens, enc_lens, block_table, slots, 0, causal=True)
+        metadata = builder.build(0, common)
+        assert metadata.causal is False
+        if key is not None:  # vLLM updates the cache only where the step brings keys
+            impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+        query = torch.randn(sum(lens), num_heads, head_size, generator=gen).to(dtype)
+        output = torch.full_like(query, 7.0)
+        impl.forward(layer, query, key, value, kv_cache, metadata, output)
+        expected = reference_attention(
+            query, stored(keys, k_scale), stored(values, v_scale), lens, enc_lens,
+            causal=False, scale=head_size**-0.5,
+        )  # fmt: skip
+        assert_close(output.double(), expected, dtype, fp8)
+
+
+def test_cross_attention_refuses_more_decoder_tokens_than_encoder_tokens():
+    builder = _builder(16, 2, 64, torch.float32, CrossAttentionSpec)
+    common = _common([5, 9], [8, 4], torch.zeros(2, 1, dtype=torch.int32), torch.arange(12), 0)
+    with pytest.raises(NotImplementedError, match=r"JAX_ATTN_VLLM=1.*more decoder tokens"):
+        builder.build(0, common)
+
+
 def test_builder_asks_for_a_steps_decodes_first():
     """vLLM reorders the persistent batch so that requests of at most this many new tokens come
     first: a step's decodes then reach the ragged kernel as one run (one decode-kernel call)."""
@@ -299,12 +368,12 @@ def test_encoder_attention_reads_the_step_itself(attn_type, layout, seed):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(attn_type=AttentionType.ENCODER_DECODER), r"cross-attention"),
+        (dict(attn_type="bidirectional-ish"), r"attention type bidirectional-ish"),
         (dict(head_size=640), "head size 640"),
         (dict(kv_cache_dtype="fp8_inc"), "kv_cache_dtype='fp8_inc'"),
         (dict(use_alibi_sqrt=True), r"attention arguments \['use_alibi_sqrt'\]"),
     ],
-    ids=["cross-attention", "head-640", "fp8-inc", "extra-argument"],
+    ids=["attention-type", "head-640", "fp8-inc", "extra-argument"],
 )
 def test_refuses_what_it_cannot_run(kw, match):
     args = dict(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2) | kw
