@@ -40,8 +40,7 @@ leaves the cache's pages as vLLM made them.
 
 Attention sinks (gpt-oss: one learned logit per query head, a key with no value in every row's
 softmax) go to the kernel as they are, in float32. What vLLM's CPU_ATTN takes and this backend
-does not (per-request causal masks) is refused by name when the
-engine builds the model.
+does not (per-request causal masks) is refused by name when the engine builds the model.
 
 Cross-attention (encoder-decoder models): vLLM writes the encoder's keys and values into the
 cross-attention layer's cache in the encoder's step (`do_kv_cache_update`, its slots), and every
