@@ -365,7 +365,7 @@ def test_bad_shapes_and_dtypes_name_the_argument(rng):
 
 
 def test_gqa_rule_and_head_size_limit_are_the_kernels():
-    """Sizes the kernel refuses: a group that does not divide, a head size past 256."""
+    """Sizes the kernel refuses: a group that does not divide, a head size past 512."""
     op = torch.ops.jax_attn.ragged_paged_attention
     meta = dict(
         query_start_loc=torch.tensor([0, 2], dtype=torch.int32),
@@ -375,7 +375,7 @@ def test_gqa_rule_and_head_size_limit_are_the_kernels():
     )
     for num_heads, num_kv_heads, head_size, message in (
         (6, 4, 64, r"num_heads=6 must be divisible by num_kv_heads=4"),
-        (2, 1, 288, r"head_size=288 must be at most 256"),
+        (2, 1, 544, r"head_size=544 must be at most 512"),
     ):
         query = torch.randn(2, num_heads, head_size)
         cache = torch.randn(1, 16, num_kv_heads, head_size)
