@@ -168,6 +168,12 @@ def _token_rows_ok(rows: torch.Tensor) -> bool:
     return dense and stride >= heads * size
 
 
+def _rows_broken(key: torch.Tensor, value: torch.Tensor) -> list:
+    """A cache write's key and value rows that break the op's token_stride rule (named)."""
+    return [re.escape(name) for x, name in ((key, "key"), (value, "value"))
+            if not _token_rows_ok(x)]  # fmt: skip
+
+
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the bytes of two CPU tensors overlap (the views here are contiguous)."""
     if a.device.type != "cpu" or b.device.type != "cpu" or not a.numel() or not b.numel():
@@ -292,8 +298,7 @@ def _store_rules(a: dict) -> list:
     # The caches and slots contiguous; key and value by the op's token_stride rule (a
     # token-strided view of one-element rows, Hkv = D = 1, is valid: _token_rows_ok).
     _cpu_contiguous([(kc, "key_cache"), (vc, "value_cache"), (slots, "slot_mapping")], broken)
-    broken += [re.escape(name) for x, name in ((key, "key"), (value, "value"))
-               if not _token_rows_ok(x)]  # fmt: skip
+    broken += _rows_broken(key, value)
     if broken:
         return broken
     if _shares_memory(kc, vc):
@@ -422,8 +427,7 @@ def _store_tm_rules(a: dict) -> list:
     t, hkv, d = key.shape
     if kc.dim() != 4 or kc.shape[2] != hkv or kc.shape[3] != d or vc.shape != kc.shape:
         return ["key_cache and value_cache must be"]
-    broken = [re.escape(name) for x, name in ((key, "key"), (value, "value"))
-              if not _token_rows_ok(x)]  # fmt: skip
+    broken = _rows_broken(key, value)
     if not _cpu_contiguous([(slots, "slot_mapping")], broken) or broken:
         return broken
     nb, bs = kc.shape[0], kc.shape[1]

@@ -116,6 +116,37 @@ def _slots(block_table, seq, positions, block_size):
     return block_table[seq, positions // block_size].long() * block_size + positions % block_size
 
 
+def _block_table(seq_lens, block_size, gen, spare, width=0):
+    """Each sequence's blocks drawn at random from a cache of its blocks plus `spare`; a table
+    `width` columns wider than the longest sequence needs (zeros past each one's blocks)."""
+    nb_used = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(nb_used) + spare
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    block_table = torch.zeros(len(seq_lens), max(nb_used) + width, dtype=torch.int32)
+    start = 0
+    for s, nb in enumerate(nb_used):
+        block_table[s, :nb] = ids[start : start + nb]
+        start += nb
+    return block_table, num_blocks
+
+
+def _poisoned_cache(num_blocks, num_kv_heads, block_size, head_size, dtype, kv_cache_dtype):
+    """vLLM's cache for a layer ([NB, Hkv, BS, 2 * D], fp8 as uint8), every byte NaN."""
+    cache_dtype = torch.uint8 if kv_cache_dtype in FP8 else dtype
+    fill = NAN_BYTE[FP8[kv_cache_dtype]] if kv_cache_dtype in FP8 else float("nan")
+    shape = (num_blocks, num_kv_heads, block_size, 2 * head_size)
+    return cache_dtype, torch.full(shape, fill, dtype=cache_dtype)
+
+
+def _as_stored(x, scale, kv_cache_dtype):
+    """What the cache holds for rows `x`, read back as float64 (fp8: saturated x / scale)."""
+    if kv_cache_dtype in FP8:
+        fp8 = FP8[kv_cache_dtype]
+        limit = torch.finfo(fp8).max
+        return (x.float() / scale).clamp(-limit, limit).to(fp8).double() * scale
+    return x.double()
+
+
 CASES = {
     "f32-gqa4-bs16": dict(dtype=torch.float32, block_size=16),
     "bf16-gqa4-bs32": dict(dtype=torch.bfloat16, block_size=32),
@@ -166,18 +197,9 @@ def test_step_matches_the_oracle(case, seed):
         q_lens, seq_lens = shapes["q_lens"], shapes["seq_lens"]
     pad_tokens = 3
 
-    nb_used = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(nb_used) + 3
-    ids = torch.randperm(num_blocks, generator=gen)
-    block_table = torch.zeros(len(q_lens), max(nb_used) + 1, dtype=torch.int32)
-    start = 0
-    for s, nb in enumerate(nb_used):
-        block_table[s, :nb] = ids[start : start + nb].to(torch.int32)
-        start += nb
-    cache_dtype = torch.uint8 if kv_cache_dtype in FP8 else dtype
-    fill = NAN_BYTE[FP8[kv_cache_dtype]] if kv_cache_dtype in FP8 else float("nan")
-    kv_cache = torch.full(
-        (num_blocks, num_kv_heads, block_size, 2 * head_size), fill, dtype=cache_dtype
+    block_table, num_blocks = _block_table(seq_lens, block_size, gen, spare=3, width=1)
+    cache_dtype, kv_cache = _poisoned_cache(
+        num_blocks, num_kv_heads, block_size, head_size, dtype, kv_cache_dtype
     )
     alibi = (
         torch.linspace(0.05, 0.5, num_heads).tolist() if kw.get("alibi") else None
@@ -221,17 +243,10 @@ def test_step_matches_the_oracle(case, seed):
     output = torch.full_like(query, 7.0)
     impl.forward(layer, query, step_keys, step_values, kv_cache, metadata, output)
 
-    def as_stored(x, scale):  # what the cache holds, read back as float64
-        if kv_cache_dtype in FP8:
-            fp8 = FP8[kv_cache_dtype]
-            limit = torch.finfo(fp8).max
-            return (x.float() / scale).clamp(-limit, limit).to(fp8).double() * scale
-        return x.double()
-
     expected = reference_attention(
         query[: sum(q_lens)],
-        as_stored(torch.cat(keys), k_scale),
-        as_stored(torch.cat(values), v_scale),
+        _as_stored(torch.cat(keys), k_scale, kv_cache_dtype),
+        _as_stored(torch.cat(values), v_scale, kv_cache_dtype),
         q_lens,
         seq_lens,
         causal=causal,
@@ -258,18 +273,10 @@ def test_cross_attention_reads_the_encoders_keys(dtype, kv_cache_dtype, seed):
     enc_lens, q_lens = [40, 75, 16], [3, 5, 1]
     k_scale, v_scale = (0.8, 1.3) if kv_cache_dtype != "auto" else (1.0, 1.0)
     gen = torch.Generator().manual_seed(seed)
-    nb_used = [-(-n // block_size) for n in enc_lens]
-    num_blocks = sum(nb_used) + 2
-    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    block_table = torch.zeros(len(enc_lens), max(nb_used), dtype=torch.int32)
-    start = 0
-    for s, nb in enumerate(nb_used):
-        block_table[s, :nb] = ids[start : start + nb]
-        start += nb
-    cache_dtype = torch.uint8 if kv_cache_dtype in FP8 else dtype
-    fill = NAN_BYTE[FP8[kv_cache_dtype]] if kv_cache_dtype in FP8 else float("nan")
-    kv_cache = torch.full((num_blocks, num_kv_heads, block_size, 2 * head_size), fill,
-                          dtype=cache_dtype)  # fmt: skip
+    block_table, num_blocks = _block_table(enc_lens, block_size, gen, spare=2)
+    cache_dtype, kv_cache = _poisoned_cache(
+        num_blocks, num_kv_heads, block_size, head_size, dtype, kv_cache_dtype
+    )
     impl = vllm_v1.NativeCPUAttentionImpl(
         num_heads, head_size, head_size**-0.5, num_kv_heads, None, None, kv_cache_dtype,
         attn_type=AttentionType.ENCODER_DECODER,
@@ -281,13 +288,6 @@ def test_cross_attention_reads_the_encoders_keys(dtype, kv_cache_dtype, seed):
                        for s, n in enumerate(enc_lens)])  # fmt: skip
     builder = _builder(block_size, num_kv_heads, head_size, cache_dtype, CrossAttentionSpec)
     fp8 = FP8.get(kv_cache_dtype)
-
-    def stored(x, scale):  # what the cache holds, read back as float64
-        if fp8 is None:
-            return x.double()
-        limit = torch.finfo(fp8).max
-        return (x.float() / scale).clamp(-limit, limit).to(fp8).double() * scale
-
     for lens, key, value in [(q_lens, keys, values), ([1, 1, 1], None, None)]:
         common = _common(lens, enc_lens, block_table, slots, 0, causal=True)
         metadata = builder.build(0, common)
@@ -298,7 +298,8 @@ def test_cross_attention_reads_the_encoders_keys(dtype, kv_cache_dtype, seed):
         output = torch.full_like(query, 7.0)
         impl.forward(layer, query, key, value, kv_cache, metadata, output)
         expected = reference_attention(
-            query, stored(keys, k_scale), stored(values, v_scale), lens, enc_lens,
+            query, _as_stored(keys, k_scale, kv_cache_dtype),
+            _as_stored(values, v_scale, kv_cache_dtype), lens, enc_lens,
             causal=False, scale=head_size**-0.5,
         )  # fmt: skip
         assert_close(output.double(), expected, dtype, fp8)
