@@ -15,6 +15,13 @@ environment would, and runs three engines in turn (in-process engine core, one t
     bert-f32    an encoder-only embedding model (BERT, vLLM's pooling runner): prompts of 1 to
                 150 tokens in one step, attended non-causally, the keys read from the step's
                 own fused qkv projection
+    whisper-f32 an encoder/decoder model (Whisper, block 32): three clips of random audio with
+                decoder prompts of 4 to 20 tokens in one step, then another clip alone with the
+                first one's decoder prompt (what it generates tells the clips apart). Its decoder
+                layers' cross-attention (ENCODER_DECODER) writes the encoder's 1500 keys into
+                the layer's cache in a request's first step and attends over them without the
+                causal mask in every step; the encoder's own self-attention is vLLM's
+                multimodal encoder attention, not a CPU_ATTN layer
 
 float32 embeddings (normalized, pooled as vLLM pools BERT's; every key of a prompt reaches
 them): within 1e-5 of vLLM's own in every element, where a causal mask in place of the
@@ -134,11 +141,56 @@ def _save_bert(path: Path, seed: int) -> str:
     return str(path)
 
 
+def _save_whisper(path: Path, seed: int) -> tuple[str, list[int]]:
+    """A random-weight 2+2-layer Whisper (Hq = Hkv 4, D 32, 80 mel bins, 1500 encoder positions)
+    with a processor of its own: the feature extractor's defaults and a byte-level tokenizer
+    whose vocabulary is the 256 bytes and Whisper's task tokens (vLLM's audio prompts go through
+    it). Returns the path and a transcription prompt's first tokens (start, English,
+    transcribe, no timestamps)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import (
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+        WhisperTokenizer,
+    )
+
+    path.mkdir(parents=True, exist_ok=True)
+    end, *tasks = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|translate|>",
+                   "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nocaptions|>",
+                   "<|notimestamps|>"]  # fmt: skip
+    vocab = {t: i for i, t in enumerate([*sorted(ByteLevel.alphabet()), end, *tasks])}
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    config = WhisperConfig(
+        vocab_size=len(vocab), num_mel_bins=80, d_model=128, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
+        decoder_ffn_dim=256, max_source_positions=1500, max_target_positions=448,
+        pad_token_id=vocab[end], bos_token_id=vocab[end], eos_token_id=vocab[end],
+        decoder_start_token_id=vocab["<|startoftranscript|>"], init_std=0.2,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    WhisperForConditionalGeneration(config).float().save_pretrained(path)
+    tokenizer = WhisperTokenizer(
+        str(path / "vocab.json"), str(path / "merges.txt"),
+        unk_token=end, bos_token=end, eos_token=end, pad_token=end,
+    )  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": tasks})
+    features = WhisperFeatureExtractor(feature_size=config.num_mel_bins)
+    WhisperProcessor(feature_extractor=features, tokenizer=tokenizer).save_pretrained(path)
+    start = ["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"]
+    return str(path), [vocab[t] for t in start]
+
+
 def _spec(models: dict, rng: np.random.Generator) -> dict:
     def prompt(n):
         return rng.integers(0, VOCAB, n).tolist()
 
-    long = prompt(150)
+    def text(n):  # byte tokens after a Whisper transcription prompt's first four
+        return models["whisper_start"] + rng.integers(0, 256, n).tolist()
+
+    long, start = prompt(150), text(0)
     round_one = [prompt(7), prompt(40), long]
     round_two = [long[:96] + prompt(20)]
     # Teacher-forced: round one's prompts, each followed by as many tokens as it generates.
@@ -163,6 +215,10 @@ def _spec(models: dict, rng: np.random.Generator) -> dict:
                  rounds=[round_one], max_tokens=MAX_TOKENS),
             dict(name="bert-f32", model=models["bert"], dtype="float32", embed=True,
                  engine=dict(max_model_len=512), rounds=[[prompt(1), *round_one]]),
+            dict(name="whisper-f32", model=models["whisper"], dtype="float32",
+                 engine=dict(block_size=32, max_model_len=448, limit_mm_per_prompt={"audio": 1}),
+                 audio=dict(seed=int(rng.integers(2**31)), seconds=[3, 7, 12, 5]),
+                 rounds=[[start, text(16), text(5)], [start]], max_tokens=MAX_TOKENS),
         ]
     }  # fmt: skip
 
@@ -197,6 +253,7 @@ def engines(tmp_path_factory, run_seed):
         "sinks": _save_sinks_model(root / "sinks", run_seed + 2),
         "bert": _save_bert(root / "bert", run_seed + 3),
     }
+    models["whisper"], models["whisper_start"] = _save_whisper(root / "whisper", run_seed + 5)
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(_spec(models, np.random.default_rng(run_seed))))
     assert native.available()  # built once here, not inside either engine run
@@ -313,6 +370,7 @@ def test_attention_sinks_f32(engines):
 def test_encoder_only_embeddings_f32(engines):
     plugin, own = engines
     assert plugin["bert-f32"]["impls"] == [[PLUGIN_IMPL, None]]
+    assert plugin["bert-f32"]["attn_types"] == own["bert-f32"]["attn_types"] == ["encoder_only"]
     mine, theirs = (
         np.array([r["embedding"] for r in run["bert-f32"]["rounds"][0]]) for run in (plugin, own)
     )
@@ -321,3 +379,18 @@ def test_encoder_only_embeddings_f32(engines):
     assert np.ptp(theirs, axis=0).max() > 0.01  # the four prompts' embeddings are not alike
     worst = float(np.max(np.abs(mine - theirs)))
     assert worst <= F32_EMBEDDING_TOL, f"f32 embeddings differ by {worst:.2e}"
+
+
+def test_encoder_decoder_cross_attention_f32(engines):
+    plugin, own = engines
+    assert plugin["whisper-f32"]["impls"] == [[PLUGIN_IMPL, None]]
+    assert plugin["whisper-f32"]["attn_types"] == ["decoder", "encoder_decoder"]
+    assert own["whisper-f32"]["attn_types"] == ["decoder", "encoder_decoder"]
+    first, again = (own["whisper-f32"]["rounds"][r][0] for r in range(2))
+    apart = max(abs(a - b) for a, b in zip(first["logprobs"], again["logprobs"], strict=False))
+    assert first["tokens"] != again["tokens"] or apart > 1e-2, (
+        "two clips with the same decoder prompt generate alike: the audio does not reach them"
+    )
+    for r in range(2):
+        _compare(plugin["whisper-f32"]["rounds"][r], own["whisper-f32"]["rounds"][r],
+                 F32_LOGPROB_TOL)  # fmt: skip

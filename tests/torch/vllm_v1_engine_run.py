@@ -15,6 +15,11 @@ tokens served from the prefix cache; and, teacher-forced, the logprob of every t
 A run with `"embed": true` is an encoder-only embedding model (vLLM's pooling runner, its own
 tokenizer saved beside it): each round is one `embed` call, and OUT has per request its
 embedding instead of tokens.
+
+A run with `"audio": {"seed", "seconds": [...]}` is an encoder/decoder model (Whisper, its
+processor saved beside it): each round's prompts are decoder prompts, each paired with the next
+clip of random 16 kHz audio of the given lengths (drawn from the seed, the same clips in either
+process).
 """
 
 import gc
@@ -22,17 +27,48 @@ import json
 import sys
 
 
-def _impls(model):
+def _layers(model) -> list:
     from vllm.model_executor.layers.attention import Attention
 
-    return sorted(
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def _impl_path(impl) -> str:
+    """The backend's impl class: cross-attention layers hold a subclass vLLM defines inside a
+    function (`create_cross_attention_backend`) over the backend's own."""
+    cls = next(c for c in type(impl).__mro__ if "<locals>" not in c.__qualname__)
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+def _impls(model):
+    return sorted({(_impl_path(m.impl), m.impl.sliding_window) for m in _layers(model)}, key=str)
+
+
+def _attn_types(model):
+    return sorted({m.attn_type.value for m in _layers(model)})
+
+
+def _clips(run: dict):
+    """The audio run's clips, in the order its requests take them; none for a text model."""
+    if "audio" not in run:
+        return iter(())
+    import numpy as np
+
+    rng = np.random.default_rng(run["audio"]["seed"])
+    return iter([0.1 * rng.standard_normal(16000 * s).astype(np.float32)
+                 for s in run["audio"]["seconds"]])  # fmt: skip
+
+
+def _prompts(run: dict, prompts: list, clips) -> list:
+    if "audio" not in run:
+        return [{"prompt_token_ids": p} for p in prompts]
+    return [
         {
-            (f"{type(m.impl).__module__}.{type(m.impl).__name__}", m.impl.sliding_window)
-            for m in model.modules()
-            if isinstance(m, Attention)
-        },
-        key=str,
-    )
+            "encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (next(clips), 16000)}},
+            "decoder_prompt": {"prompt_token_ids": p},
+        }
+        for p in prompts
+    ]
 
 
 def _embed(run: dict) -> dict:
@@ -40,7 +76,7 @@ def _embed(run: dict) -> dict:
 
     llm = LLM(model=run["model"], dtype=run["dtype"], runner="pooling", seed=0, enforce_eager=True,
               **run["engine"])  # fmt: skip
-    result = {"impls": llm.apply_model(_impls)[0]}
+    result = {"impls": llm.apply_model(_impls)[0], "attn_types": llm.apply_model(_attn_types)[0]}
     result["rounds"] = [
         [{"embedding": list(out.outputs.embedding)} for out in
          llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
@@ -56,13 +92,14 @@ def _run(run: dict) -> dict:
 
     if run.get("embed"):
         return _embed(run)
-    llm = LLM(model=run["model"], dtype=run["dtype"], skip_tokenizer_init=True, seed=0,
-              enforce_eager=True, **run["engine"])  # fmt: skip
+    # Whisper's processor (its tokenizer among them) shapes the audio prompts.
+    llm = LLM(model=run["model"], dtype=run["dtype"], skip_tokenizer_init="audio" not in run,
+              seed=0, enforce_eager=True, **run["engine"])  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], logprobs=2)
-    result = {"impls": llm.apply_model(_impls)[0]}  # the one worker's
-    rounds = []
+    result = {"impls": llm.apply_model(_impls)[0], "attn_types": llm.apply_model(_attn_types)[0]}
+    rounds, clips = [], _clips(run)
     for prompts in run["rounds"]:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate(_prompts(run, prompts, clips), params, use_tqdm=False)
         requests = []
         for out in outs:
             completion = out.outputs[0]
