@@ -15,8 +15,9 @@ Two sizes of example (`SIZES`): "unit" (the default: sequences up to 70 tokens, 
 so each example is quick and many run) and "serving" (`--sizes serving`): sequences that cross
 the kernels' inner boundaries (decodes over up to 2500 keys, split over the workers; prefills
 past the ragged kernel's 128-key steps and 32-token tiles; chunks over 1000-token prefixes),
-blocks 16-256, head sizes 64-256 (80, 96, 112, 120 too), up to 8 kv heads and 32 query heads.
-Interpret-mode backends (`SMALL`) keep their small sizes in both.
+blocks 16-256, head sizes 64-256 (80, 96, 112, 120, 192 too) and 512 for the JAX core (past the
+decode kernel's 256), up to 8 kv heads and 32 query heads. Interpret-mode backends (`SMALL`)
+keep their small sizes in both.
 
 Imports hypothesis, JAX and torch only when used.
 """
@@ -144,8 +145,10 @@ def examples(backend: str, sizes: str = "unit"):
         if serving:
             num_kv_heads = draw(st.sampled_from([1, 2, 3, 8]))
             group = draw(st.sampled_from([g for g in (1, 2, 4, 5, 8) if g * num_kv_heads <= 32]))
-            head_sizes = (
-                [64, 80, 96, 112, 120, 128, 256] if jax_core else [64, 80, 96, 112, 128, 256]
+            head_sizes = (  # the JAX core past the decode kernel's 256 too (ragged: 512)
+                [64, 80, 96, 112, 120, 128, 192, 256, 512]
+                if jax_core
+                else [64, 80, 96, 112, 128, 192, 256]
             )
             block_sizes = [16, 32, 64, 128, 256] if jax_core else [16, 32, 64, 128]
         else:

@@ -26,8 +26,8 @@ BUDGET = {
     "IPEX": 8,
 }
 # Serving-sized examples (`--sizes serving`: long decodes, multi-step prefills, blocks to 256,
-# head sizes to 256) for the native kernels, the JAX core's and the torch ops': a few seconds
-# each.
+# head sizes to 256, 512 for the JAX core) for the native kernels, the JAX core's and the torch
+# ops': a few seconds each.
 SERVING_BUDGET = {"jax-cpu": 3, "TORCH_SDPA": 3}
 pytestmark = pytest.mark.xdist_group("fuzz")
 
@@ -107,13 +107,14 @@ def _lengths(spec):
 def test_serving_sizes_cross_the_kernels_boundaries():
     """`--sizes serving` draws what the unit sizes never reach: decodes over more keys than the
     native kernel hands whole to one worker (512), prefills past a 128-key step, blocks of 128
-    and more, head sizes off the powers of two; the unit sizes stay under 71 keys."""
+    and more, head sizes off the powers of two and past 256; the unit sizes stay under 71 keys."""
     serving = _drawn("jax-cpu", "serving")
     decoder = [s for s in serving if s.attn_type is fuzz.AttentionType.DECODER]
     assert any(q == 1 and q + c > 512 for s in decoder for q, c in _lengths(s))
     assert any(q > 128 for s in decoder for q in s.query_lens)
     assert any(s.block_size >= 128 for s in serving)
     assert {s.head_size for s in serving} & {80, 96, 112, 120}
+    assert any(s.head_size > 256 for s in serving)  # past the decode kernel's heads
     assert max(q + c for s in serving for q, c in _lengths(s)) > 1000
     unit = _drawn("jax-cpu", "unit")
     assert max(q + c for s in unit for q, c in _lengths(s)) <= 70
