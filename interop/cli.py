@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
 import sys
 
 import numpy as np
@@ -250,11 +251,18 @@ def _tpu_compile_report(console) -> int:
 
 
 def cmd_fuzz(args) -> int:
-    """Fuzz each backend (or the one named) for `--minutes`; print counterexamples as tests."""
+    """Fuzz each backend (or the one named) for `--minutes`; print counterexamples as tests.
+    With `--sanitize` and/or `--portable` the campaign runs in a child process whose native
+    kernels are built that way (valid input: the serving sizes' long rows and large heads under
+    ASan + UBSan)."""
     if args.bad_metadata:
         return cmd_fuzz_bad_metadata(args)
     if args.torch_ops:
         return cmd_fuzz_torch_ops(args)
+    if args.sanitize or args.portable:
+        argv = ["fuzz", "--minutes", str(args.minutes), "--seed", str(args.seed)]
+        argv += ["--sizes", args.sizes] + (["--backend", args.backend] if args.backend else [])
+        return _run_child([sys.executable, "-m", "interop.cli", *argv], _bad_input_env(args))
     from interop import crosscheck, fuzz
 
     names = [b.name for b in crosscheck.all_backends()]
@@ -294,6 +302,11 @@ def cmd_fuzz_bad_metadata(args) -> int:
         "interop.bad_metadata", list(bad_metadata.KERNELS), backend=args.backend,
         minutes=args.minutes, seed=args.seed, env=_bad_input_env(args),
     )  # fmt: skip
+
+
+def _run_child(argv: list, env: dict) -> int:
+    """Runs `argv` with `env` in a child process; its exit status."""
+    return subprocess.run(argv, env=env).returncode
 
 
 def _bad_input_env(args) -> dict:
@@ -368,7 +381,8 @@ def main(argv=None) -> int:
         choices=["unit", "serving"],
         default="unit",
         help="example sizes: unit (short sequences, quick; the default) or serving (long "
-        "sequences, blocks to 256, head sizes to 256: the kernels' split and multi-step paths)",
+        "sequences, blocks to 256, head sizes to 256 and 512 for the JAX core: the kernels' "
+        "split and multi-step paths)",
     )
     fuzz.add_argument(
         "--bad-metadata",
@@ -387,13 +401,13 @@ def main(argv=None) -> int:
     fuzz.add_argument(
         "--sanitize",
         action="store_true",
-        help="with --bad-metadata or --torch-ops: an ASan + UBSan build",
+        help="the native kernels built with ASan + UBSan (for the backends' fuzzing as well as "
+        "--bad-metadata and --torch-ops)",
     )
     fuzz.add_argument(
         "--portable",
         action="store_true",
-        help="with --bad-metadata or --torch-ops: the portable build (-march=x86-64-v3, "
-        "no AVX-512)",
+        help="the native kernels' portable build (-march=x86-64-v3, no AVX-512), as --sanitize",
     )
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"] and "bench" not in plugins:

@@ -125,6 +125,38 @@ def test_serving_sizes_cross_the_kernels_boundaries():
         fuzz.examples("jax-cpu", "huge")
 
 
+@pytest.mark.parametrize("flag", ["--sanitize", "--portable"])
+def test_sanitize_and_portable_run_the_campaign_in_a_child(monkeypatch, flag):
+    """`jax-attn fuzz --sanitize` / `--portable` (no bad-input mode) hands the same campaign
+    to a child process whose kernels build with the flag's compiler options, and answers the
+    child's exit status (a sanitizer abort is a failure)."""
+    from interop import bad_metadata, cli
+
+    calls = []
+
+    def child(argv, env):
+        calls.append((argv, env))
+        return 3
+
+    monkeypatch.setattr(cli, "_run_child", child)
+    if flag == "--sanitize":
+        try:
+            bad_metadata.sanitizer_env()
+        except RuntimeError as e:
+            pytest.skip(f"no sanitizer runtime here: {e}")
+    argv = ["fuzz", flag, "--sizes", "serving", "--backend", "jax-cpu", "--minutes", "0.5"]
+    assert cli.main([*argv, "--seed", "7"]) == 3
+    [(child_argv, env)] = calls
+    assert child_argv[1:3] == ["-m", "interop.cli"]
+    rest = child_argv[3:]
+    assert flag not in rest and rest[0] == "fuzz"
+    assert dict(zip(rest[1::2], rest[2::2], strict=True)) == {
+        "--minutes": "0.5", "--seed": "7", "--sizes": "serving", "--backend": "jax-cpu",
+    }  # fmt: skip
+    wanted = bad_metadata.SANITIZE_FLAGS if flag == "--sanitize" else bad_metadata.PORTABLE_FLAGS
+    assert wanted in env["JAX_ATTN_CPU_EXTRA_FLAGS"]
+
+
 def test_counterexample_source_runs():
     """The printed regression test is valid Python that rebuilds the same example."""
     example = fuzz.Example(
