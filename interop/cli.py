@@ -310,8 +310,8 @@ def _run_child(argv: list, env: dict) -> int:
 
 
 def _bad_input_env(args) -> dict:
-    """The bad-input fuzzers' child environment: the kernels built with ASan + UBSan
-    (`--sanitize`) and/or without AVX-512 (`--portable`), else as they are."""
+    """A fuzzer child's environment (bad input or the backends' campaign): the kernels built
+    with ASan + UBSan (`--sanitize`) and/or without AVX-512 (`--portable`), else as they are."""
     from interop import bad_metadata
 
     extra = bad_metadata.PORTABLE_FLAGS if args.portable else ""
