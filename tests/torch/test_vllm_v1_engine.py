@@ -3,13 +3,16 @@ tiny models (the vllm env; test_vllm_v1_plugin.py has the pieces without an engi
 
 Each side is one child process (vllm_v1_engine_run.py) started from a scratch directory with
 the checkout off its path, so vLLM finds the plugin through the installed entry point as a user's
-environment would, and runs three engines in turn (in-process engine core, one thread pool):
+environment would, and runs these engines in turn (in-process engine core, one thread pool):
 
     llama-f32   block 32, prefix caching on, a step budget of 64 tokens: a 7-token prompt
                 (plain), a 150-token one (chunked prefill, mixed with the others' decodes),
                 then a prompt sharing its first 96 tokens (three cached blocks)
     window-f32  the same with a 24-token sliding window (Mistral), prompts of 60 and 100
     llama-bf16  round one of llama-f32 in bfloat16
+    llama-fp8, llama-fp8-e5m2
+                llama-f32's teacher-forced sequences in float32 over an e4m3 / e5m2 cache
+    head512-f32 round one on a Llama with head size 512
     sinks-f32   round one on a gpt-oss (attention sinks, a 16-token window in every other
                 layer, 4 experts)
     bert-f32    an encoder-only embedding model (BERT, vLLM's pooling runner): prompts of 1 to
