@@ -262,7 +262,7 @@ def cmd_fuzz(args) -> int:
     if args.sanitize or args.portable:
         argv = ["fuzz", "--minutes", str(args.minutes), "--seed", str(args.seed)]
         argv += ["--sizes", args.sizes] + (["--backend", args.backend] if args.backend else [])
-        return _run_child([sys.executable, "-m", "interop.cli", *argv], _bad_input_env(args))
+        return _run_child([sys.executable, "-m", "interop.cli", *argv], _fuzz_child_env(args))
     from interop import crosscheck, fuzz
 
     names = [b.name for b in crosscheck.all_backends()]
@@ -300,7 +300,7 @@ def cmd_fuzz_bad_metadata(args) -> int:
 
     return bad_input.run_children(
         "interop.bad_metadata", list(bad_metadata.KERNELS), backend=args.backend,
-        minutes=args.minutes, seed=args.seed, env=_bad_input_env(args),
+        minutes=args.minutes, seed=args.seed, env=_fuzz_child_env(args),
     )  # fmt: skip
 
 
@@ -309,7 +309,7 @@ def _run_child(argv: list, env: dict) -> int:
     return subprocess.run(argv, env=env).returncode
 
 
-def _bad_input_env(args) -> dict:
+def _fuzz_child_env(args) -> dict:
     """A fuzzer child's environment (bad input or the backends' campaign): the kernels built
     with ASan + UBSan (`--sanitize`) and/or without AVX-512 (`--portable`), else as they are."""
     from interop import bad_metadata
@@ -330,7 +330,7 @@ def cmd_fuzz_torch_ops(args) -> int:
 
     return bad_input.run_children(
         "interop.bad_torch_ops", list(bad_torch_ops.OPS), backend=args.backend,
-        minutes=args.minutes, seed=args.seed, env=_bad_input_env(args),
+        minutes=args.minutes, seed=args.seed, env=_fuzz_child_env(args),
     )  # fmt: skip
 
 

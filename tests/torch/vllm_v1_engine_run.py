@@ -26,6 +26,8 @@ import gc
 import json
 import sys
 
+SAMPLE_RATE = 16000  # Hz: Whisper's feature extractor's
+
 
 def _layers(model) -> list:
     from vllm.model_executor.layers.attention import Attention
@@ -48,6 +50,11 @@ def _attn_types(model):
     return sorted({m.attn_type.value for m in _layers(model)})
 
 
+def _layer_facts(llm) -> dict:
+    """What the one worker's attention layers hold: impl classes and their attention types."""
+    return {"impls": llm.apply_model(_impls)[0], "attn_types": llm.apply_model(_attn_types)[0]}
+
+
 def _clips(run: dict):
     """The audio run's clips, in the order its requests take them; none for a text model."""
     if "audio" not in run:
@@ -55,7 +62,7 @@ def _clips(run: dict):
     import numpy as np
 
     rng = np.random.default_rng(run["audio"]["seed"])
-    return iter([0.1 * rng.standard_normal(16000 * s).astype(np.float32)
+    return iter([0.1 * rng.standard_normal(SAMPLE_RATE * s).astype(np.float32)
                  for s in run["audio"]["seconds"]])  # fmt: skip
 
 
@@ -64,7 +71,10 @@ def _prompts(run: dict, prompts: list, clips) -> list:
         return [{"prompt_token_ids": p} for p in prompts]
     return [
         {
-            "encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (next(clips), 16000)}},
+            "encoder_prompt": {
+                "prompt": "",
+                "multi_modal_data": {"audio": (next(clips), SAMPLE_RATE)},
+            },
             "decoder_prompt": {"prompt_token_ids": p},
         }
         for p in prompts
@@ -76,7 +86,7 @@ def _embed(run: dict) -> dict:
 
     llm = LLM(model=run["model"], dtype=run["dtype"], runner="pooling", seed=0, enforce_eager=True,
               **run["engine"])  # fmt: skip
-    result = {"impls": llm.apply_model(_impls)[0], "attn_types": llm.apply_model(_attn_types)[0]}
+    result = _layer_facts(llm)
     result["rounds"] = [
         [{"embedding": list(out.outputs.embedding)} for out in
          llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
@@ -96,7 +106,7 @@ def _run(run: dict) -> dict:
     llm = LLM(model=run["model"], dtype=run["dtype"], skip_tokenizer_init="audio" not in run,
               seed=0, enforce_eager=True, **run["engine"])  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], logprobs=2)
-    result = {"impls": llm.apply_model(_impls)[0], "attn_types": llm.apply_model(_attn_types)[0]}
+    result = _layer_facts(llm)
     rounds, clips = [], _clips(run)
     for prompts in run["rounds"]:
         outs = llm.generate(_prompts(run, prompts, clips), params, use_tqdm=False)
