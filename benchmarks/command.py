@@ -105,6 +105,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "pages after a slow one)",
     )
     bench.add_argument(
+        "--compiled",
+        action="store_true",
+        help="with --engine: vLLM's default compiled model (inductor) instead of enforce_eager",
+    )
+    bench.add_argument(
         "--mesh",
         help="strong scaling of a decode step over a mesh, e.g. tp=4 or tp=4,dp=2 "
         "(benchmarks/mesh.py; simulated CPU devices where the host has too few)",
@@ -135,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     if cpu_only and other:
         print(f"{cpu_only[0]} is for the CPU suite, not with --{other}")
         return 2
-    for flag in ("huge_pages_ab", "keep_freed_ab", "output_pages_ab"):
+    for flag in ("huge_pages_ab", "keep_freed_ab", "output_pages_ab", "compiled"):
         if getattr(args, flag, False) and other != "engine":
             print(f"--{flag.replace('_', '-')} is for the engine bench: use it with --engine")
             return 2

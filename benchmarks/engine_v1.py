@@ -18,6 +18,10 @@ timed prefill otherwise, in every peer alike; before, the no-attention run's pre
 longer than its whole run), then two timed ones on fresh prompts (no prefix caching):
 `max_tokens=1` (the prefill) and the whole run.
 
+Each engine runs eagerly (`enforce_eager=True`), as the records so far; `--compiled` runs vLLM's
+default instead (its CPU compilation: the model's forward traced once by Dynamo and compiled by
+inductor, attention left to the backend as an opaque op), which the warm-up compiles.
+
 Reported per dtype and peer: medians over rounds of prefill tokens/s (prompt tokens / prefill
 time) and whole-run tokens/s ((prompt + generated tokens) / time), the plugin's speed-up over
 vLLM's CPU_ATTN, and the no-attention run's (the ceiling).
@@ -81,7 +85,10 @@ def _no_attention_backend():
             return None
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **k):
-            return output
+            # Zeros, not what the buffer held: vLLM hands over an uninitialized tensor, and the
+            # layers after it ran slower on those stray values (denormals, NaNs) than on any
+            # attention output (compiled, bf16: 2.67 s a prefill against the plugin's 2.5).
+            return output.zero_()
 
     class NoAttentionBackend(vllm_v1.NativeCPUAttentionBackend):
         @staticmethod
@@ -107,7 +114,8 @@ def _child(args: argparse.Namespace) -> None:
 
     size = json.loads(args.size)
     llm = LLM(model=args.model, dtype=args.dtype, load_format="dummy", skip_tokenizer_init=True,
-              block_size=size["block_size"], enable_prefix_caching=False, enforce_eager=True,
+              block_size=size["block_size"], enable_prefix_caching=False,
+              enforce_eager=not args.compiled,
               max_model_len=size["prompt_len"] + size["generated"] + 8, seed=0)  # fmt: skip
     impl = llm.apply_model(lambda m: sorted({type(x.impl).__name__ for x in m.modules()
                                              if hasattr(x, "impl")}))[0]  # fmt: skip
@@ -135,7 +143,7 @@ def _child(args: argparse.Namespace) -> None:
 # The parent: rounds, medians, the record
 
 
-def _run_child(peer: str, model: str, dtype: str, size: dict) -> dict:
+def _run_child(peer: str, model: str, dtype: str, size: dict, compiled: bool) -> dict:
     env = dict(os.environ)
     for name in {name for switches in PEER_ENV.values() for name in switches}:
         env.pop(name, None)  # the caller's own settings reach no child
@@ -146,7 +154,7 @@ def _run_child(peer: str, model: str, dtype: str, size: dict) -> dict:
     # installed package's entry point (a stale `jax_attn.egg-info` in a checkout would hide it).
     env.pop("PYTHONPATH", None)
     cmd = [sys.executable, "-m", "benchmarks.engine_v1", "--child", peer, "--model", model,
-           "--dtype", dtype, "--size", json.dumps(size)]  # fmt: skip
+           "--dtype", dtype, "--size", json.dumps(size)] + ["--compiled"] * compiled  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=model, capture_output=True, text=True, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -180,6 +188,7 @@ EXPECTED_IMPL = {
 def run(args: argparse.Namespace) -> int:
     size = QUICK if args.quick else FULL
     rounds = args.reps or (1 if args.quick else 3)
+    compiled = getattr(args, "compiled", False)
     dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else ["bfloat16", "float32"]
     peers = PEERS + (PAGE_PEERS if getattr(args, "huge_pages_ab", False) else ())
     peers += KEEP_PEERS if getattr(args, "keep_freed_ab", False) else ()
@@ -187,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     record = dict(
         cpu=_cpu_model(), cores=os.cpu_count(), date=datetime.datetime.now().isoformat(),
         size=size, rounds=rounds, model=MODEL, peers=peers, load_before=os.getloadavg(),
+        mode="compiled" if compiled else "eager",
         results={},
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as model:
@@ -196,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             for r in range(rounds):
                 order = peers[r % len(peers) :] + peers[: r % len(peers)]
                 for peer in order:
-                    result = _run_child(peer, model, dtype, size)
+                    result = _run_child(peer, model, dtype, size, compiled)
                     if result["impl"] != EXPECTED_IMPL[peer]:
                         raise RuntimeError(f"{peer}: the layers hold {result['impl']}")
                     runs[peer].append(result)
@@ -226,7 +236,8 @@ def _summary(runs: dict, size: dict) -> dict:
 
 def _print(record: dict) -> None:
     print(f"\n{record['cpu']}, {record['cores']} cores, {record['date'][:16]}, "
-          f"{record['rounds']} rounds (medians), load {record['load_before']}")  # fmt: skip
+          f"{record.get('mode', 'eager')}, {record['rounds']} rounds (medians), "
+          f"load {record['load_before']}")  # fmt: skip
     for dtype, peers in record["results"].items():
         for peer, r in peers.items():
             ratio = (f"  {r['prefill_speedup']:.2f}x / {r['whole_speedup']:.2f}x vs vllm"
@@ -246,6 +257,7 @@ def main(argv=None) -> int:
     parser.add_argument("--size")
     parser.add_argument("--rounds", dest="reps", type=int)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--dtypes")
     parser.add_argument("--json")
     args = parser.parse_args(argv)

@@ -42,6 +42,11 @@ Attention sinks (gpt-oss: one learned logit per query head, a key with no value 
 softmax) go to the kernel as they are, in float32. What vLLM's CPU_ATTN takes and this backend
 does not (per-request causal masks) is refused by name when the engine builds the model.
 
+The first attention layer a process builds logs the native kernels' instruction sets ("jax-attn:
+CPU_ATTN runs on jax-attn's native kernels (...)"; vLLM names no plugin it loads), building the
+library then if no earlier process did; where the native ops cannot run, the engine stops there
+with the reason instead of failing at its first step.
+
 Cross-attention (encoder-decoder models): vLLM writes the encoder's keys and values into the
 cross-attention layer's cache in the encoder's step (`do_kv_cache_update`, its slots), and every
 decoder step attends over them, `seq_lens` the encoder lengths, without the causal mask: the
@@ -49,6 +54,7 @@ same ragged call. A step with more decoder tokens than the request's encoder tok
 (the kernel takes at most `seq_len` queries a sequence).
 """
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -97,6 +103,22 @@ ENCODER_TYPES = (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
 ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER, *ENCODER_TYPES)
 # "0": caches keep the pages vLLM gave them (module docstring, "Huge pages").
 HUGE_PAGES_ENV = huge_pages.ENV
+
+
+@functools.cache
+def _native_isa() -> str:
+    """The native kernels' instruction sets, said once per process when the model's first
+    attention layer is built (vLLM logs no plugin by name): the library is built then if no
+    earlier process built it. Where it cannot run, the engine stops there, saying why."""
+    reason = native.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(
+            f"jax-attn's vLLM plugin (JAX_ATTN_VLLM=1) runs on its native ops, which do not run "
+            f"here: {reason}; unset JAX_ATTN_VLLM to run vLLM's own CPU_ATTN"
+        )
+    isa = native.isa()
+    logger.info("jax-attn: CPU_ATTN runs on jax-attn's native kernels (%s)", isa)
+    return isa
 
 
 class NativeCPUAttentionBackend(AttentionBackend):
@@ -344,6 +366,7 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         # The layer's parameter itself: the model loads its weights after building the layer.
         self.sinks = sinks
+        _native_isa()
 
     # ------------------------------------------------------------------------------------------
 
