@@ -1,6 +1,7 @@
 """`jax-attn bench --engine`'s peers without an engine: what each child's environment says, the
-rotation over the peers `--huge-pages-ab`, `--keep-freed-ab` and `--output-pages-ab` add, and
-the medians and ratios of the record."""
+rotation over the peers `--huge-pages-ab`, `--keep-freed-ab` and `--output-pages-ab` add, the
+medians and ratios of the record, `--compiled` on every child's command line, and what the
+no-attention peer writes."""
 
 import argparse
 import json
@@ -27,10 +28,12 @@ class _FakeChildren:
     def __init__(self, peers):
         self.peers = peers
         self.calls = []
+        self.compiled = []
 
     def __call__(self, cmd, env, cwd, capture_output, text, timeout):
         peer = cmd[cmd.index("--child") + 1]
         self.calls.append((peer, {k: env.get(k) for k in SWITCHES}))
+        self.compiled.append("--compiled" in cmd)
         slow = 1.0 + self.peers.index(peer) + len(self.calls) / 100
         result = dict(impl=engine_v1.EXPECTED_IMPL[peer], prefill_s=slow, whole_s=2 * slow,
                       generated=64)  # fmt: skip
@@ -94,7 +97,30 @@ def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers, keep_peers,
             assert "prefill_speedup" not in results[peer]
 
 
-@pytest.mark.parametrize("flag", ["--huge-pages-ab", "--keep-freed-ab"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_compiled_reaches_every_child(monkeypatch, tmp_path, compiled):
+    children = _FakeChildren(engine_v1.PEERS)
+    monkeypatch.setattr(engine_v1.subprocess, "run", children)
+    out = tmp_path / "engine.json"
+    args = argparse.Namespace(quick=True, reps=1, dtypes="bfloat16,float32", json=str(out),
+                              compiled=compiled)  # fmt: skip
+    assert engine_v1.run(args) == 0
+    assert children.compiled == [compiled] * 2 * len(engine_v1.PEERS)
+    assert json.loads(out.read_text())["mode"] == ("compiled" if compiled else "eager")
+
+
+@pytest.mark.vllm
+def test_no_attention_writes_zeros():
+    pytest.importorskip("vllm", minversion="0.32", reason="vLLM 0.32 is not installed here")
+    import torch
+
+    impl = engine_v1._no_attention_backend().get_impl_cls()(4, 32, 0.1, 2)
+    output = torch.full((3, 4 * 32), float("nan"))
+    assert impl.forward(None, None, None, None, None, None, output) is output
+    assert torch.equal(output, torch.zeros_like(output))
+
+
+@pytest.mark.parametrize("flag", ["--huge-pages-ab", "--keep-freed-ab", "--compiled"])
 def test_page_peers_need_the_engine_bench(capsys, flag):
     parser = argparse.ArgumentParser()
     command.add_parser(parser.add_subparsers())
