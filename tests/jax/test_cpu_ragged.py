@@ -54,7 +54,8 @@ BATCHES = {
         [899, 0, 250, 350, 60, 59, 7, 700, 650, 900, 20, 1000, 3, 750, 800, 600, 710],
     ),
     # A chunk of 40 over 4100 cached keys: its task's keys and values (4 MiB and more at D 128
-    # in float32) too many to copy once for its tiles (kSharedRowsBytes), read in place.
+    # in float32) too many to copy once for its tiles (kSharedRowsBytes), read in place; in
+    # bf16 its value pairs (1 MiB) packed once for its tiles (kSharedPairsBytes).
     "past_copy": ([40, 3], [4100, 20]),
     # Prefill tiles and a run of 10 long decodes: the decodes run beside the prefill tasks
     # (run_beside; or, staged, in groups of about 4 MiB of K/V: 2-3 sequences each at Hkv 4,
@@ -114,6 +115,7 @@ CASES = [
     Case(dtype="bfloat16", head_size=100, num_heads=5, num_kv_heads=1, block_size=8),
     Case(batch="long", head_size=128, num_heads=32, num_kv_heads=8),
     Case(batch="past_copy", head_size=128, num_heads=4, num_kv_heads=2),
+    Case(batch="past_copy", head_size=128, num_heads=4, num_kv_heads=1, dtype="bfloat16"),
     Case(batch="large", head_size=256, num_heads=8, num_kv_heads=2),
     # The same over 8 MiB in bf16 (1027 tokens x 16 heads x 256), on the vdpbf16ps path (AMX,
     # where the CPU has it: there its rows are streamed).

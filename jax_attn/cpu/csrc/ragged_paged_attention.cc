@@ -112,6 +112,10 @@ constexpr int64_t kKeysInL2Bytes = 512 * 1024;
 // 1024 (vLLM's engine's prefill step) 81.5-83.7 ms against 83.2-85.8 and 2 x 2048 151-160
 // against 152-168 in 3 alternated rounds each. At most 4 MiB a worker (tls_packed).
 constexpr int64_t kSharedRowsBytes = 4096 * 1024;
+// The vdpbf16ps path's value pairs packed once per task (PackedValues) up to this size, likewise
+// past L2 (was kKeysInL2Bytes): chunked-prefill-bf16 (2304 keys a task, 590 KB of pairs), paired,
+// 1.025 [1.014, 1.035] at block 128, 1.020 at 16, TORCH_SDPA's 1.019 (Zen 5).
+constexpr int64_t kSharedPairsBytes = 4096 * 1024;
 // Rows (tokens x G) up to which a float32 item's last step writes the output itself.
 constexpr int64_t kMaxFusedRows = 256;
 // ... with streaming stores when the whole output has at least this many bytes (and is 64-byte
@@ -1093,7 +1097,7 @@ inline KeySpan key_span(const Item* items, int64_t num_items) {
 // values fit in kKeysInL2Bytes: they are still in this core's L2. Causal tiles without a window
 // qualify (a task's tiles run last first, so each later tile's keys are a prefix of the first
 // one's); with a window each tile starts lower and keeps its prefetch. The same tasks share
-// their bf16 value pairs (PackedValues) when those fit kKeysInL2Bytes too.
+// their bf16 value pairs (PackedValues) up to kSharedPairsBytes.
 // On Intel, no item of a task whose keys and values outgrow kKeysInL2Bytes makes that burst:
 // there it cost more than it saved (Sapphire Rapids, float32, medians of 3 alternated: chunked
 // 8 x 256 over 2048 318.8 -> 286.9 ms, prefill 8 x 1024 298.4 -> 278.5; at 8 x 512, 512 KiB,
@@ -1107,7 +1111,7 @@ void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor
   PackedRows shared;
   if constexpr (kDot) {
     const int64_t words = (span.end / 2 + 1) * p.Dp;
-    if (span.prefixes && words * static_cast<int64_t>(sizeof(uint32_t)) <= kKeysInL2Bytes) {
+    if (span.prefixes && words * static_cast<int64_t>(sizeof(uint32_t)) <= kSharedPairsBytes) {
       packed.data = reinterpret_cast<uint32_t*>(tls_packed.get(static_cast<size_t>(words)));
     }
   } else {
