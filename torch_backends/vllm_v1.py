@@ -106,19 +106,18 @@ HUGE_PAGES_ENV = huge_pages.ENV
 
 
 @functools.cache
-def _native_isa() -> str:
-    """The native kernels' instruction sets, said once per process when the model's first
-    attention layer is built (vLLM logs no plugin by name): the library is built then if no
-    earlier process built it. Where it cannot run, the engine stops there, saying why."""
+def _announce_native_kernels() -> None:
+    """Says once per process, when the model's first attention layer is built, that the native
+    kernels run and on which instruction sets (vLLM logs no plugin by name): the library is
+    built then if no earlier process built it. Where it cannot run, the engine stops there,
+    saying why."""
     reason = native.unavailable_reason()
     if reason is not None:
         raise RuntimeError(
             f"jax-attn's vLLM plugin (JAX_ATTN_VLLM=1) runs on its native ops, which do not run "
             f"here: {reason}; unset JAX_ATTN_VLLM to run vLLM's own CPU_ATTN"
         )
-    isa = native.isa()
-    logger.info("jax-attn: CPU_ATTN runs on jax-attn's native kernels (%s)", isa)
-    return isa
+    logger.info("jax-attn: CPU_ATTN runs on jax-attn's native kernels (%s)", native.isa())
 
 
 class NativeCPUAttentionBackend(AttentionBackend):
@@ -366,7 +365,7 @@ class NativeCPUAttentionImpl(AttentionImpl[NativeCPUAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         # The layer's parameter itself: the model loads its weights after building the layer.
         self.sinks = sinks
-        _native_isa()
+        _announce_native_kernels()
 
     # ------------------------------------------------------------------------------------------
 

@@ -25,6 +25,9 @@ environment would, and runs these engines in turn (in-process engine core, one t
                 the layer's cache in a request's first step and attends over them without the
                 causal mask in every step; the encoder's own self-attention is vLLM's
                 multimodal encoder attention, not a CPU_ATTN layer
+    llama-tp2-f32
+                round one of llama-f32 on two tensor-parallel workers (vLLM's multiprocessing
+                executor, each bound to a CPU of its own), in a child process of its own
 
 float32 embeddings (normalized, pooled as vLLM pools BERT's; every key of a prompt reaches
 them): within 1e-5 of vLLM's own in every element, where a causal mask in place of the
@@ -241,7 +244,9 @@ def _spec(models: dict, rng: np.random.Generator) -> dict:
     }  # fmt: skip
 
 
-def _run_engines(spec_path: Path, out_path: Path, plugin: bool, scratch: Path) -> dict:
+def _run_engines(spec_path: Path, out_path: Path, plugin: bool, scratch: Path, **more) -> dict:
+    """Runs the spec's engines in a child process; `more`: environment variables over the
+    defaults below."""
     env = dict(os.environ)
     env.pop("JAX_ATTN_VLLM", None)
     if plugin:
@@ -253,6 +258,7 @@ def _run_engines(spec_path: Path, out_path: Path, plugin: bool, scratch: Path) -
         VLLM_CPU_KVCACHE_SPACE="1",  # GiB
         VLLM_CPU_OMP_THREADS_BIND="nobind",  # on a 2-core machine vLLM would keep one core
     )
+    env.update(more)
     proc = subprocess.run(
         [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
         cwd=scratch, env=env, capture_output=True, text=True, timeout=900,
@@ -278,6 +284,33 @@ def engines(tmp_path_factory, run_seed):
     plugin = _run_engines(spec_path, root / "plugin.json", True, root)
     own = _run_engines(spec_path, root / "own.json", False, root)
     return plugin, own
+
+
+@pytest.fixture(scope="module")
+def tp_engines(tmp_path_factory, run_seed):
+    """llama-f32's round one on two tensor-parallel workers (vLLM's multiprocessing executor),
+    each bound to a CPU of its own as vLLM binds them on a CPU server: each worker's layers
+    attend half of the model's heads (Hq 2, Hkv 1: MQA within a worker)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"two tensor-parallel workers need 2 CPUs; this process may run on {cpus}")
+    root = tmp_path_factory.mktemp("vllm_v1_tp")
+    rng = np.random.default_rng(run_seed + 6)
+    engine = dict(block_size=32, max_model_len=512, max_num_batched_tokens=64,
+                  tensor_parallel_size=2, distributed_executor_backend="mp")  # fmt: skip
+    spec = {"runs": [dict(
+        name="llama-tp2-f32", model=_save_model(root / "llama", run_seed + 6), dtype="float32",
+        engine=engine, rounds=[[rng.integers(0, VOCAB, n).tolist() for n in (7, 40, 150)]],
+        max_tokens=MAX_TOKENS,
+    )]}  # fmt: skip
+    spec_path = root / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    bind = f"{cpus[0]}|{cpus[1]}"
+    plugin = _run_engines(
+        spec_path, root / "plugin.json", True, root, VLLM_CPU_OMP_THREADS_BIND=bind
+    )
+    own = _run_engines(spec_path, root / "own.json", False, root, VLLM_CPU_OMP_THREADS_BIND=bind)
+    return plugin["llama-tp2-f32"], own["llama-tp2-f32"]
 
 
 def _compare(plugin: dict, own: dict, bound: float) -> None:
@@ -427,3 +460,11 @@ def test_encoder_decoder_cross_attention_f32(engines):
     for r in range(2):
         _compare(plugin["whisper-f32"]["rounds"][r], own["whisper-f32"]["rounds"][r],
                  F32_LOGPROB_TOL)  # fmt: skip
+
+
+def test_tensor_parallel_f32(tp_engines):
+    plugin, own = tp_engines
+    for run, impl in ((plugin, PLUGIN_IMPL), (own, VLLM_IMPL)):
+        assert [[i for i, _ in w["impls"]] for w in run["workers"]] == [[impl]] * 2
+        assert [w["heads"] for w in run["workers"]] == [[[2, 1]]] * 2
+    _compare(plugin["rounds"][0], own["rounds"][0], F32_LOGPROB_TOL)

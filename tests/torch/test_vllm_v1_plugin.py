@@ -414,7 +414,7 @@ def test_refuses_a_cache_that_is_not_dense_pages():
 
 def test_refuses_at_build_where_the_native_ops_do_not_run(monkeypatch):
     monkeypatch.setenv("JAX_ATTN_CPU_DISABLE", "1")
-    vllm_v1._native_isa.cache_clear()
+    vllm_v1._announce_native_kernels.cache_clear()
     with pytest.raises(RuntimeError, match="do not run here: disabled by JAX_ATTN_CPU_DISABLE=1"):
         vllm_v1.NativeCPUAttentionImpl(4, 32, 0.1, 2)
 
@@ -422,7 +422,7 @@ def test_refuses_at_build_where_the_native_ops_do_not_run(monkeypatch):
 def test_the_first_layer_says_what_runs(monkeypatch):
     said = []
     monkeypatch.setattr(vllm_v1.logger, "info", lambda *a: said.append(a[0] % a[1:]))
-    vllm_v1._native_isa.cache_clear()
+    vllm_v1._announce_native_kernels.cache_clear()
     for _ in range(3):
         vllm_v1.NativeCPUAttentionImpl(4, 32, 0.1, 2)
     assert said == [f"jax-attn: CPU_ATTN runs on jax-attn's native kernels ({native.isa()})"]

@@ -50,9 +50,21 @@ def _attn_types(model):
     return sorted({m.attn_type.value for m in _layers(model)})
 
 
+def _heads(model):
+    """The query and kv heads each of a worker's attention impls attends (its tensor-parallel
+    share of the model's)."""
+    return sorted({(m.impl.num_heads, m.impl.num_kv_heads) for m in _layers(model)})
+
+
 def _layer_facts(llm) -> dict:
-    """What the one worker's attention layers hold: impl classes and their attention types."""
-    return {"impls": llm.apply_model(_impls)[0], "attn_types": llm.apply_model(_attn_types)[0]}
+    """What the first worker's attention layers hold (impl classes and their attention types),
+    and per worker its impls and their heads (one worker unless tensor-parallel)."""
+    impls, heads = llm.apply_model(_impls), llm.apply_model(_heads)
+    return {
+        "impls": impls[0],
+        "attn_types": llm.apply_model(_attn_types)[0],
+        "workers": [{"impls": i, "heads": h} for i, h in zip(impls, heads, strict=True)],
+    }
 
 
 def _clips(run: dict):
