@@ -14,7 +14,7 @@ prefetches off (on vLLM's split layout, N sets their distance in kv-head tiles f
 values twice as far; jax_attn's own cache prefetches the next tile),
 `JAX_ATTN_CPU_NTA_LIMIT=N` prefetches decode's next tiles of up to N bytes (keys and values;
 on vLLM's split layout, the head blocks requested ahead and the one being read) NTA and larger
-ones into L2 (default: 1.5x the L1d on AMD, 0 on Intel),
+ones into L2 (default: 1.5x the L1d on AMD CPUs whose L1d holds 48 KiB or more, else 0),
 `JAX_ATTN_CPU_BF16_DOT=0` makes decode widen bf16 and fp8 keys (under bf16 queries) to
 float32 instead of dotting them with vdpbf16ps and `JAX_ATTN_CPU_DECODE_QUADS=0` keeps
 decode's groups of 4 query rows or more on the tile path instead of the quads,

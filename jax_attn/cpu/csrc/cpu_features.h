@@ -39,17 +39,21 @@ inline bool prefetch_to_l2() {
 }
 
 // The largest next tile (its keys and values together, bytes) that decode prefetches with NTA
-// rather than into L2: 1.5x the L1d, fitted to two measurements (block 128, 32 x 1024 keys,
-// GQA 4, NOTES.md). With a 48 KiB L1d (Zen 5) a 64 KiB bf16 tile ran faster with NTA; with a
-// 32 KiB L1d (Zen 4) the same tile ran 10-14% faster into L2 while the 32 KiB fp8 tile ran 10%
-// slower there. 0 on Intel (prefetch_to_l2). The L1d size from glibc (CPUID); 48 KiB where
-// it gives none.
+// rather than into L2: 1.5x the L1d where the L1d holds 48 KiB or more (Zen 5), fitted there
+// (block 128, 32 x 1024 keys, GQA 4: a 64 KiB bf16 tile ran faster with NTA; NOTES.md).
+// 0 where it is smaller, and on Intel (prefetch_to_l2). On the 32 KiB L1d of Zen 4 every tile
+// still under the old 48 KiB limit there (fp8's) ran faster into L2: vLLM's split layout
+// (TORCH_SDPA) 1.28x at block 128 and 1.32x at block 16, from memory (1.03x with the cache
+// resident), jax_attn's own 1.05x at block 16 and level at 128 (paired workers, 2026-12-06;
+// on 12-04 the fp8 tile had run 10% faster NTA; the requests' pacing has changed since); a
+// 64 KiB bf16 tile there ran 10-14% faster into L2. The L1d size from glibc (CPUID);
+// 48 KiB where it gives none.
 inline int64_t nta_limit_bytes() {
   static const int64_t limit = [] {
     if (prefetch_to_l2()) return int64_t{0};
     long l1d = sysconf(_SC_LEVEL1_DCACHE_SIZE);
     if (l1d <= 0) l1d = 48 * 1024;
-    return static_cast<int64_t>(l1d) * 3 / 2;
+    return l1d < 48 * 1024 ? int64_t{0} : static_cast<int64_t>(l1d) * 3 / 2;
   }();
   return limit;
 }

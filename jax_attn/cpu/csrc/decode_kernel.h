@@ -1106,7 +1106,9 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
       // them. bf16 at block 128 (64 KiB ahead) then takes NTA where L1d is 48 KiB: TORCH_SDPA
       // decode, 2-core Zen 5 VM, paired workers, L2 / NTA time 1.62 [1.24, 1.73] (32 x 1024),
       // 1.26 [1.22, 1.35] (8 x 8192); float32 there (128 KiB ahead) 1.03 [0.99, 1.05] either
-      // way, so it stays L2 (NOTES.md 2026-12-04 22:35).
+      // way, so it stays L2 (NOTES.md 2026-12-04 22:35). On Zen 4 the limit is now 0
+      // (nta_limit_bytes): its fp8 head blocks, which had stayed NTA, ran 1.28-1.32x faster
+      // into L2 at 2026-12-06's kernels (level on 12-04).
       const int64_t being_read = BS >= 64 ? 0 : 1;
       const bool to_l2 = (keys_ahead + values_ahead + being_read) * head_bytes > p.nta_limit;
       for (int64_t h = 0; h < Hkv; ++h) {
