@@ -849,14 +849,22 @@ void run_item(const Problem& p, const Item& it, const Item* next, bool next_task
     if (shared != nullptr) shared->rows = std::max(shared->rows, k0 + nv);
     // Ask for the next step's key and value runs now; they arrive while this step computes
     // (runs of different keys are Hkv * D apart: the hardware prefetcher does not follow).
+    // Only rows the next step reads from the cache: keys the task's float32 copy holds are
+    // read from the copy, and values whose bf16 pairs are packed from the pairs (an earlier
+    // item made them). Requesting those rows too cost a later item of a chunk over a long
+    // prefix its whole span from memory again, unread: float32 chunked-prefill (2304 keys a
+    // task) paired 1.03-1.04x faster without them at blocks 128 and 16 (Zen 4, NOTES.md).
     const int64_t next_end = keys_in_l2 ? 0 : std::min<int64_t>(k0 + nv + kKeys, it.k_end);
-    for (int64_t pos = k0 + nv; pos < next_end; ++pos) {
+    const int64_t next_begin = shared != nullptr ? std::max(k0 + nv, shared->rows) : k0 + nv;
+    const int64_t packed_keys = packed != nullptr ? 2 * packed->pairs : 0;
+    for (int64_t pos = next_begin; pos < next_end; ++pos) {
       const int64_t slot = static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS;
       const char* kr = reinterpret_cast<const char*>(kc + (slot * p.Hkv + it.kvh) * D);
       const char* vr = reinterpret_cast<const char*>(vc + (slot * p.Hkv + it.kvh) * D);
+      const bool values = pos >= packed_keys;
       for (int64_t b = 0; b < run_bytes; b += 64) {
         __builtin_prefetch(kr + b);
-        __builtin_prefetch(vr + b);
+        if (values) __builtin_prefetch(vr + b);
       }
     }
     // The bf16 dot path's value pairs of this step: packed into each head's Vw, or (a task's
