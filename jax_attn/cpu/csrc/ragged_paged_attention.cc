@@ -1109,7 +1109,9 @@ inline KeySpan key_span(const Item* items, int64_t num_items) {
 // On Intel, no item of a task whose keys and values outgrow kKeysInL2Bytes makes that burst:
 // there it cost more than it saved (Sapphire Rapids, float32, medians of 3 alternated: chunked
 // 8 x 256 over 2048 318.8 -> 286.9 ms, prefill 8 x 1024 298.4 -> 278.5; at 8 x 512, 512 KiB,
-// the burst is kept: 73.2 ms with it against 76.7 without, 7 rounds; NOTES.md).
+// the burst is kept: 73.2 ms with it against 76.7 without, 7 rounds; NOTES.md). Those figures
+// predate the burst leaving out the rows read from the task's copy (run_item): not measured
+// since.
 template <typename QT, typename CT, bool kDot>
 void run_task(const Problem& p, const Item* items, int64_t num_items, WarmCursor* warm,
               TaskChain* chain) {
