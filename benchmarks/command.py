@@ -9,6 +9,7 @@ Registered as the `bench` subcommand of `jax-attn` through the entry-point group
 
 import argparse
 
+from benchmarks.engine_v1 import DTYPES as ENGINE_DTYPES
 from benchmarks.sentinels import CHECK_RUN, DEFAULT_JSON
 
 
@@ -110,6 +111,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="with --engine: vLLM's default compiled model (inductor) instead of enforce_eager",
     )
     bench.add_argument(
+        "--dtypes",
+        metavar="LIST",
+        help="with --engine: the model dtypes to run, comma-separated, from "
+        f"{','.join(ENGINE_DTYPES)} (default: both)",
+    )
+    bench.add_argument(
         "--mesh",
         help="strong scaling of a decode step over a mesh, e.g. tp=4 or tp=4,dp=2 "
         "(benchmarks/mesh.py; simulated CPU devices where the host has too few)",
@@ -140,9 +147,19 @@ def run(args: argparse.Namespace) -> int:
     if cpu_only and other:
         print(f"{cpu_only[0]} is for the CPU suite, not with --{other}")
         return 2
-    for flag in ("huge_pages_ab", "keep_freed_ab", "output_pages_ab", "compiled"):
+    for flag in ("huge_pages_ab", "keep_freed_ab", "output_pages_ab", "compiled", "dtypes"):
         if getattr(args, flag, False) and other != "engine":
             print(f"--{flag.replace('_', '-')} is for the engine bench: use it with --engine")
+            return 2
+    dtypes = getattr(args, "dtypes", None)
+    if dtypes is not None:
+        names = dtypes.split(",")
+        unknown = [n for n in names if n not in ENGINE_DTYPES]
+        if unknown or len(set(names)) != len(names):
+            wrong = ", ".join(map(repr, unknown)) or "repeats"
+            allowed = ", ".join(ENGINE_DTYPES)
+            print(f"--dtypes {dtypes!r}: a comma-separated list of distinct names from {allowed} "
+                  f"(not {wrong})")  # fmt: skip
             return 2
     if getattr(args, "plot", None):
         from benchmarks import plot

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 PEERS = ("vllm-cpu-attn", "jax-attn-plugin", "no-attention")
+DTYPES = ("bfloat16", "float32")  # the model dtypes, in run order (`--dtypes` picks some)
 # `--huge-pages-ab`: what the plugin's huge-page cache (torch_backends.huge_pages) is worth, as
 # the plugin without it and vLLM's CPU_ATTN on torch's huge-page allocator (every torch
 # allocation of 2 MiB or more, its cache included, asks for huge pages before it is touched).
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     size = QUICK if args.quick else FULL
     rounds = args.reps or (1 if args.quick else 3)
     compiled = getattr(args, "compiled", False)
-    dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else ["bfloat16", "float32"]
+    dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else list(DTYPES)
     peers = PEERS + (PAGE_PEERS if getattr(args, "huge_pages_ab", False) else ())
     peers += KEEP_PEERS if getattr(args, "keep_freed_ab", False) else ()
     peers += OUTPUT_PEERS if getattr(args, "output_pages_ab", False) else ()

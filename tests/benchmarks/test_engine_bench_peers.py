@@ -120,9 +120,34 @@ def test_no_attention_writes_zeros():
     assert torch.equal(output, torch.zeros_like(output))
 
 
-@pytest.mark.parametrize("flag", ["--huge-pages-ab", "--keep-freed-ab", "--compiled"])
+@pytest.mark.parametrize(
+    "flag", ["--huge-pages-ab", "--keep-freed-ab", "--compiled", "--dtypes=float32"]
+)
 def test_page_peers_need_the_engine_bench(capsys, flag):
     parser = argparse.ArgumentParser()
     command.add_parser(parser.add_subparsers())
     assert command.run(parser.parse_args(["bench", flag])) == 2
-    assert f"{flag} is for the engine bench" in capsys.readouterr().out
+    assert f"{flag.split('=')[0]} is for the engine bench" in capsys.readouterr().out
+
+
+def test_dtypes_reach_the_engine_bench(monkeypatch, tmp_path):
+    children = _FakeChildren(engine_v1.PEERS)
+    monkeypatch.setattr(engine_v1.subprocess, "run", children)
+    out = tmp_path / "engine.json"
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--engine", "--dtypes", "float32", "--rounds", "1",
+                              "--json", str(out)])  # fmt: skip
+    args.quick = True
+    assert command.run(args) == 0
+    assert list(json.loads(out.read_text())["results"]) == ["float32"]
+    assert len(children.calls) == len(engine_v1.PEERS)
+
+
+@pytest.mark.parametrize("dtypes", ["float16", "float32,float32", "bf16", "float32,"])
+def test_bad_dtypes_are_refused_by_name(capsys, dtypes):
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    assert command.run(parser.parse_args(["bench", "--engine", "--dtypes", dtypes])) == 2
+    out = capsys.readouterr().out
+    assert f"--dtypes {dtypes!r}" in out and "bfloat16, float32" in out
