@@ -151,16 +151,6 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag, False) and other != "engine":
             print(f"--{flag.replace('_', '-')} is for the engine bench: use it with --engine")
             return 2
-    dtypes = getattr(args, "dtypes", None)
-    if dtypes is not None:
-        names = dtypes.split(",")
-        unknown = [n for n in names if n not in ENGINE_DTYPES]
-        if unknown or len(set(names)) != len(names):
-            wrong = ", ".join(map(repr, unknown)) or "repeats"
-            allowed = ", ".join(ENGINE_DTYPES)
-            print(f"--dtypes {dtypes!r}: a comma-separated list of distinct names from {allowed} "
-                  f"(not {wrong})")  # fmt: skip
-            return 2
     if getattr(args, "plot", None):
         from benchmarks import plot
 

@@ -186,11 +186,27 @@ EXPECTED_IMPL = {
 }
 
 
+def _dtypes(text: str | None) -> list[str] | str:
+    """`--dtypes`: the names it lists (every one of DTYPES when not given), or why not."""
+    if text is None:
+        return list(DTYPES)
+    names = text.split(",")
+    unknown = [n for n in names if n not in DTYPES]
+    if unknown or len(set(names)) != len(names):
+        wrong = ", ".join(map(repr, unknown)) or "repeats"
+        return (f"--dtypes {text!r}: a comma-separated list of distinct names from "
+                f"{', '.join(DTYPES)} (not {wrong})")  # fmt: skip
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
+    dtypes = _dtypes(getattr(args, "dtypes", None))
+    if isinstance(dtypes, str):
+        print(dtypes)
+        return 2
     size = QUICK if args.quick else FULL
     rounds = args.reps or (1 if args.quick else 3)
     compiled = getattr(args, "compiled", False)
-    dtypes = args.dtypes.split(",") if getattr(args, "dtypes", None) else list(DTYPES)
     peers = PEERS + (PAGE_PEERS if getattr(args, "huge_pages_ab", False) else ())
     peers += KEEP_PEERS if getattr(args, "keep_freed_ab", False) else ()
     peers += OUTPUT_PEERS if getattr(args, "output_pages_ab", False) else ()

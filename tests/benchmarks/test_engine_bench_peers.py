@@ -137,8 +137,7 @@ def test_dtypes_reach_the_engine_bench(monkeypatch, tmp_path):
     parser = argparse.ArgumentParser()
     command.add_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "--engine", "--dtypes", "float32", "--rounds", "1",
-                              "--json", str(out)])  # fmt: skip
-    args.quick = True
+                              "--quick", "--json", str(out)])  # fmt: skip
     assert command.run(args) == 0
     assert list(json.loads(out.read_text())["results"]) == ["float32"]
     assert len(children.calls) == len(engine_v1.PEERS)
@@ -151,3 +150,6 @@ def test_bad_dtypes_are_refused_by_name(capsys, dtypes):
     assert command.run(parser.parse_args(["bench", "--engine", "--dtypes", dtypes])) == 2
     out = capsys.readouterr().out
     assert f"--dtypes {dtypes!r}" in out and "bfloat16, float32" in out
+    # python -m benchmarks.engine_v1 takes the same flag, checked by the same rule.
+    assert engine_v1.main(["--dtypes", dtypes]) == 2
+    assert f"--dtypes {dtypes!r}" in capsys.readouterr().out
