@@ -1032,12 +1032,11 @@ void decode_item(const Problem& p, const Item& it, float* scratch, std::atomic<i
         const __m512* pre = nullptr;
         if (quad_logits) {  // keys in the layout's piece order; the tile's rows >= n are zeros
           split_keys_fp8_pieces(fp8, kc + head, BS, t0, n, D, ktile2);
-          const bf16_t* rows[16];
-          for (int i = 0; i < 16; ++i) rows[i] = ktile2 + 64 * (i / 4) + 8 * (i % 4);
           LineCursor no_lines;
           quad_head_logits<SplitPieces>(
-              quads_of_head(reinterpret_cast<const bf16_t*>(quad_q.get()), h, p.group, D), rows,
-              n, D / 8, p.group, _mm512_set1_ps(p.qk_scale), split_pre_rows.get(), no_lines);
+              quads_of_head(reinterpret_cast<const bf16_t*>(quad_q.get()), h, p.group, D),
+              FixedRows<SplitPieceRows>{ktile2}, n, D / 8, p.group, _mm512_set1_ps(p.qk_scale),
+              split_pre_rows.get(), no_lines);
           pre = split_pre;
         } else {  // token rows for attend_tile's dot_keys_bf16
           split_keys_fp8_bf16(fp8, kc + head, BS, t0, n, D, DP2, ktile2);

@@ -103,12 +103,32 @@ struct SplitPieces {
   static constexpr int64_t kPair = 256, kOdd = 32;
 };
 
+// Key rows of a tile the kernel wrote itself, at fixed offsets from one base: token i at
+// base + Layout::offset(i), with offset(i + 8) = offset(i) + offset(8). The q.k then addresses
+// all 8 tokens of a block from one register (constant displacements), where an array of 16 row
+// pointers kept 8 of them in registers and reloaded the rest from the stack in every step.
+template <typename Layout>
+struct FixedRows {
+  const bf16_t* base;
+  const bf16_t* operator[](int i) const { return base + Layout::offset(i); }
+  FixedRows operator+(int j) const { return FixedRows{base + Layout::offset(j)}; }
+};
+// Token rows kStride elements apart (the fp8 keys' bf16 tile of attend_tile_quads).
+template <int64_t kStride>
+struct StridedRows {
+  static constexpr int64_t offset(int i) { return i * kStride; }
+};
+// SplitPieces' tokens (split_keys_fp8_pieces' tile).
+struct SplitPieceRows {
+  static constexpr int64_t offset(int i) { return 64 * (i / 4) + 8 * (i % 4); }
+};
+
 // Logits of one quad against 8 tokens: out[j] lane group g = row g, tokens 4j .. 4j + 3.
-// k[i]: token i's bf16 key pieces (D elements, D % 8 == 0, where Pieces says).
-template <typename Pieces>
-__attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const bf16_t* const* k,
-                                                        int64_t D8, __m512* out,
-                                                        LineCursor& pf) {
+// k[i]: token i's bf16 key pieces (D elements, D % 8 == 0, where Pieces says): an array of row
+// pointers, or FixedRows.
+template <typename Pieces, typename Rows>
+__attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, Rows k, int64_t D8,
+                                                        __m512* out, LineCursor& pf) {
   __m512 even[8], odd[8];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) even[i] = odd[i] = _mm512_setzero_ps();
@@ -145,10 +165,10 @@ __attribute__((always_inline)) inline void quad_logits8(const bf16_t* qv, const 
 // Logits of one kv head's G query rows (its quads from pack_query_quads, at qh) against up to
 // 16 bf16 token rows k[i] (D elements; D % 8 == 0; rows >= n not read when n <= 8): out[r][t],
 // row r, token t, times qk_scale (tokens >= n: whatever the stand-in rows give).
-template <typename Pieces = RowPieces>
+template <typename Pieces = RowPieces, typename Rows = const bf16_t* const*>
 __attribute__((always_inline)) inline void quad_head_logits_inline(
-    const bf16_t* qh, const bf16_t* const* k, int64_t n, int64_t D8, int64_t G, __m512 qk_scale,
-    float* out, LineCursor& pf) {
+    const bf16_t* qh, Rows k, int64_t n, int64_t D8, int64_t G, __m512 qk_scale, float* out,
+    LineCursor& pf) {
   const int64_t U = (G + 3) / 4;
   for (int64_t u = 0; u < U; ++u) {
     const bf16_t* qv = qh + u * D8 * 32;
@@ -176,10 +196,10 @@ __attribute__((always_inline)) inline void quad_head_logits_inline(
 
 // quad_head_logits_inline as a call of its own (GCC's choice for the split layout's tiles and
 // the bf16 quads; see attend_tile_quads for why the fp8 quads inline it).
-template <typename Pieces = RowPieces>
-inline void quad_head_logits(const bf16_t* qh, const bf16_t* const* k, int64_t n, int64_t D8,
-                             int64_t G, __m512 qk_scale, float* out, LineCursor& pf) {
-  quad_head_logits_inline<Pieces>(qh, k, n, D8, G, qk_scale, out, pf);
+template <typename Pieces = RowPieces, typename Rows = const bf16_t* const*>
+inline void quad_head_logits(const bf16_t* qh, Rows k, int64_t n, int64_t D8, int64_t G,
+                             __m512 qk_scale, float* out, LineCursor& pf) {
+  quad_head_logits_inline<Pieces, Rows>(qh, k, n, D8, G, qk_scale, out, pf);
 }
 
 // Back to natural order: each row's 32-dimension chunks as p.v left them (lo 16 then hi 16),
@@ -271,7 +291,6 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
       convert_pairs_fp8<KV, DP2>(tables, *value_order, v_rows + h * D, row_stride, n, D,
                                  value_pairs);
 #endif
-      for (int i = 0; i < 16; ++i) k[i] = s.keys + i * DP2;
     } else {
       for (int i = 0; i < 16; ++i) {
         const bool in = i < n;
@@ -282,7 +301,8 @@ __attribute__((noinline)) void attend_tile_quads(const Problem& p, const bf16_t*
 
     // Logits of the head's rows, [G][16].
     if constexpr (kFp8) {
-      quad_head_logits_inline(quads_of_head(quads, h, G, D), k, n, D8, G, qk_scale, s.logits, pf);
+      quad_head_logits_inline(quads_of_head(quads, h, G, D), FixedRows<StridedRows<DP2>>{s.keys},
+                              n, D8, G, qk_scale, s.logits, pf);
     } else {
       quad_head_logits(quads_of_head(quads, h, G, D), k, n, D8, G, qk_scale, s.logits, pf);
     }
