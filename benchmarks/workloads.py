@@ -175,6 +175,8 @@ def _base_workloads(quick: bool) -> list[Spec]:
             _chunked("chunked-prefill-bf16", 2, 16, 48, dtype="bfloat16", **small),
             _mixed("mixed", 2, 16, 3, 40, **small),
             _mixed("mixed-bf16", 2, 16, 3, 40, dtype="bfloat16", **small),
+            _chunked("spec-decode", 4, 4, 60, **small),
+            _chunked("spec-decode-bf16", 4, 4, 60, dtype="bfloat16", **small),
         ]
     return [
         _decode("decode-f32", 32, 1024, "float32", reps=15),
@@ -188,6 +190,8 @@ def _base_workloads(quick: bool) -> list[Spec]:
         _chunked("chunked-prefill-bf16", 8, 256, 2048, dtype="bfloat16", reps=9),
         _mixed("mixed", 4, 256, 28, 1024, reps=11),
         _mixed("mixed-bf16", 4, 256, 28, 1024, dtype="bfloat16", reps=11),
+        _chunked("spec-decode", 32, 4, 1020, reps=15),
+        _chunked("spec-decode-bf16", 32, 4, 1020, dtype="bfloat16", reps=15),
     ]
 
 
@@ -200,7 +204,10 @@ def named_workloads(quick: bool = False) -> dict[str, Spec]:
     decode-8x8192 is the long-context decode: 8 sequences at 8192 keys (537 MB of K/V), and
     decode-8x8192-bf16 the same in bfloat16; prefill-bf16 is prefill-8x512 in bfloat16;
     chunked-prefill is 8 chunks of 256 new tokens, each over a 2048-token cached prefix;
-    chunked-prefill-bf16 and mixed-bf16 are those steps in bfloat16.
+    chunked-prefill-bf16 and mixed-bf16 are those steps in bfloat16; spec-decode is the verify
+    step of speculative decoding (or multi-token prediction): 32 sequences of 4 new tokens each
+    over 1020 cached ones, short causal tiles that read as much cache as decode-f32 with 4x its
+    math (spec-decode-bf16 the same in bfloat16).
     """
     specs = {}
     for base in _base_workloads(quick):

@@ -137,9 +137,16 @@ using V = Vec::T;
 constexpr int W = Vec::W;
 
 // Register blocking. QK: RV row vectors x KB keys of accumulators; PV: R rows x DV vectors.
+// One row vector takes 8 keys, not 16: a block of keys holds a pointer per key, and GCC kept
+// the 8 that found no free general register in vector registers, moving one back before each
+// broadcast (perf annotate); and a float32 cache lays a kv head's rows 4 KiB apart (Hkv 8 x D
+// 128), so 16 rows share one L1 set of 8 ways. Tiles of one row vector are the short ones, e.g.
+// speculative decoding's verify step (32 sequences x 4 new tokens over 1024 keys, GQA 4:
+// 16 rows per kv head): paired on the 2-core Zen 4 VM, float32 1.27x faster, bf16 1.05x
+// (NOTES.md 2026-12-06 12:59). 4 keys: level with 8.
 #if JAX_ATTN_AVX512
-constexpr int kQkKeys2 = 8;   // with 2 row vectors: 16 accumulators
-constexpr int kQkKeys1 = 16;  // with 1 row vector: 16 accumulators
+constexpr int kQkKeys2 = 8;  // with 2 row vectors: 16 accumulators (4 keys: 0.88x, 32 x 8 tokens)
+constexpr int kQkKeys1 = 8;  // with 1 row vector: 8 accumulators
 constexpr int kPvRows = 6;    // 6 rows x 4 vectors: 24 accumulators
 constexpr int kPvVecs = 4;
 #else
