@@ -142,8 +142,8 @@ constexpr int W = Vec::W;
 // broadcast (perf annotate); and a float32 cache lays a kv head's rows 4 KiB apart (Hkv 8 x D
 // 128), so 16 rows share one L1 set of 8 ways. Tiles of one row vector are the short ones, e.g.
 // speculative decoding's verify step (32 sequences x 4 new tokens over 1024 keys, GQA 4:
-// 16 rows per kv head): paired on the 2-core Zen 4 VM, float32 1.27x faster, bf16 1.05x
-// (NOTES.md 2026-12-06 12:59). 4 keys: level with 8.
+// 16 rows per kv head): paired on the 2-core Zen 4 VM, float32 1.23x faster at block 128 and
+// 1.27x at 16, bf16 1.04x (NOTES.md 2026-12-06 12:59). 4 keys: level with 8.
 #if JAX_ATTN_AVX512
 constexpr int kQkKeys2 = 8;  // with 2 row vectors: 16 accumulators (4 keys: 0.88x, 32 x 8 tokens)
 constexpr int kQkKeys1 = 8;  // with 1 row vector: 8 accumulators
