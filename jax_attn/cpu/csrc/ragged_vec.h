@@ -137,21 +137,22 @@ using V = Vec::T;
 constexpr int W = Vec::W;
 
 // Register blocking. QK: RV row vectors x KB keys of accumulators; PV: R rows x DV vectors.
-// One row vector takes 8 keys, not 16: a block of keys holds a pointer per key, and GCC kept
-// the 8 that found no free general register in vector registers, moving one back before each
-// broadcast (perf annotate); and a float32 cache lays a kv head's rows 4 KiB apart (Hkv 8 x D
-// 128), so 16 rows share one L1 set of 8 ways. Tiles of one row vector are the short ones, e.g.
-// speculative decoding's verify step (32 sequences x 4 new tokens over 1024 keys, GQA 4:
-// 16 rows per kv head): paired on the 2-core Zen 4 VM, float32 1.23x faster at block 128 and
-// 1.27x at 16, bf16 1.04x (NOTES.md 2026-12-06 12:59). 4 keys: level with 8.
-#if JAX_ATTN_AVX512
-constexpr int kQkKeys2 = 8;  // with 2 row vectors: 16 accumulators (4 keys: 0.88x, 32 x 8 tokens)
+// One row vector takes 8 keys in every build (AVX-512 took 16): a block of keys holds a
+// pointer per key, and GCC kept the 8 that found no free general register in vector registers,
+// moving one back before each broadcast (perf annotate); and a float32 cache lays a kv head's
+// rows 4 KiB apart (Hkv 8 x D 128), so 16 rows share one L1 set of 8 ways. Tiles of one row
+// vector are the short ones, e.g. speculative decoding's verify step (32 sequences x 4 new
+// tokens over 1024 keys, GQA 4: 16 rows per kv head): paired on the 2-core Zen 4 VM, float32
+// 1.23x faster at block 128 and 1.27x at 16, bf16 1.04x (NOTES.md 2026-12-06 12:59). 4 keys:
+// level with 8.
 constexpr int kQkKeys1 = 8;  // with 1 row vector: 8 accumulators
-constexpr int kPvRows = 6;    // 6 rows x 4 vectors: 24 accumulators
+#if JAX_ATTN_AVX512
+// With 2 row vectors: 16 accumulators (4 keys: 0.88x on 32 sequences x 8 new tokens).
+constexpr int kQkKeys2 = 8;
+constexpr int kPvRows = 6;  // 6 rows x 4 vectors: 24 accumulators
 constexpr int kPvVecs = 4;
 #else
 constexpr int kQkKeys2 = 4;
-constexpr int kQkKeys1 = 8;
 constexpr int kPvRows = 6;  // 6 rows x 2 vectors: 12 accumulators of 16 registers
 constexpr int kPvVecs = 2;
 #endif
