@@ -52,7 +52,8 @@ def default_specs(quick: bool = False) -> list[Spec]:
     specs = [
         Spec("mixed", (17, 1, 3, 1), (0, 31, 14, 40), scale=0.1),
         Spec("dec-alibi", (1, 1, 1), (0, 16, 200), alibi=True, num_heads=8, num_kv_heads=2),
-        Spec("chunk-win", (5, 9), (30, 7), sliding_window=12, block_size=8),
+        # Chunks and decodes whose first blocks lie wholly before their windows (freed: NaN).
+        Spec("chunk-win", (5, 9, 1, 1), (30, 7, 40, 23), sliding_window=12, block_size=8),
         Spec(
             "cap-bf16",
             (6, 1, 1),

@@ -3,7 +3,8 @@
 A workload is a batch of sequences, each with `context_len` keys already cached and `query_len`
 new tokens, laid out in a paged cache whose blocks are assigned in random order. Everything
 the caller did not put there is poisoned: unused blocks and the tail slots past each
-sequence's end hold NaN, so any stray read shows up in the output.
+sequence's end hold NaN, so any stray read shows up in the output (`free_before_window`: the
+blocks a sliding window leaves behind too, freed as vLLM's engines free them).
 
 The new tokens' keys and values are *not* in the cache: they are returned as `new_key` /
 `new_value` with their `slot_mapping`, so callers exercise their own cache write.
@@ -76,8 +77,17 @@ def make_workload(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     extra_blocks: int = 3,
+    free_before_window: int | None = None,
 ) -> Workload:
-    """A random batch; `cache_dtype` defaults to `dtype` (pass an fp8 dtype for an fp8 cache)."""
+    """A random batch; `cache_dtype` defaults to `dtype` (pass an fp8 dtype for an fp8 cache).
+
+    `free_before_window=W`: a sliding window of W, and each sequence's blocks that lie wholly
+    before its first new token's window (positions < context_len - W + 1, keys no query of the
+    step sees) freed as vLLM's engines free them: their memory back to NaN and their table
+    entries pointing at one shared unused block (the engines' null block), NaN too.
+    """
+    if free_before_window is not None and extra_blocks < 1:
+        raise ValueError("free_before_window needs extra_blocks >= 1 (the null block)")
     dtype = np.dtype(jnp.dtype(dtype))
     cache_dtype = dtype if cache_dtype is None else np.dtype(jnp.dtype(cache_dtype))
     seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
@@ -113,6 +123,12 @@ def make_workload(
         new_keys.append(k[ctx_len:])
         new_values.append(v[ctx_len:])
         slots.append(slot[ctx_len:])
+        if free_before_window is not None and q_len > 0:
+            first_seen = ctx_len - free_before_window + 1
+            freed = max(first_seen, 0) // block_size  # blocks [0, freed) wholly before it
+            for b in range(freed):
+                key_cache[tables[i, b]] = value_cache[tables[i, b]] = np.nan
+            tables[i, :freed] = order[-1]  # never handed to a sequence (extra_blocks >= 1)
     return Workload(
         query=np.concatenate(queries) if queries else np.zeros((0, num_heads, head_size), dtype),
         new_key=np.concatenate(new_keys),

@@ -70,7 +70,9 @@ def _dense_rows(
     if sinks is not None:
         total = total + jnp.exp(sink - row_max)
     probs = weights / jnp.where(total > 0, total, 1.0)  # rows with no key stay all-zero
-    v = jnp.where(allowed.any(axis=0)[:, None, None], v, 0.0)  # never touch unused memory
+    # Values no row keeps are never read: unused memory, and blocks before every row's window
+    # (vLLM's engines free those; they may hold anything).
+    v = jnp.where(keep.any(axis=0)[:, None, None], v, 0.0)
     return jnp.einsum("htl,lhd->thd", probs, v)
 
 

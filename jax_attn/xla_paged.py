@@ -187,10 +187,14 @@ def _key_chunk(
 ) -> online_softmax.KeyChunk:
     """Chunk `it` of every tile's keys, gathered through the tile's block table."""
     max_blocks = tiles.tables.shape[1]
-    # Keys outside a sequence are read from its first slot instead: finite data (when the
+    # Keys outside a sequence are read from its last key's slot instead: written data (when the
     # sequence has any key) whose weight is exactly 0, so no pass over the values is needed
-    # to scrub NaN from unused memory.
-    safe_slot = tiles.tables[:, 0] * block_size  # [n]
+    # to scrub NaN from unused memory. Not its first slot: under a sliding window the blocks
+    # before the window may hold anything (vLLM V1 frees them and points their table entries
+    # at its null block), and 0 x NaN would reach the output.
+    last = jnp.maximum(tiles.kv_len - 1, 0)  # [n]
+    last_block = jnp.take_along_axis(tiles.tables, (last // block_size)[:, None], axis=1)[:, 0]
+    safe_slot = last_block * block_size + last % block_size  # [n]
     start = tiles.first_block * block_size
     pos = start[:, None] + it * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [n, K]
     valid = (pos >= 0) & (pos < tiles.kv_len[:, None])

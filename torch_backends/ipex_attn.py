@@ -214,9 +214,14 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
             cache.value_cache,
             plan.decode_block_tables,
         )
-        seq_lens, max_len = plan.decode_seq_lens, int(plan.max_decode_seq_len)
         if self._window_unsupported:
             return self._masked_decode(step)
+        lens = plan.decode_seq_lens.tolist()
+        tables, lens = _from_window(
+            tables, lens, [1] * len(lens), key_cache.shape[2], self.sliding_window
+        )
+        seq_lens = torch.tensor(lens, dtype=plan.decode_seq_lens.dtype)
+        max_len = max(lens, default=0)
         k_scale, v_scale = cache.scales
         out = torch.empty_like(query)
         if self._reads_fp8_natively(query.dtype) and self.alibi_slopes is None:
@@ -265,10 +270,14 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
             return self.masked_prefill(step.prefill_query, key, value, plan)
         k_scale, v_scale = cache.scales
         out = torch.empty_like(step.prefill_query)
+        tables, kv_lens = _from_window(
+            plan.prefill_block_tables, plan.kv_lens, plan.q_lens, cache.key_cache.shape[2],
+            self.sliding_window,
+        )  # fmt: skip
         self._flash_varlen(
             out, step.prefill_query, cache.key_cache, cache.value_cache,
-            plan.prefill_query_start_loc.int(), cumsum(plan.kv_lens), max(plan.q_lens),
-            max(plan.kv_lens), k_scale, True, plan.prefill_block_tables, self.kv_cache_dtype,
+            plan.prefill_query_start_loc.int(), cumsum(kv_lens), max(plan.q_lens),
+            max(kv_lens), k_scale, True, tables, self.kv_cache_dtype,
         )  # fmt: skip
         return _times(out, v_scale)
 
@@ -419,6 +428,32 @@ class IpexAttnBackendImpl(PagedImpl[IpexAttnMetadata]):
 def _times(out: Tensor, v_scale: float) -> Tensor:
     """The kernels' output times the value scale they did not apply."""
     return out if v_scale == 1.0 else (out.float() * v_scale).to(out.dtype)
+
+
+def _from_window(
+    tables: Tensor, kv_lens: list[int], q_lens: list[int], block_size: int, window: int | None
+) -> tuple[Tensor, list[int]]:
+    """Each sequence's table from its first block that holds a key of its first query's
+    window, and its kv length shortened by the blocks left out: IPEX's paged kernels read
+    whole blocks before the window (a zero weight times their values), and vLLM's engines free
+    those blocks, pointing their table entries at a null block that may hold anything (NaN
+    reached the output, found by NaN-filling them). Moving a sequence's positions by whole
+    blocks changes no output: causality, the window and ALiBi see only p_q - p_k.
+
+    window 4, block 4, kv_lens [13], q_lens [1]: keys 9-12 seen, blocks [0, 1] left out,
+    table [[7, 3, 5, 1]] -> [[5, 1, 0, 0]], kv_lens [5].
+    """
+    if window is None:
+        return tables, kv_lens
+    skip = [
+        max(kv - q - window + 1, 0) // block_size for kv, q in zip(kv_lens, q_lens, strict=True)
+    ]
+    if not any(skip):
+        return tables, kv_lens
+    shifted = torch.zeros_like(tables)
+    for i, s in enumerate(skip):
+        shifted[i, : tables.shape[1] - s] = tables[i, s:]
+    return shifted, [kv - s * block_size for kv, s in zip(kv_lens, skip, strict=True)]
 
 
 class IpexAttnBackend(PagedBackend):

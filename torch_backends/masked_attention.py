@@ -2,8 +2,9 @@
 
 `logit = scale * q.k`; `cap * tanh(logit / cap)` with a soft cap; `+ slope_h * (p_k - p_q)`
 with ALiBi; causal keeps `p_k <= p_q`; a window `W` keeps `p_q - p_k < W`; rows with no key
-give zeros. Keys/values at invalid positions may hold anything (NaN from unused cache memory):
-they are excluded with `where`, never by multiplying with a zero weight.
+give zeros. Keys/values at invalid positions, or before every row's window, may hold anything
+(NaN from unused or freed cache memory): they are excluded with `where`, never by multiplying
+with a zero weight.
 """
 
 import torch
@@ -31,7 +32,6 @@ def masked_attention(
     batch, num_q, num_heads, head_size = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
-    v = torch.where(k_valid[:, :, None, None], v, 0.0)
     # [B, Q, Hkv, G, D] x [B, K, Hkv, D] -> [B, Hkv, G, Q, K]
     qg = q.view(batch, num_q, num_kv_heads, group, head_size)
     logits = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale
@@ -47,6 +47,9 @@ def masked_attention(
     if sliding_window is not None:
         keep = keep & (delta < sliding_window)
     logits = torch.where(keep[:, None, None], logits, float("-inf"))
+    # Values no row keeps are never read: invalid positions, and a cached prefix's blocks
+    # before every row's window, which vLLM's engines free.
+    v = torch.where(keep.any(dim=1)[:, :, None, None], v, 0.0)
     row_max = logits.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     weights = torch.exp(logits - row_max)  # exactly 0 where masked

@@ -322,7 +322,8 @@ def execute_reference(query, key, value, bias, *, scale, logits_soft_cap=None):
     """Run an xformers attention bias without xformers' kernels: the documented CPU path.
 
     `bias` is an `AttentionBias` (materialized to `[Hq, Tq, Tk]`) or a tensor broadcastable to
-    `[1, Hq, Tq, Tk]`. Rows whose keys are all masked give zeros.
+    `[1, Hq, Tq, Tk]`. Rows whose keys are all masked give zeros; keys masked for every row are
+    not read.
 
     Each row's bias is taken relative to its largest finite entry (a per-row constant, which the
     softmax cancels): a bidirectional ALiBi row's keys ahead carry biases of slope x distance,
@@ -346,6 +347,12 @@ def execute_reference(query, key, value, bias, *, scale, logits_soft_cap=None):
     group = num_heads // num_kv_heads
     k = key.float().repeat_interleave(group, dim=1)  # [Tk, Hq, D]
     v = value.float().repeat_interleave(group, dim=1)
+    if dense is not None:
+        # Keys the bias masks for every row are never read: a cached prefix's blocks before
+        # every row's window may hold anything (vLLM's engines free them), NaN included.
+        seen = torch.isfinite(dense).any(dim=1).any(dim=0)[:, None, None]  # [Tk, 1, 1]
+        k = torch.where(seen, k, 0.0)
+        v = torch.where(seen, v, 0.0)
     logits = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
     if logits_soft_cap is not None:
         logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)

@@ -53,6 +53,11 @@ _SEQ, _Q_START, _NUM_TOKENS, _FIRST_POS, _SEQ_LEN = range(5)
 _TILE_FIELDS = 8
 
 
+def _window_start(first_pos, sliding_window):
+    """The first key a tile's first query (at `first_pos`) may see under the window."""
+    return 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+
+
 def _key_block_range(
     first_pos, num_tokens, seq_len, *, block_k: int, causal: bool, sliding_window, kv_len=None
 ):
@@ -69,8 +74,7 @@ def _key_block_range(
     kv_len = seq_len if kv_len is None else kv_len
     last_pos = first_pos + num_tokens - 1
     kv_end = jnp.minimum(last_pos + 1, kv_len) if causal else kv_len
-    kv_start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-    lo = kv_start // block_k
+    lo = _window_start(first_pos, sliding_window) // block_k
     return lo, jnp.where(num_tokens > 0, pl.cdiv(kv_end, block_k), lo)
 
 
@@ -138,6 +142,8 @@ def _ragged_kernel(
         # per-row constant, which the softmax cancels: jax_attn._online_softmax.alibi_origin).
         origin = q_pos if causal else jnp.broadcast_to(kv_len - 1, q_pos.shape)  # [rows]
 
+    window_start = _window_start(first_pos, sliding_window)
+
     def table(start, size):
         return block_tables_ref[seq, pl.ds(start, size)]
 
@@ -153,6 +159,9 @@ def _ragged_kernel(
             dtype=compute_dtype,
         )
         key_pos = cb * block_k + jnp.arange(block_k)  # [block_k]
+        # Value rows no row sees: unused slots, and a first block's keys before the window
+        # (vLLM's engines free the pages wholly before it: they may hold anything).
+        value_valid = key_valid & (key_pos >= window_start)
         valid = row_valid[:, None] & key_valid[None, :]  # [rows, block_k]
         if causal:
             valid = valid & (key_pos[None, :] <= q_pos[:, None])
@@ -168,7 +177,7 @@ def _ragged_kernel(
             k,
             v,
             valid=valid,
-            value_valid=key_valid,
+            value_valid=value_valid,
             logit_scale=logit_scale,
             bias=bias,
             logits_soft_cap=logits_soft_cap,
@@ -507,6 +516,8 @@ def ragged_paged_attention_reference(
     p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
     denom = p.sum(axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
+    # Values a token does not see are zeros (a window's freed blocks may hold anything).
+    v_seen = jnp.where(valid[:, :, None, None], v[seq], 0.0)  # [T, L, Hkv, D]
     # [T, Hkv, G, L] x [T, L, Hkv, D] -> [T, Hkv, G, D] -> [T, Hq, D]
-    out = jnp.einsum("thgl,tlhd->thgd", p, v[seq], precision="highest")
+    out = jnp.einsum("thgl,tlhd->thgd", p, v_seen, precision="highest")
     return out.reshape(num_tokens, num_heads, head_size).astype(query.dtype)

@@ -21,11 +21,12 @@ Layout on the TPU (the cache keeps the core's `[NB, BS, Hkv, D]`, no copy):
   another sequence and the batch needs no padded copy. Tiles of at most `SMALL_TILE` tokens
   (decodes) take a short path of `SMALL_TILE` rows, so a decode in a mixed batch does not pay
   for `block_q` rows on the MXU.
-- Steps run from the first page the sliding window reaches to the last key the tile's last
-  query may see; pages wholly before the window or past the diagonal are never fetched. Table
-  entries past the sequence's last page fetch page 0 and every id is clamped into range, so no
-  DMA can fault; keys past `seq_len` get an exactly zero weight and their value rows are zeroed
-  before the second dot, so unused memory (NaN included) never reaches an output.
+- Steps run from the step holding the first key the sliding window reaches to the last key the
+  tile's last query may see; steps wholly before the window or past the diagonal are never
+  fetched. Table entries past the sequence's last page fetch page 0 and every id is clamped
+  into range, so no DMA can fault; keys past `seq_len` or before the window get an exactly zero
+  weight and their value rows are zeroed before the second dot, so unused memory and the pages
+  an engine freed behind the window (NaN included) never reach an output.
 
 What the Mosaic compile takes (`tpu_problem`): bfloat16 or float32 queries; bf16, f32 or fp8
 caches (float16 has no load on these chips); every page size and head size (a head that is not
@@ -312,10 +313,12 @@ def _attend(q, row_pos, row_valid, slopes, pages, scratch, *, lo, hi, cfg):
         p = jnp.where(valid[None], jnp.exp(logits - m_next), 0.0)
         l_ref[:, :rows] = correction * l_ref[:, :rows] + p.sum(axis=2, keepdims=True)
         m_ref[:, :rows] = m_next
-        # A zero weight times a NaN value is NaN: zero the value rows of unused slots first.
+        # A zero weight times a NaN value is NaN: zero the value rows of unused slots first, and
+        # those before `lo` (a step of several pages can start on pages before the window,
+        # which vLLM's engines free: they may hold anything).
         key_rows = step * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k, 1), 1)
-        key_in_seq = key_rows < pages.kv_len  # [1, block_k, 1]
-        v = jnp.where(key_in_seq, v, jnp.zeros_like(v))
+        key_in_range = (key_rows >= lo) & (key_rows < pages.kv_len)  # [1, block_k, 1]
+        v = jnp.where(key_in_range, v, jnp.zeros_like(v))
         pv = jnp.einsum(
             "hrk,hkd->hrd",
             p.astype(cfg.dtype),

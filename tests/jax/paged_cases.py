@@ -76,6 +76,7 @@ def workload(case, rng: np.random.Generator, query_lens, context_lens):
         cache_dtype=case.cache_dtype,
         k_scale=k_scale,
         v_scale=v_scale,
+        free_before_window=getattr(case, "sliding_window", None),
     )
     return w, k_scale, v_scale
 
@@ -121,11 +122,16 @@ def stored(x: np.ndarray, dtype: str, scale: float) -> np.ndarray:
     return y.astype(jnp.dtype(dtype))
 
 
-def nan_paged_cache(case, rng: np.random.Generator, seq_lens, *, max_blocks: int, rows: int):
+def nan_paged_cache(
+    case, rng: np.random.Generator, seq_lens, *, max_blocks: int, rows: int, first_seen=None
+):
     """A paged cache of `case.num_kv_heads` x `case.head_size`, NaN everywhere but the live
     slots, blocks in random order; `rows` block-table rows (unused entries: junk ids in range,
     often blocks full of NaN or another sequence's). Returns (key_cache, value_cache, tables,
-    keys, values), keys/values per sequence in float64 as the cache holds them, scales applied."""
+    keys, values), keys/values per sequence in float64 as the cache holds them, scales applied.
+    `first_seen` (per sequence, under a sliding window: the first key any of its queries sees):
+    the blocks wholly before it freed as vLLM's engines free them, NaN, their table entries
+    pointing at one shared block of NaN (the engines' null block)."""
     num_blocks = len(seq_lens) * max_blocks + 3
     bs, hkv, d = case.block_size, case.num_kv_heads, case.head_size
     cache_dtype = case.cache_dtype or case.dtype
@@ -150,6 +156,10 @@ def nan_paged_cache(case, rng: np.random.Generator, seq_lens, *, max_blocks: int
             value_cache[tables[i, p // bs], p % bs] = v[p]
         keys.append(k.astype(np.float64) * k_scale)
         values.append(v.astype(np.float64) * v_scale)
+        freed = 0 if first_seen is None else max(int(first_seen[i]), 0) // bs
+        for b in range(freed):
+            key_cache[tables[i, b]] = value_cache[tables[i, b]] = np.nan
+        tables[i, :freed] = perm[-1]  # never a sequence's (3 spare blocks)
     return key_cache, value_cache, tables, keys, values
 
 

@@ -70,8 +70,10 @@ def make_decode_batch(case: Case, rng: np.random.Generator):
     num_seqs = len(seq_lens)
     d = case.head_size
     max_blocks = max(1, -(-int(seq_lens.max()) // case.block_size)) + 1  # a spare column of junk
+    window = case.sliding_window
+    first_seen = None if window is None else [n - window for n in seq_lens.tolist()]
     key_cache, value_cache, tables, keys, values = nan_paged_cache(
-        case, rng, seq_lens, max_blocks=max_blocks, rows=num_seqs
+        case, rng, seq_lens, max_blocks=max_blocks, rows=num_seqs, first_seen=first_seen
     )
     query = rng.standard_normal((num_seqs, case.num_heads, d)).astype(jnp.dtype(case.dtype))
     slopes = rng.uniform(0.05, 1.0, case.num_heads).astype(np.float32) if case.alibi else None

@@ -91,8 +91,11 @@ def make_ragged_batch(case: Case, rng: np.random.Generator):
     num_seqs = len(q_lens)
     d = case.head_size
     max_blocks = -(-max(seq_lens) // case.block_size) + 1  # one spare column of junk
+    window = case.sliding_window
+    first_seen = None if window is None else [c - window + 1 for c in ctx_lens]
+    rows = num_seqs + NUM_PAD_SEQS
     key_cache, value_cache, tables, keys, values = nan_paged_cache(
-        case, rng, seq_lens, max_blocks=max_blocks, rows=num_seqs + NUM_PAD_SEQS
+        case, rng, seq_lens, max_blocks=max_blocks, rows=rows, first_seen=first_seen
     )
 
     num_real = sum(q_lens)
