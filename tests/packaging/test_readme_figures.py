@@ -25,6 +25,8 @@ WORKLOADS = {
     "chunked prefill, same, bfloat16": "chunked-prefill-bf16",
     "mixed: 4 x 256 prefill + 28 decodes, float32": "mixed",
     "mixed, bfloat16": "mixed-bf16",
+    "spec-decode: 32 x 4 new tokens over 1020 cached, float32": "spec-decode",
+    "spec-decode, bfloat16": "spec-decode-bf16",
 }
 # Column headers -> the record's peer.
 PEERS = {
