@@ -124,11 +124,10 @@ def make_workload(
         new_values.append(v[ctx_len:])
         slots.append(slot[ctx_len:])
         if free_before_window is not None and q_len > 0:
-            first_seen = ctx_len - free_before_window + 1
-            freed = max(first_seen, 0) // block_size  # blocks [0, freed) wholly before it
-            for b in range(freed):
-                key_cache[tables[i, b]] = value_cache[tables[i, b]] = np.nan
-            tables[i, :freed] = order[-1]  # never handed to a sequence (extra_blocks >= 1)
+            # order[-1]: never handed to a sequence (extra_blocks >= 1)
+            free_blocks_before(
+                key_cache, value_cache, tables[i], ctx_len - free_before_window + 1, order[-1]
+            )
     return Workload(
         query=np.concatenate(queries) if queries else np.zeros((0, num_heads, head_size), dtype),
         new_key=np.concatenate(new_keys),
@@ -145,6 +144,16 @@ def make_workload(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+
+
+def free_blocks_before(key_cache, value_cache, table, first_seen: int, null_block: int) -> None:
+    """A sequence's blocks wholly before key `first_seen` freed as vLLM's engines free them
+    behind a sliding window: their memory NaN, their entries of `table` (the sequence's row,
+    changed in place) pointing at `null_block`, a block no sequence owns."""
+    freed = max(first_seen, 0) // key_cache.shape[1]  # blocks [0, freed)
+    for b in range(freed):
+        key_cache[table[b]] = value_cache[table[b]] = np.nan
+    table[:freed] = null_block
 
 
 def _store(x: np.ndarray, cache_dtype, scale: float) -> np.ndarray:

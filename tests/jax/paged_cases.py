@@ -23,7 +23,7 @@ import pytest
 from tolerances import assert_close
 
 import jax_attn
-from interop.workload import dense_reference, make_workload
+from interop.workload import dense_reference, free_blocks_before, make_workload
 
 FP8_SCALES = (0.37, 0.61)  # k_scale, v_scale of an fp8 cache
 
@@ -156,10 +156,8 @@ def nan_paged_cache(
             value_cache[tables[i, p // bs], p % bs] = v[p]
         keys.append(k.astype(np.float64) * k_scale)
         values.append(v.astype(np.float64) * v_scale)
-        freed = 0 if first_seen is None else max(int(first_seen[i]), 0) // bs
-        for b in range(freed):
-            key_cache[tables[i, b]] = value_cache[tables[i, b]] = np.nan
-        tables[i, :freed] = perm[-1]  # never a sequence's (3 spare blocks)
+        if first_seen is not None:  # perm[-1]: never a sequence's (3 spare blocks)
+            free_blocks_before(key_cache, value_cache, tables[i], int(first_seen[i]), perm[-1])
     return key_cache, value_cache, tables, keys, values
 
 
