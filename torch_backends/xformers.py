@@ -345,14 +345,14 @@ def execute_reference(query, key, value, bias, *, scale, logits_soft_cap=None):
         top = torch.where(torch.isfinite(dense), dense, -torch.inf).amax(dim=-1, keepdim=True)
         dense = dense - torch.where(torch.isfinite(top), top, 0.0)
     group = num_heads // num_kv_heads
-    k = key.float().repeat_interleave(group, dim=1)  # [Tk, Hq, D]
-    v = value.float().repeat_interleave(group, dim=1)
+    k, v = key.float(), value.float()
     if dense is not None:
         # Keys the bias masks for every row are never read: a cached prefix's blocks before
         # every row's window may hold anything (vLLM's engines free them), NaN included.
         seen = torch.isfinite(dense).any(dim=1).any(dim=0)[:, None, None]  # [Tk, 1, 1]
-        k = torch.where(seen, k, 0.0)
-        v = torch.where(seen, v, 0.0)
+        k, v = torch.where(seen, k, 0.0), torch.where(seen, v, 0.0)
+    k = k.repeat_interleave(group, dim=1)  # [Tk, Hq, D]
+    v = v.repeat_interleave(group, dim=1)
     logits = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
     if logits_soft_cap is not None:
         logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
