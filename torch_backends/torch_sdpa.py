@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_backends import ragged_prefill
+from torch_backends import native, ragged_prefill
 from torch_backends.abstract import (
     AttentionMetadata,
     AttentionType,
@@ -306,6 +306,8 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
             )
             return True
         cache, new = step.cache, step.key is not None
+        if new and self._as_decodes(step, out, query, attn):
+            return True
         ragged_prefill.from_split_cache(
             out,
             query,
@@ -317,6 +319,48 @@ class TorchSDPABackendImpl(PagedImpl[TorchSDPAMetadata]):
             plan.ctx_lens if new else plan.kv_lens,
             step.key[plan.prefill_tokens] if new else None,
             step.value[plan.prefill_tokens] if new else None,
+            kv_cache_dtype=self.kv_cache_dtype,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+            **attn,
+        )
+        return True
+
+    def _as_decodes(self, step: Step, out: Queries, query: Queries, attn: dict) -> bool:
+        """A step whose prefills all have a cached prefix and at most
+        `ragged_prefill.MAX_DECODE_QUERIES` new tokens (speculative decoding's verify step; a
+        prompt's last token after a prefix-cache hit) as decodes over the split cache in
+        place, where this step wrote their keys where the tables read them; False (nothing
+        written) otherwise. A step with a plain prefill takes the ragged kernel whole, so a
+        plain prefill's output never depends on what its table row holds (vLLM's GPU
+        builders leave it zeros)."""
+        plan, cache = step.plan, step.cache
+        block = cache.key_cache.shape[3]
+        if not (
+            plan.causal
+            and plan.slot_mapping is not None
+            and plan.prefill_block_tables is not None
+            and all(plan.ctx_lens)
+            and plan.max_query_len <= ragged_prefill.MAX_DECODE_QUERIES
+            and native.decode_supported(query, cache.key_cache)
+            and ragged_prefill.cache_holds_new_keys(
+                plan.slot_mapping[plan.prefill_tokens],
+                plan.prefill_block_tables,
+                plan.q_lens,
+                plan.kv_lens,
+                block,
+            )
+        ):
+            return False
+        attn = {k: v for k, v in attn.items() if k != "causal"}
+        ragged_prefill.as_decodes(
+            out,
+            query,
+            cache.key_cache,
+            cache.value_cache,
+            plan.prefill_block_tables,
+            plan.q_lens,
+            plan.kv_lens,
             kv_cache_dtype=self.kv_cache_dtype,
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,

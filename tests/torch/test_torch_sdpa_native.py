@@ -4,6 +4,8 @@ float64 reference on NaN-poisoned caches; the kernel is what runs (SDPA and the 
 would raise here), and each case the kernel cannot take falls back explicitly, with its
 reason, and stays correct; `JAX_ATTN_CPU_DISABLE=1` runs the torch path."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -28,9 +30,27 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+class _DecodeCalls:
+    """The decode kernel's calls (query rows each), through `native.paged_decode_split`."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self._kernel = native.paged_decode_split
+
+    def count(self, out, query, *args, **kwargs):
+        self.rows.append(query.shape[0])
+        return self._kernel(out, query, *args, **kwargs)
+
+
 @pytest.fixture
-def native_only(monkeypatch):
-    """Counts the ragged kernel's calls; SDPA and the torch attention math raise if reached."""
+def decodes():
+    return _DecodeCalls()
+
+
+@pytest.fixture
+def native_only(monkeypatch, decodes):
+    """Counts the ragged kernel's calls (and the decode kernel's: `decodes`); SDPA and the
+    torch attention math raise if reached."""
     calls = []
     kernel = native.ragged_paged_attention
 
@@ -42,6 +62,7 @@ def native_only(monkeypatch):
         raise AssertionError("a prefill fell back to torch while the native kernel is available")
 
     monkeypatch.setattr(native, "ragged_paged_attention", counted)
+    monkeypatch.setattr(native, "paged_decode_split", decodes.count)
     monkeypatch.setattr(torch_sdpa.F, "scaled_dot_product_attention", refuse)
     monkeypatch.setattr(paged_attn_module, "ragged_masked_attention", refuse)
     monkeypatch.setattr(paged_backend, "ragged_masked_attention", refuse)
@@ -55,13 +76,45 @@ def _forward(step, impl, layer):
 PREFILL_CASES = [c for c in CASES if c[1]]  # every decoder case with a prefill
 
 
+@pytest.mark.parametrize("as_decodes", [True, False], ids=["as-decodes", "ragged"])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=[c[0] for c in PREFILL_CASES])
-def test_decoder_prefills_run_native(case, rng, native_only):
+def test_decoder_prefills_run_native(case, as_decodes, rng, native_only, decodes, monkeypatch):
     """Plain, chunked and mixed steps (GQA / MQA, ALiBi, windows, soft cap, fp8 with scales,
-    bf16) through one kernel call for the prefills; decodes stay on the decode kernel."""
+    bf16) through one kernel call for the prefills: the ragged kernel, or for short prefills
+    over a cached prefix the decode kernel over the split cache in place (`as_decodes`; its
+    limit set to 0 to take the ragged path). Decodes stay on the decode kernel."""
+    if not as_decodes:
+        monkeypatch.setattr(ragged_prefill, "MAX_DECODE_QUERIES", 0)
     step, impl, layer = run_case(case, rng, TorchSDPABackend)
     out = _forward(step, impl, layer)
-    assert native_only == [sum(q for q, _ in case[1])]
+    prefills, num_decodes = case[1], len(case[2])
+    rows = sum(q for q, _ in prefills)
+    short = max(q for q, _ in prefills) <= ragged_prefill.MAX_DECODE_QUERIES
+    if short and all(c for _, c in prefills):  # as decodes: one decode call, then the decodes'
+        assert native_only == [] and decodes.rows == [rows] + [num_decodes] * (num_decodes > 0)
+    else:
+        assert native_only == [rows] and decodes.rows == [num_decodes] * (num_decodes > 0)
+    assert impl.prefill_fallback is None
+    assert_close(out.view(step.expected.shape).float(), step.expected, *case_dtypes(case))
+
+
+# Every prefill case with each prefill over a cached prefix (5 tokens where it had none) and at
+# most MAX_DECODE_QUERIES new tokens: speculative decoding's verify step, on every feature the
+# cases cover (GQA / MQA, head sizes 64-256, ALiBi, windows, soft cap, e4m3 / e5m2, bf16).
+SHORT_CASES = [
+    (name + "-short", [(min(q, ragged_prefill.MAX_DECODE_QUERIES), c or 5) for q, c in pre], *rest)
+    for name, pre, *rest in PREFILL_CASES
+]
+
+
+@pytest.mark.parametrize("case", SHORT_CASES, ids=[c[0] for c in SHORT_CASES])
+def test_short_prefills_over_a_prefix_run_as_decodes(case, rng, native_only, decodes):
+    """One decode call for the prefills' queries (each a decode over the split cache, read in
+    place), one for the step's decodes; never the ragged kernel's copy."""
+    step, impl, layer = run_case(case, rng, TorchSDPABackend)
+    out = _forward(step, impl, layer)
+    rows, num_decodes = sum(q for q, _ in case[1]), len(case[2])
+    assert native_only == [] and decodes.rows == [rows] + [num_decodes] * (num_decodes > 0)
     assert impl.prefill_fallback is None
     assert_close(out.view(step.expected.shape).float(), step.expected, *case_dtypes(case))
 
@@ -122,11 +175,19 @@ def test_long_prefills_run_native(case, rng, native_only):
     assert_close(out.view(step.expected.shape).float(), step.expected, dtype, fp8_dtype)
 
 
-@pytest.mark.parametrize("case", LONG[:3], ids=[c[0] for c in LONG[:3]])
+# Short prefills over a prefix: the decode kernel reads the strided query in place.
+STRIDED = [
+    *LONG[:3],
+    ("as-decodes", [(4, 20), (2, 9)], [5], 8, 2, 64, 16, torch.bfloat16, "auto", {"alibi": 1}),
+]
+
+
+@pytest.mark.parametrize("case", STRIDED, ids=[c[0] for c in STRIDED])
 def test_strided_prefill_inputs_are_staged(case, rng, monkeypatch):
     """vLLM's query, key and value are strided views of its fused qkv projection. Staged in
-    reused buffers (the K/V viewed in place or copied to blocks of 16), the step gives the bits
-    of its contiguous copies, twice over the same buffers."""
+    reused buffers (the K/V viewed in place or copied to blocks of 16; as decodes, the query
+    read in place), the step gives the bits of its contiguous copies, twice over the same
+    buffers."""
     _name, prefills, decodes, hq, hkv, d, bs, dtype, cache_dtype, extras = case
     alibi_slopes = alibi(hq) if extras.get("alibi") else None
     step = make_decoder_step(
@@ -228,6 +289,59 @@ def test_cross_attention_longer_decoder_falls_back(rng):
     )
     for out, expected in results:
         assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("slots", ["padded", "swapped"])
+def test_short_prefills_as_decodes_only_over_their_written_keys(slots, rng, native_only, decodes):
+    """A short prefill over a cached prefix runs as decodes only where this step wrote every new
+    key where its block table reads it. A new key padded (-1: not written) or two new keys'
+    slots swapped (each written where the other's position is read) leave the cache without
+    them there (NaN, or the other's K/V): the step takes the ragged path over the K/V as
+    given, and the output is still the reference's."""
+    step = make_decoder_step(
+        rng, TorchSDPABackend.get_builder_cls()(None), prefills=[(3, 9), (2, 5)], decodes=[7],
+        num_heads=8, num_kv_heads=2, head_size=64, block_size=8,
+    )  # fmt: skip
+    mapping = step.metadata.slot_mapping.clone()
+    if slots == "padded":
+        mapping[1] = -1
+    else:
+        mapping[[0, 2]] = mapping[[2, 0]]
+    step.metadata.slot_mapping = mapping
+    impl = TorchSDPABackend.get_impl_cls()(
+        8, 64, 64**-0.5, 2, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto"
+    )
+    out = _forward(step, impl, AttentionLayer())
+    assert native_only == [5] and decodes.rows == [1]
+    assert_close(out.view(step.expected.shape).float(), step.expected, torch.float32)
+
+
+def test_as_decodes_lengths_and_tables(monkeypatch):
+    """Query j of a sequence with q new tokens over kv keys: a decode of length kv - q + j + 1
+    through the sequence's table row (sequences of 2, 0 and 3 new tokens)."""
+    seen = {}
+
+    def record(out, query, key_cache, value_cache, tables, lens, **kwargs):
+        seen.update(tables=tables.tolist(), lens=lens.tolist())
+        return out
+
+    monkeypatch.setattr(native, "paged_decode_split", record)
+    tables = torch.tensor([[4, 1], [2, 0], [3, 5]], dtype=torch.int32)
+    q = torch.zeros(5, 2, 64)
+    kw = dict(kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, scale=0.1, alibi_slopes=None)
+    ragged_prefill.as_decodes(
+        q, q, None, None, tables, [2, 0, 3], [7, 4, 10],
+        sliding_window=None, logits_soft_cap=None, **kw,
+    )  # fmt: skip
+    assert seen == {"tables": [[4, 1], [4, 1], [3, 5], [3, 5], [3, 5]], "lens": [6, 7, 8, 9, 10]}
+    # Positions 5, 6 of sequence 0 (block 4) and 7 (block 3), 8, 9 (block 5) of sequence 2.
+    written = torch.tensor([37, 38, 31, 40, 41])
+    holds = partial(ragged_prefill.cache_holds_new_keys, block_tables=tables, q_lens=[2, 0, 3])
+    assert holds(written, kv_lens=[7, 4, 10], block=8)
+    assert not holds(torch.tensor([37, 38, 31, -1, 41]), kv_lens=[7, 4, 10], block=8)
+    assert not holds(torch.tensor([37, 38, 40, 31, 41]), kv_lens=[7, 4, 10], block=8)
+    assert not holds(written[:4], kv_lens=[7, 4, 10], block=8)  # a new key without a slot
+    assert not holds(written, kv_lens=[7, 4, 10], block=4)  # 10 keys past 2 blocks of 4
 
 
 def test_disabled_native_runs_torch(rng, monkeypatch):
