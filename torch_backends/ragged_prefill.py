@@ -262,12 +262,18 @@ def cache_holds_new_keys(
         return False
     if block_tables.shape[1] * block < max(kv_lens, default=0):
         return False
-    q = torch.tensor(q_lens, dtype=torch.long)
-    seq = torch.repeat_interleave(torch.arange(len(q_lens)), q)
-    first = torch.tensor([k - n for n, k in zip(q_lens, kv_lens, strict=True)], dtype=torch.long)
-    pos = first[seq] + torch.arange(slots.numel()) - (q.cumsum(0) - q)[seq]
+    seq, pos = _query_positions(q_lens, kv_lens)
     expected = block_tables[seq, pos // block].long() * block + pos % block
     return torch.equal(expected, slots.flatten().long())
+
+
+def _query_positions(q_lens: list[int], kv_lens: list[int]) -> tuple[Tensor, Tensor]:
+    """Each new token's sequence and position: sequence i's `q_lens[i]` tokens are the last of
+    its `kv_lens[i]`. q_lens [2, 0, 1], kv_lens [7, 4, 3] -> ([0, 0, 2], [5, 6, 2])."""
+    q = torch.tensor(q_lens, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), q)
+    first = torch.tensor(kv_lens, dtype=torch.long) - q  # each sequence's first new position
+    return seq, first[seq] + torch.arange(seq.numel()) - (q.cumsum(0) - q)[seq]
 
 
 def as_decodes(
@@ -299,10 +305,7 @@ def as_decodes(
     for all its queries: the cheaper of the two for a few queries per sequence
     (MAX_DECODE_QUERIES). The caller checked `unsupported(...) is None`,
     `native.decode_supported` and `cache_holds_new_keys`."""
-    q = torch.tensor(q_lens, dtype=torch.long)
-    seq = torch.repeat_interleave(torch.arange(len(q_lens)), q)
-    last = torch.tensor(kv_lens, dtype=torch.long)[seq]  # each query's sequence length
-    from_end = (q.cumsum(0) - 1)[seq] - torch.arange(seq.numel())  # 0 for a sequence's last
+    seq, pos = _query_positions(q_lens, kv_lens)
     target = out
     if not out.is_contiguous() or _overlaps(out, query):
         target = torch.empty_like(query)
@@ -312,7 +315,7 @@ def as_decodes(
         key_cache,
         value_cache,
         block_tables.index_select(0, seq),
-        last - from_end,
+        pos + 1,  # a decode's length: the keys up to and including its own
         scale=scale,
         alibi_slopes=alibi_slopes,
         k_scale=k_scale,
