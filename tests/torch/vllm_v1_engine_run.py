@@ -12,6 +12,11 @@ tokens served from the prefix cache; and, teacher-forced, the logprob of every t
 `scored` sequence after the first given the ones before it (one `generate` call with
 `prompt_logprobs`, after the rounds).
 
+A run whose engine has a `speculative_config` (speculative decoding: a draft model or n-gram
+proposals, verified `num_speculative_tokens + 1` tokens a step) also records vLLM's
+speculative-decoding counters over its rounds (drafts, draft tokens, accepted tokens) and the
+impl of every attention layer the worker holds, a draft model's among them.
+
 A run with `"embed": true` is an encoder-only embedding model (vLLM's pooling runner, its own
 tokenizer saved beside it): each round is one `embed` call, and OUT has per request its
 embedding instead of tokens.
@@ -67,6 +72,30 @@ def _layer_facts(llm) -> dict:
     }
 
 
+def _all_impls(worker) -> list:
+    """Every attention layer the worker's runner holds (a draft model's too), by name: its
+    impl class."""
+    context = worker.model_runner.compilation_config.static_forward_context
+    return sorted((name, _impl_path(layer.impl)) for name, layer in context.items()
+                  if hasattr(layer, "impl"))  # fmt: skip
+
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+
+
+def _spec_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters, summed over the engine's life so far."""
+    counters = dict.fromkeys(SPEC_COUNTERS.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS:
+            counters[SPEC_COUNTERS[metric.name]] += int(metric.value)
+    return counters
+
+
 def _clips(run: dict):
     """The audio run's clips, in the order its requests take them; none for a text model."""
     if "audio" not in run:
@@ -114,11 +143,16 @@ def _run(run: dict) -> dict:
 
     if run.get("embed"):
         return _embed(run)
-    # Whisper's processor (its tokenizer among them) shapes the audio prompts.
+    speculative = "speculative_config" in run["engine"]
+    # Whisper's processor (its tokenizer among them) shapes the audio prompts. The counters of
+    # speculative decoding come through the engine's statistics.
     llm = LLM(model=run["model"], dtype=run["dtype"], skip_tokenizer_init="audio" not in run,
-              seed=0, enforce_eager=True, **run["engine"])  # fmt: skip
+              seed=0, enforce_eager=True, disable_log_stats=not speculative,
+              **run["engine"])  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], logprobs=2)
     result = _layer_facts(llm)
+    if speculative:
+        result["all_impls"] = llm.collective_rpc(_all_impls)[0]
     rounds, clips = [], _clips(run)
     for prompts in run["rounds"]:
         outs = llm.generate(_prompts(run, prompts, clips), params, use_tqdm=False)
@@ -140,6 +174,8 @@ def _run(run: dict) -> dict:
             )
         rounds.append(requests)
     result["rounds"] = rounds
+    if speculative:
+        result["speculative"] = _spec_counters(llm)
     if run.get("scored"):
         result["scored"] = _score(llm, run["scored"])
     del llm
