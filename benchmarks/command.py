@@ -117,6 +117,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         f"{','.join(ENGINE_DTYPES)} (default: both)",
     )
     bench.add_argument(
+        "--speculative",
+        type=int,
+        metavar="N",
+        help="with --engine: speculative decoding, N draft tokens a step by n-gram lookup "
+        "(vLLM's ngram method): the steps after the prefill verify up to N + 1 tokens a request",
+    )
+    bench.add_argument(
         "--mesh",
         help="strong scaling of a decode step over a mesh, e.g. tp=4 or tp=4,dp=2 "
         "(benchmarks/mesh.py; simulated CPU devices where the host has too few)",
@@ -147,8 +154,10 @@ def run(args: argparse.Namespace) -> int:
     if cpu_only and other:
         print(f"{cpu_only[0]} is for the CPU suite, not with --{other}")
         return 2
-    for flag in ("huge_pages_ab", "keep_freed_ab", "output_pages_ab", "compiled", "dtypes"):
-        if getattr(args, flag, False) and other != "engine":
+    engine_flags = ("huge_pages_ab", "keep_freed_ab", "output_pages_ab", "compiled", "dtypes",
+                    "speculative")  # fmt: skip
+    for flag in engine_flags:
+        if getattr(args, flag, None) not in (None, False) and other != "engine":
             print(f"--{flag.replace('_', '-')} is for the engine bench: use it with --engine")
             return 2
     if getattr(args, "plot", None):

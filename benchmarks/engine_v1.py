@@ -22,9 +22,17 @@ Each engine runs eagerly (`enforce_eager=True`), as the records so far; `--compi
 default instead (its CPU compilation: the model's forward traced once by Dynamo and compiled by
 inductor, attention left to the backend as an opaque op), which the warm-up compiles.
 
+`--speculative N` serves with speculative decoding: N draft tokens a step from n-gram lookup
+(vLLM's `ngram` method, matches of 1-3 tokens in the request's own context), so that after the
+prefill each step verifies up to N + 1 new tokens per request over its cache (the kernels'
+`spec-decode` workload). The random-weight model soon repeats a short cycle of tokens, so
+nearly every draft is accepted; each child records vLLM's draft and acceptance counters of its
+whole run, which tell whether both engines drafted alike.
+
 Reported per dtype and peer: medians over rounds of prefill tokens/s (prompt tokens / prefill
 time) and whole-run tokens/s ((prompt + generated tokens) / time), the plugin's speed-up over
-vLLM's CPU_ATTN, and the no-attention run's (the ceiling).
+vLLM's CPU_ATTN, and the no-attention run's (the ceiling); and the generation's tokens/s
+(generated tokens / (whole-run time - prefill time): the steps after the prefill).
 """
 
 import argparse
@@ -114,9 +122,11 @@ def _child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     size = json.loads(args.size)
+    speculative = _speculative_config(args.speculative)
     llm = LLM(model=args.model, dtype=args.dtype, load_format="dummy", skip_tokenizer_init=True,
               block_size=size["block_size"], enable_prefix_caching=False,
-              enforce_eager=not args.compiled,
+              enforce_eager=not args.compiled, speculative_config=speculative,
+              disable_log_stats=speculative is None,  # the draft counters are statistics
               max_model_len=size["prompt_len"] + size["generated"] + 8, seed=0)  # fmt: skip
     impl = llm.apply_model(lambda m: sorted({type(x.impl).__name__ for x in m.modules()
                                              if hasattr(x, "impl")}))[0]  # fmt: skip
@@ -135,16 +145,45 @@ def _child(args: argparse.Namespace) -> None:
 
     timed(prompts(size["prompts"]), 2)  # warm-up at full size (the module docstring)
     prefill, _ = timed(prompts(size["prompts"]), 1)
+    before = _draft_counters(llm) if speculative else None
     whole, generated = timed(prompts(size["prompts"]), size["generated"])
-    print("RESULT " + json.dumps(dict(impl=impl, prefill_s=prefill, whole_s=whole,
-                                      generated=generated)), flush=True)  # fmt: skip
+    result = dict(impl=impl, prefill_s=prefill, whole_s=whole, generated=generated)
+    if speculative:
+        after = _draft_counters(llm)
+        result["drafts"] = {name: after[name] - before[name] for name in after}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _speculative_config(tokens: int | None) -> dict | None:
+    """`--speculative N`'s speculative decoding: N draft tokens a step by n-gram lookup."""
+    if not tokens:
+        return None
+    return dict(method="ngram", num_speculative_tokens=tokens, prompt_lookup_min=1,
+                prompt_lookup_max=3)  # fmt: skip
+
+
+DRAFT_COUNTERS = {
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+
+
+def _draft_counters(llm) -> dict:
+    """vLLM's draft and acceptance counters so far (its statistics)."""
+    counters = dict.fromkeys(DRAFT_COUNTERS.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name in DRAFT_COUNTERS:
+            counters[DRAFT_COUNTERS[metric.name]] += int(metric.value)
+    return counters
 
 
 # ---------------------------------------------------------------------------------------------
 # The parent: rounds, medians, the record
 
 
-def _run_child(peer: str, model: str, dtype: str, size: dict, compiled: bool) -> dict:
+def _run_child(
+    peer: str, model: str, dtype: str, size: dict, compiled: bool, speculative: int | None = None
+) -> dict:
     env = dict(os.environ)
     for name in {name for switches in PEER_ENV.values() for name in switches}:
         env.pop(name, None)  # the caller's own settings reach no child
@@ -156,6 +195,8 @@ def _run_child(peer: str, model: str, dtype: str, size: dict, compiled: bool) ->
     env.pop("PYTHONPATH", None)
     cmd = [sys.executable, "-m", "benchmarks.engine_v1", "--child", peer, "--model", model,
            "--dtype", dtype, "--size", json.dumps(size)] + ["--compiled"] * compiled  # fmt: skip
+    if speculative:
+        cmd += ["--speculative", str(speculative)]
     proc = subprocess.run(cmd, env=env, cwd=model, capture_output=True, text=True, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -204,6 +245,10 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(dtypes, str):
         print(dtypes)
         return 2
+    speculative = getattr(args, "speculative", None)
+    if speculative is not None and speculative < 1:
+        print(f"--speculative {speculative}: the number of draft tokens a step, at least 1")
+        return 2
     size = QUICK if args.quick else FULL
     rounds = args.reps or (1 if args.quick else 3)
     compiled = getattr(args, "compiled", False)
@@ -214,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         cpu=_cpu_model(), cores=os.cpu_count(), date=datetime.datetime.now().isoformat(),
         size=size, rounds=rounds, model=MODEL, peers=peers, load_before=os.getloadavg(),
         mode="compiled" if compiled else "eager",
+        speculative=_speculative_config(speculative),
         results={},
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as model:
@@ -223,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             for r in range(rounds):
                 order = peers[r % len(peers) :] + peers[: r % len(peers)]
                 for peer in order:
-                    result = _run_child(peer, model, dtype, size, compiled)
+                    result = _run_child(peer, model, dtype, size, compiled, speculative)
                     if result["impl"] != EXPECTED_IMPL[peer]:
                         raise RuntimeError(f"{peer}: the layers hold {result['impl']}")
                     runs[peer].append(result)
@@ -243,24 +289,36 @@ def _summary(runs: dict, size: dict) -> dict:
     for peer, results in runs.items():
         prefill = statistics.median(prompt_tokens / r["prefill_s"] for r in results)
         whole = statistics.median((prompt_tokens + r["generated"]) / r["whole_s"] for r in results)
-        out[peer] = dict(prefill_tok_s=prefill, whole_tok_s=whole, rounds=results)
+        generation = statistics.median(
+            r["generated"] / (r["whole_s"] - r["prefill_s"]) for r in results
+        )
+        out[peer] = dict(prefill_tok_s=prefill, whole_tok_s=whole, generation_tok_s=generation,
+                         rounds=results)  # fmt: skip
     own = out["vllm-cpu-attn"]
     for peer in (p for p in out if p != "vllm-cpu-attn"):
-        out[peer]["prefill_speedup"] = out[peer]["prefill_tok_s"] / own["prefill_tok_s"]
-        out[peer]["whole_speedup"] = out[peer]["whole_tok_s"] / own["whole_tok_s"]
+        for part in ("prefill", "whole", "generation"):
+            out[peer][f"{part}_speedup"] = out[peer][f"{part}_tok_s"] / own[f"{part}_tok_s"]
     return out
 
 
 def _print(record: dict) -> None:
+    speculative = record.get("speculative")
+    drafting = (f", {speculative['num_speculative_tokens']} draft tokens a step "
+                f"({speculative['method']})" if speculative else "")  # fmt: skip
     print(f"\n{record['cpu']}, {record['cores']} cores, {record['date'][:16]}, "
-          f"{record.get('mode', 'eager')}, {record['rounds']} rounds (medians), "
+          f"{record.get('mode', 'eager')}{drafting}, {record['rounds']} rounds (medians), "
           f"load {record['load_before']}")  # fmt: skip
     for dtype, peers in record["results"].items():
         for peer, r in peers.items():
-            ratio = (f"  {r['prefill_speedup']:.2f}x / {r['whole_speedup']:.2f}x vs vllm"
+            ratio = (f"  {r['prefill_speedup']:.2f}x / {r['whole_speedup']:.2f}x / "
+                     f"{r['generation_speedup']:.2f}x vs vllm"
                      if "prefill_speedup" in r else "")  # fmt: skip
+            drafts = [x["drafts"] for x in r["rounds"] if "drafts" in x]
+            accepted = (f"  drafts accepted {sum(d['accepted_tokens'] for d in drafts)} of "
+                        f"{sum(d['draft_tokens'] for d in drafts)}" if drafts else "")  # fmt: skip
             print(f"  {dtype:9} {peer:20} prefill {r['prefill_tok_s']:8.0f} tok/s  "
-                  f"whole {r['whole_tok_s']:8.0f} tok/s{ratio}")  # fmt: skip
+                  f"whole {r['whole_tok_s']:8.0f} tok/s  generation "
+                  f"{r['generation_tok_s']:7.0f} tok/s{ratio}{accepted}")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -276,6 +334,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--dtypes")
+    parser.add_argument("--speculative", type=int)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.child:

@@ -29,13 +29,17 @@ class _FakeChildren:
         self.peers = peers
         self.calls = []
         self.compiled = []
+        self.speculative = []
 
     def __call__(self, cmd, env, cwd, capture_output, text, timeout):
         peer = cmd[cmd.index("--child") + 1]
         self.calls.append((peer, {k: env.get(k) for k in SWITCHES}))
         self.compiled.append("--compiled" in cmd)
+        self.speculative.append(
+            int(cmd[cmd.index("--speculative") + 1]) if "--speculative" in cmd else None
+        )
         slow = 1.0 + self.peers.index(peer) + len(self.calls) / 100
-        result = dict(impl=engine_v1.EXPECTED_IMPL[peer], prefill_s=slow, whole_s=2 * slow,
+        result = dict(impl=engine_v1.EXPECTED_IMPL[peer], prefill_s=slow, whole_s=2 * slow + 1,
                       generated=64)  # fmt: skip
         return subprocess.CompletedProcess(cmd, 0, "RESULT " + json.dumps(result), "")
 
@@ -88,11 +92,16 @@ def test_peers_and_their_switches(monkeypatch, tmp_path, page_peers, keep_peers,
         assert results[peer]["prefill_tok_s"] == pytest.approx(
             (tokens / times[0] + tokens / times[1]) / 2
         )
+        # The generation: 64 tokens in the whole run's time past the prefill's (slow + 1).
+        assert results[peer]["generation_tok_s"] == pytest.approx(
+            (64 / (times[0] + 1) + 64 / (times[1] + 1)) / 2
+        )
         if peer != "vllm-cpu-attn":
-            own = results["vllm-cpu-attn"]["prefill_tok_s"]
-            assert results[peer]["prefill_speedup"] == pytest.approx(
-                results[peer]["prefill_tok_s"] / own
-            )
+            own = results["vllm-cpu-attn"]
+            for part in ("prefill", "whole", "generation"):
+                assert results[peer][f"{part}_speedup"] == pytest.approx(
+                    results[peer][f"{part}_tok_s"] / own[f"{part}_tok_s"]
+                )
         else:
             assert "prefill_speedup" not in results[peer]
 
@@ -107,6 +116,35 @@ def test_compiled_reaches_every_child(monkeypatch, tmp_path, compiled):
     assert engine_v1.run(args) == 0
     assert children.compiled == [compiled] * 2 * len(engine_v1.PEERS)
     assert json.loads(out.read_text())["mode"] == ("compiled" if compiled else "eager")
+
+
+@pytest.mark.parametrize("speculative", [None, 3])
+def test_speculative_reaches_every_child(monkeypatch, tmp_path, capsys, speculative):
+    children = _FakeChildren(engine_v1.PEERS)
+    monkeypatch.setattr(engine_v1.subprocess, "run", children)
+    out = tmp_path / "engine.json"
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    argv = ["bench", "--engine", "--quick", "--rounds", "1", "--dtypes", "float32"]
+    argv += ["--json", str(out)] + (["--speculative", str(speculative)] if speculative else [])
+    assert command.run(parser.parse_args(argv)) == 0
+    assert children.speculative == [speculative] * len(engine_v1.PEERS)
+    config = json.loads(out.read_text())["speculative"]
+    if speculative:
+        assert config == engine_v1._speculative_config(speculative)
+        assert config["method"] == "ngram" and config["num_speculative_tokens"] == speculative
+        assert "3 draft tokens a step (ngram)" in capsys.readouterr().out
+    else:
+        assert config is None and engine_v1._speculative_config(None) is None
+
+
+@pytest.mark.parametrize("argv", [["--engine", "--speculative", "0"], ["--speculative", "2"]])
+def test_bad_speculative_is_refused(capsys, argv):
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    assert command.run(parser.parse_args(["bench", *argv])) == 2
+    out = capsys.readouterr().out
+    assert ("at least 1" in out) if "--engine" in argv else ("is for the engine bench" in out)
 
 
 @pytest.mark.vllm
