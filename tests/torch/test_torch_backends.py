@@ -74,6 +74,28 @@ def test_decoder_step(backend, case, rng):
             assert torch.equal(a, b), f"cache bytes differ at slot {slot}"
 
 
+@pytest.mark.parametrize("backend, case", DECODER_PARAMS)
+def test_decoder_step_under_inference_mode(backend, case, rng):
+    """The same step with its metadata, cache and inputs made under `torch.inference_mode()`
+    (as serving code runs): inference tensors keep no version counter, which the checked-plan
+    cache (`checks.tensor_state`) must do without. Two layers over the step: the second
+    reuses the first's plan."""
+    seed = int(rng.integers(2**31))
+    backend_cls = get_attn_backend(backend)
+    with torch.inference_mode():
+        step, impl, layer = run_case(case, np.random.default_rng(seed), backend_cls)
+        assert step.metadata.seq_lens_tensor.is_inference()
+        outs = [
+            impl.forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)
+            for _ in range(2)
+        ]
+    _name, _p, _d, hq, _hkv, d, _bs, dtype, *_ = case
+    for out in outs:
+        assert out.is_inference() and out.dtype == dtype
+        assert_close(out.view(-1, hq, d).float(), step.expected, *case_dtypes(case))
+    assert torch.equal(outs[0], outs[1])
+
+
 ENCODER_EXTRAS = [{}, {"alibi": True}, {"sliding_window": 3}, {"logits_soft_cap": 3.0}]
 
 
