@@ -145,11 +145,11 @@ def _child(args: argparse.Namespace) -> None:
 
     timed(prompts(size["prompts"]), 2)  # warm-up at full size (the module docstring)
     prefill, _ = timed(prompts(size["prompts"]), 1)
-    before = _draft_counters(llm) if speculative else None
+    before = draft_counters(llm) if speculative else None
     whole, generated = timed(prompts(size["prompts"]), size["generated"])
     result = dict(impl=impl, prefill_s=prefill, whole_s=whole, generated=generated)
     if speculative:
-        after = _draft_counters(llm)
+        after = draft_counters(llm)
         result["drafts"] = {name: after[name] - before[name] for name in after}
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -163,13 +163,16 @@ def _speculative_config(tokens: int | None) -> dict | None:
 
 
 DRAFT_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
 }
 
 
-def _draft_counters(llm) -> dict:
-    """vLLM's draft and acceptance counters so far (its statistics)."""
+def draft_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters over the engine's life so far (its statistics:
+    the engine must be made with `disable_log_stats=False`). Also read by the engine test's
+    runner (tests/torch/vllm_v1_engine_run.py)."""
     counters = dict.fromkeys(DRAFT_COUNTERS.values(), 0)
     for metric in llm.get_metrics():
         if metric.name in DRAFT_COUNTERS:

@@ -80,22 +80,6 @@ def _all_impls(worker) -> list:
                   if hasattr(layer, "impl"))  # fmt: skip
 
 
-SPEC_COUNTERS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
-}
-
-
-def _spec_counters(llm) -> dict:
-    """vLLM's speculative-decoding counters, summed over the engine's life so far."""
-    counters = dict.fromkeys(SPEC_COUNTERS.values(), 0)
-    for metric in llm.get_metrics():
-        if metric.name in SPEC_COUNTERS:
-            counters[SPEC_COUNTERS[metric.name]] += int(metric.value)
-    return counters
-
-
 def _clips(run: dict):
     """The audio run's clips, in the order its requests take them; none for a text model."""
     if "audio" not in run:
@@ -175,7 +159,9 @@ def _run(run: dict) -> dict:
         rounds.append(requests)
     result["rounds"] = rounds
     if speculative:
-        result["speculative"] = _spec_counters(llm)
+        from benchmarks.engine_v1 import draft_counters  # the installed package's
+
+        result["speculative"] = draft_counters(llm)
     if run.get("scored"):
         result["scored"] = _score(llm, run["scored"])
     del llm
