@@ -7,7 +7,6 @@ IPEX runs in the IPEX environment (`pytest -m ipex`, torch 2.8); XFORMERS where 
 installed (on CPU through its documented reference execution).
 """
 
-import contextlib
 import re
 import warnings
 
@@ -40,11 +39,6 @@ DECODER_PARAMS = [
 ]
 
 
-def _mode(inference: bool):
-    """torch.inference_mode() (what serving code runs under), or no mode at all."""
-    return torch.inference_mode() if inference else contextlib.nullcontext()
-
-
 @pytest.fixture(autouse=True)
 def _quiet_xformers_cpu_warning():
     with warnings.catch_warnings():
@@ -53,11 +47,15 @@ def _quiet_xformers_cpu_warning():
 
 
 @pytest.mark.parametrize("backend, case", DECODER_PARAMS)
-def test_decoder_step(backend, case, rng):
-    """Prefill, decode and chunked prefill in one step, over a NaN-poisoned cache."""
+def test_decoder_step(backend, case, rng, inference_mode):
+    """Prefill, decode and chunked prefill in one step, over a NaN-poisoned cache; also with
+    the metadata, cache and inputs made under torch.inference_mode() (the `inference_mode`
+    fixture: inference tensors keep no version counter, which the checked-plan cache,
+    `checks.tensor_state`, must do without)."""
     seed = int(rng.integers(2**31))
     backend_cls = get_attn_backend(backend)
     step, impl, layer = run_case(case, np.random.default_rng(seed), backend_cls)
+    assert step.metadata.seq_lens_tensor.is_inference() == inference_mode
     out = impl.forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)
     _name, _p, _d, hq, hkv, d, bs, dtype, *_ = case
     assert out.shape == step.query.shape and out.dtype == dtype
@@ -80,28 +78,6 @@ def test_decoder_step(backend, case, rng):
             assert torch.equal(a, b), f"cache bytes differ at slot {slot}"
 
 
-@pytest.mark.parametrize("backend, case", DECODER_PARAMS)
-def test_decoder_step_under_inference_mode(backend, case, rng):
-    """The same step with its metadata, cache and inputs made under `torch.inference_mode()`
-    (as serving code runs): inference tensors keep no version counter, which the checked-plan
-    cache (`checks.tensor_state`) must do without. Two layers over the step: the second
-    reuses the first's plan."""
-    seed = int(rng.integers(2**31))
-    backend_cls = get_attn_backend(backend)
-    with torch.inference_mode():
-        step, impl, layer = run_case(case, np.random.default_rng(seed), backend_cls)
-        assert step.metadata.seq_lens_tensor.is_inference()
-        outs = [
-            impl.forward(layer, step.query, step.key, step.value, step.kv_cache, step.metadata)
-            for _ in range(2)
-        ]
-    _name, _p, _d, hq, _hkv, d, _bs, dtype, *_ = case
-    for out in outs:
-        assert out.is_inference() and out.dtype == dtype
-        assert_close(out.view(-1, hq, d).float(), step.expected, *case_dtypes(case))
-    assert torch.equal(outs[0], outs[1])
-
-
 ENCODER_EXTRAS = [{}, {"alibi": True}, {"sliding_window": 3}, {"logits_soft_cap": 3.0}]
 
 
@@ -117,31 +93,29 @@ ENCODER_EXTRAS = [{}, {"alibi": True}, {"sliding_window": 3}, {"logits_soft_cap"
     ],
     ids=["plain", "alibi-d128", "window-bf16-d80", "softcap-d256"],
 )
-@pytest.mark.parametrize("inference", [False, True], ids=["", "inference-mode"])
-def test_encoder_attention(backend, attn_type, extras, dtype, head_size, rng, inference):
+def test_encoder_attention(backend, attn_type, extras, dtype, head_size, rng, inference_mode):
     """Bidirectional attention over the given K/V, no cache (an empty kv_cache); also with
-    everything made under torch.inference_mode()."""
-    with _mode(inference):
-        backend_cls = get_attn_backend(backend)
-        gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-        hq, hkv, d = 8, 2, head_size
-        lens = [5, 1, 12]
-        q, k, v = (torch.randn(sum(lens), h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
-        bias = dict(
-            alibi_slopes=alibi(hq) if extras.get("alibi") else None,
-            sliding_window=extras.get("sliding_window"),
-            logits_soft_cap=extras.get("logits_soft_cap"),
-        )
-        impl = backend_cls.get_impl_cls()(
-            hq, d, 0.1, hkv, kv_cache_dtype="auto", attn_type=attn_type, **bias
-        )
-        md = backend_cls.get_builder_cls()(None).build(
-            [], [], -1, -1, block_tables=[], block_size=16, encoder_seq_lens=lens
-        )
-        flat = [x.reshape(len(x), -1) for x in (q, k, v)]
-        out = impl.forward(AttentionLayer(), *flat, torch.empty(0), md)
-        expected = reference_attention(q, k, v, lens, lens, causal=False, scale=0.1, **bias)
-        assert_close(out.view(-1, hq, d).float(), expected, dtype)
+    everything made under torch.inference_mode() (the `inference_mode` fixture)."""
+    backend_cls = get_attn_backend(backend)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    hq, hkv, d = 8, 2, head_size
+    lens = [5, 1, 12]
+    q, k, v = (torch.randn(sum(lens), h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
+    bias = dict(
+        alibi_slopes=alibi(hq) if extras.get("alibi") else None,
+        sliding_window=extras.get("sliding_window"),
+        logits_soft_cap=extras.get("logits_soft_cap"),
+    )
+    impl = backend_cls.get_impl_cls()(
+        hq, d, 0.1, hkv, kv_cache_dtype="auto", attn_type=attn_type, **bias
+    )
+    md = backend_cls.get_builder_cls()(None).build(
+        [], [], -1, -1, block_tables=[], block_size=16, encoder_seq_lens=lens
+    )
+    flat = [x.reshape(len(x), -1) for x in (q, k, v)]
+    out = impl.forward(AttentionLayer(), *flat, torch.empty(0), md)
+    expected = reference_attention(q, k, v, lens, lens, causal=False, scale=0.1, **bias)
+    assert_close(out.view(-1, hq, d).float(), expected, dtype)
 
 
 @pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
@@ -150,57 +124,51 @@ def test_encoder_attention(backend, attn_type, extras, dtype, head_size, rng, in
     [(torch.float32, 8, 4), (torch.bfloat16, 16, 1)],
     ids=["f32-bs8-mha", "bf16-bs16-mqa"],
 )
-@pytest.mark.parametrize("inference", [False, True], ids=["", "inference-mode"])
 def test_cross_attention_prefill_then_decode(
-    backend, dtype, block_size, num_kv_heads, rng, inference
+    backend, dtype, block_size, num_kv_heads, rng, inference_mode
 ):
     """Decoder queries over encoder keys: written once through cross_slot_mapping, then read
     back through cross_block_tables when key/value are None (decode); also with everything
-    made under torch.inference_mode()."""
-    with _mode(inference):
-        backend_cls = get_attn_backend(backend)
-        gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-        hq, hkv, d, bs = 4, num_kv_heads, 64, block_size
-        enc_lens, dec_lens = [11, 4], [3, 2]
-        cross_tables = [[2, 5], [0]]
-        shape = backend_cls.get_kv_cache_shape(7, bs, hkv, d)
-        kv_cache = torch.full(shape, float("nan"), dtype=dtype)
-        enc_k, enc_v = (torch.randn(sum(enc_lens), hkv, d, generator=gen).to(dtype) for _ in "kv")
-        impl = backend_cls.get_impl_cls()(
-            hq,
-            d,
-            d**-0.5,
-            hkv,
-            attn_type=AttentionType.ENCODER_DECODER,
-            alibi_slopes=None,
-            sliding_window=None,
-            kv_cache_dtype="auto",
-        )
-        builder = backend_cls.get_builder_cls()(None)
-        tables = dict(block_size=bs, encoder_seq_lens=enc_lens, cross_block_tables=cross_tables)
-        # Step 1: the decoder prefill of every sequence, the encoder K/V given.
-        md = builder.build(dec_lens, dec_lens, -1, -1, block_tables=[[1], [3]], **tables)
-        q = torch.randn(sum(dec_lens), hq, d, generator=gen).to(dtype)
-        out = impl.forward(
-            AttentionLayer(),
-            q.view(len(q), -1),
-            enc_k.view(len(enc_k), -1),
-            enc_v.view(len(enc_v), -1),
-            kv_cache,
-            md,
-        )
-        expected = reference_attention(
-            q, enc_k, enc_v, dec_lens, enc_lens, causal=False, scale=d**-0.5
-        )
-        assert_close(out.view(-1, hq, d).float(), expected, dtype)
-        # Step 2: one decode token per sequence; the encoder K/V come from the cache.
-        md = builder.build([4, 3], [1, 1], -1, -1, block_tables=[[1], [3]], **tables)
-        q = torch.randn(2, hq, d, generator=gen).to(dtype)
-        out = impl.forward(AttentionLayer(), q.view(2, -1), None, None, kv_cache, md)
-        expected = reference_attention(
-            q, enc_k, enc_v, [1, 1], enc_lens, causal=False, scale=d**-0.5
-        )
-        assert_close(out.view(-1, hq, d).float(), expected, dtype)
+    made under torch.inference_mode() (the `inference_mode` fixture)."""
+    backend_cls = get_attn_backend(backend)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    hq, hkv, d, bs = 4, num_kv_heads, 64, block_size
+    enc_lens, dec_lens = [11, 4], [3, 2]
+    cross_tables = [[2, 5], [0]]
+    shape = backend_cls.get_kv_cache_shape(7, bs, hkv, d)
+    kv_cache = torch.full(shape, float("nan"), dtype=dtype)
+    enc_k, enc_v = (torch.randn(sum(enc_lens), hkv, d, generator=gen).to(dtype) for _ in "kv")
+    impl = backend_cls.get_impl_cls()(
+        hq,
+        d,
+        d**-0.5,
+        hkv,
+        attn_type=AttentionType.ENCODER_DECODER,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
+    builder = backend_cls.get_builder_cls()(None)
+    tables = dict(block_size=bs, encoder_seq_lens=enc_lens, cross_block_tables=cross_tables)
+    # Step 1: the decoder prefill of every sequence, the encoder K/V given.
+    md = builder.build(dec_lens, dec_lens, -1, -1, block_tables=[[1], [3]], **tables)
+    q = torch.randn(sum(dec_lens), hq, d, generator=gen).to(dtype)
+    out = impl.forward(
+        AttentionLayer(),
+        q.view(len(q), -1),
+        enc_k.view(len(enc_k), -1),
+        enc_v.view(len(enc_v), -1),
+        kv_cache,
+        md,
+    )
+    expected = reference_attention(q, enc_k, enc_v, dec_lens, enc_lens, causal=False, scale=d**-0.5)
+    assert_close(out.view(-1, hq, d).float(), expected, dtype)
+    # Step 2: one decode token per sequence; the encoder K/V come from the cache.
+    md = builder.build([4, 3], [1, 1], -1, -1, block_tables=[[1], [3]], **tables)
+    q = torch.randn(2, hq, d, generator=gen).to(dtype)
+    out = impl.forward(AttentionLayer(), q.view(2, -1), None, None, kv_cache, md)
+    expected = reference_attention(q, enc_k, enc_v, [1, 1], enc_lens, causal=False, scale=d**-0.5)
+    assert_close(out.view(-1, hq, d).float(), expected, dtype)
 
 
 # -- errors: vLLM's messages where vLLM had them -----------------------------------------

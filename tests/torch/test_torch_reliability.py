@@ -6,7 +6,6 @@ what the cases give now.
 IPEX runs in the IPEX environment (`pytest -m ipex`); JAX is the "JAX" torch backend.
 """
 
-import contextlib
 import gc
 import weakref
 
@@ -80,39 +79,25 @@ IN_PLACE_PARAMS = [  # the builder's own refusals (block_tables given to it) lef
 ]
 
 
-def _mode(inference: bool):
-    """torch.inference_mode() (every tensor made inside is an inference tensor, which keeps
-    no version counter), or no mode at all."""
-    return torch.inference_mode() if inference else contextlib.nullcontext()
-
-
-@pytest.mark.parametrize("inference", [False, True], ids=["", "inference-mode"])
 @pytest.mark.parametrize("backend, case", IN_PLACE_PARAMS)
-def test_a_checked_step_spoiled_in_place_raises(backend, case, inference):
+def test_a_checked_step_spoiled_in_place_raises(backend, case, inference_mode):
     """The layers of a step reuse its checked plan (`checks.CheckedPlans`): a mistake made
     after a call, in place in the same metadata object or scale tensors, is still caught by
     the next layer with the same message, before anything is written. Under
-    `torch.inference_mode()` too, where the tensors have no version counter to tell the
-    write (their contents do)."""
-    with _mode(inference):
-        kv_cache, call = _checked_then_spoiled(case, backend)
-        before = cache_hash(kv_cache)
-        with pytest.raises(case.error, match=case.match):
-            call()
-        assert cache_hash(kv_cache) == before, f"{case.name}: the cache changed before the error"
+    `torch.inference_mode()` too (the `inference_mode` fixture), where the tensors have no
+    version counter to tell the write (their contents do)."""
+    kv_cache, call = _checked_then_spoiled(case, backend)
+    before = cache_hash(kv_cache)
+    with pytest.raises(case.error, match=case.match):
+        call()
+    assert cache_hash(kv_cache) == before, f"{case.name}: the cache changed before the error"
 
 
-@pytest.mark.parametrize("inference", [False, True], ids=["", "inference-mode"])
 @pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
-def test_a_step_is_checked_once_for_its_layers(backend, monkeypatch, inference):
+def test_a_step_is_checked_once_for_its_layers(backend, monkeypatch, inference_mode):
     """Four layers (each its own impl and scale tensors) over one step's metadata: the plan
     is checked by the first only, and again for the next step's metadata; every layer's
     output is the one a fresh check gives. The same under `torch.inference_mode()`."""
-    with _mode(inference):
-        _checked_once_for_its_layers(backend, monkeypatch)
-
-
-def _checked_once_for_its_layers(backend, monkeypatch):
     from torch_backends import paged_backend
 
     calls = []
